@@ -1,0 +1,33 @@
+# Every target sets itself up on a fresh machine: a local .venv, torch 2.13.0 (CPU build) when no torch is
+# importable, then this package with its dev extras.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shardspeed-installed
+ARGS ?=
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test lint demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m shardspeed.demo $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_engine.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,81 @@
+"""Format the benchmark's results as the final plain-text table (pure: dicts in, text out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stats import median, summarize_ratios
+
+MEMORY_NOTE = (
+    "peak RSS = VmHWM (/proc/self/status) of each rank, in MiB, from a separate torchrun per row that builds "
+    "only that row and runs warmup + steps steps; it includes torch, the template model and the batch. In "
+    "parentheses: growth over the VmHWM just before the row was built, i.e. what the row itself added."
+)
+
+
+def _memory_cell(memory: dict[str, Any] | None) -> str:
+    if memory is None:
+        return "-"
+    peaks = " / ".join(f"{value:.0f}" for value in memory["peak_mib"])
+    growth = " / ".join(f"+{peak - base:.0f}" for peak, base in zip(memory["peak_mib"], memory["baseline_mib"]))
+    return f"{peaks} ({growth})"
+
+
+def table_rows(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """One list of cells per row: name, peer, median step ms, ratio median, IQR, peak RSS, final loss."""
+    step_ms: dict[str, list[float]] = timing["step_ms"]
+    cells = []
+    for row in timing["rows"]:
+        name, peer = row["name"], row["peer"]
+        ratio, band = "-", "-"
+        if peer is not None and peer in step_ms:
+            summary = summarize_ratios(step_ms[name], step_ms[peer])
+            ratio = f"{summary.median:.3f}×"
+            band = f"{summary.q25:.3f}-{summary.q75:.3f}×"
+        cells.append(
+            [
+                name,
+                peer or "-",
+                f"{median(step_ms[name]):.1f}",
+                ratio,
+                band,
+                _memory_cell(memory.get(name)),
+                f"{timing['final_loss'][name]:.5f}",
+            ]
+        )
+    return cells
+
+
+HEADER = ["row", "peer", "step ms (median)", "ratio median", "IQR", "peak RSS MiB/rank (+row)", "loss"]
+
+
+def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> str:
+    """The final table, per-round ratios, and notes on what was measured."""
+    body = table_rows(timing, memory)
+    widths = [max(len(line[column]) for line in [HEADER, *body]) for column in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [HEADER, *body]]
+    lines.append("")
+    for row in timing["rows"]:
+        name, peer = row["name"], row["peer"]
+        if peer is not None and peer in timing["step_ms"]:
+            ratios = summarize_ratios(timing["step_ms"][name], timing["step_ms"][peer]).per_round
+            lines.append(f"{name}/{peer} per round: " + " ".join(f"{value:.3f}" for value in ratios))
+    for row in timing["rows"]:
+        lines.append(
+            f"{row['name']}: {row['description']}; ms per round: "
+            + " ".join(f"{value:.1f}" for value in timing["step_ms"][row["name"]])
+        )
+    lines.append("")
+    lines.append(
+        "step ms = mean step time of each round's timed block (barrier-synchronized, slowest rank), median "
+        "over rounds; ratio = row/peer per round (round order alternates), median and 25th-75th percentile "
+        "over rounds."
+    )
+    lines.append(MEMORY_NOTE if memory else "peak RSS: not measured (run without torchrun to measure it per row).")
+    lines.append(
+        "loss = rank 0's loss at the last step: rows start from the same weights and data and take the same "
+        "number of steps, so equal losses show they train the same thing."
+    )
+    for name, reason in timing.get("skipped", {}).items():
+        lines.append(f"{name}: skipped ({reason})")
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""The benchmark's rows: each is one way to train the same model, compared with a peer row.
+
+A row is (name, build, peer). ``build(setup)`` wraps a fresh copy of the template model and returns a
+``step()`` callable that runs one full optimizer step on the fixed batch and returns the loss. Every row
+trains from identical weights on identical data with the same AdamW hyperparameters, so the rows differ only
+in the training system, and their losses after the same number of steps should agree (a printed sanity
+check).
+
+Adding a row is one builder function and one ``Row(...)`` entry in ``ROWS``; e.g. a later stage-1 row:
+
+    def _build_torch_zero1(setup: BenchSetup) -> StepFn:
+        model = DDP(setup.fresh_model())
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW_PARAMS)
+        return _torch_step(model, optimizer, setup)
+
+    ROWS["torch_zero1"] = Row("torch_zero1", "torch DDP + ZeroRedundancyOptimizer", _build_torch_zero1, None)
+    ROWS["stage1"] = Row("stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "torch_zero1")
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+StepFn = Callable[[], torch.Tensor]
+
+# Spelled out in full so the torch rows and the config-built rows cannot drift apart through different
+# defaults (shardspeed, like DeepSpeed, defaults AdamW's weight_decay differently from torch).
+ADAMW_PARAMS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    n_layer: int
+    d_model: int
+    n_head: int
+    context_length: int
+    micro_batch: int
+
+
+# Chosen so one step takes roughly 50-200 ms (small) and 150-400 ms (medium) on one CPU thread per rank.
+MODEL_SIZES: dict[str, ModelSize] = {
+    "small": ModelSize(n_layer=4, d_model=128, n_head=4, context_length=128, micro_batch=8),
+    "medium": ModelSize(n_layer=4, d_model=192, n_head=4, context_length=128, micro_batch=8),
+}
+
+
+class _FallbackMLP(nn.Module):
+    """Token embedding → GELU MLP stack → vocabulary head; used only if the demo GPT cannot be imported."""
+
+    def __init__(self, size: ModelSize, vocab_size: int = 256) -> None:
+        super().__init__()
+        width = size.d_model
+        self.embedding = nn.Embedding(vocab_size, width)
+        self.layers = nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                for _ in range(size.n_layer)
+            )
+        )
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.layers(self.embedding(tokens)))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_template_model(size: ModelSize) -> tuple[nn.Module, str]:
+    """The model every row copies, plus a description. Seeded, so every rank builds identical weights."""
+    torch.manual_seed(0)
+    try:
+        from shardspeed.demo.model import GPT, GPTConfig
+    except ImportError as error:
+        model = _FallbackMLP(size)
+        return (
+            model,
+            f"fallback MLP ({size.n_layer} layers, width {size.d_model}; demo GPT not importable: {error})",
+        )
+    config = GPTConfig(
+        context_length=size.context_length, n_layer=size.n_layer, d_model=size.d_model, n_head=size.n_head
+    )
+    shape = f"{size.n_layer} layers, d_model {size.d_model}, {size.n_head} heads, context {size.context_length}"
+    return GPT(config), f"demo GPT ({shape})"
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    """What every row shares: the template model (never trained itself) and this rank's fixed batch."""
+
+    template: nn.Module
+    model_description: str
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    micro_batch: int
+
+    def fresh_model(self) -> nn.Module:
+        # A deep copy keeps tied weights tied and leaves the template untouched for the next row.
+        return copy.deepcopy(self.template)
+
+
+def make_setup(size: ModelSize, rank: int) -> BenchSetup:
+    template, description = build_template_model(size)
+    # Different data per rank, as in real data parallelism; the same data for every row on a given rank.
+    generator = torch.Generator().manual_seed(1000 + rank)
+    shape = (size.micro_batch, size.context_length)
+    inputs = torch.randint(0, 256, shape, generator=generator)
+    targets = torch.randint(0, 256, shape, generator=generator)
+    return BenchSetup(template, description, inputs, targets, size.micro_batch)
+
+
+def engine_config(setup: BenchSetup, stage: int) -> dict[str, Any]:
+    """The DeepSpeed-format config shared by shardspeed and DeepSpeed rows."""
+    return {
+        "train_micro_batch_size_per_gpu": setup.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW_PARAMS, "betas": list(ADAMW_PARAMS["betas"])}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+
+
+def _engine_step(engine: Any, setup: BenchSetup) -> StepFn:
+    """The DeepSpeed-style loop, shared by shardspeed and DeepSpeed engines."""
+
+    def step() -> torch.Tensor:
+        loss = engine(setup.inputs, setup.targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
+
+
+def _torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: BenchSetup) -> StepFn:
+    """The plain torch loop; set_to_none is torch's default for zero_grad."""
+
+    def step() -> torch.Tensor:
+        loss = model(setup.inputs, setup.targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _build_shardspeed(setup: BenchSetup, stage: int) -> StepFn:
+    import shardspeed
+
+    model = setup.fresh_model()
+    engine, _, _, _ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=engine_config(setup, stage)
+    )
+    return _engine_step(engine, setup)
+
+
+def _build_ddp(setup: BenchSetup) -> StepFn:
+    model = DDP(setup.fresh_model())  # default settings: what a torch user gets without tuning
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
+    return _torch_step(model, optimizer, setup)
+
+
+def _build_deepspeed(setup: BenchSetup, stage: int) -> StepFn:
+    try:
+        import deepspeed
+    except ImportError as error:  # optional: never a dependency of shardspeed
+        raise RuntimeError(f"deepspeed is not installed ({error}); drop the deepspeed rows from --rows") from None
+    model = setup.fresh_model()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=engine_config(setup, stage)
+    )
+    return _engine_step(engine, setup)
+
+
+def deepspeed_installed() -> bool:
+    """Whether deepspeed can be imported, without importing it (that alone takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    description: str
+    build: Callable[[BenchSetup], StepFn]
+    peer: str | None  # the row this one's step time is divided by; None for a reference row
+    optional: bool = False  # an optional row that fails to build is reported and skipped, not fatal
+
+
+ROWS: dict[str, Row] = {
+    "stage0": Row("stage0", "shardspeed ZeRO stage 0", partial(_build_shardspeed, stage=0), "ddp"),
+    "ddp": Row("ddp", "torch DistributedDataParallel", _build_ddp, None),
+    "deepspeed0": Row("deepspeed0", "DeepSpeed ZeRO stage 0", partial(_build_deepspeed, stage=0), "ddp", optional=True),
+}
+
+DEEPSPEED_ROWS = ("deepspeed0",)
+
+
+def resolve_rows(requested: list[str]) -> list[Row]:
+    """Rows to run, in order: the requested ones, then any peer they need that was not requested."""
+    unknown = [name for name in requested if name not in ROWS]
+    if unknown:
+        raise ValueError(f"--rows: unknown row {unknown[0]!r}; valid rows: {', '.join(ROWS)}")
+    names: list[str] = []
+    for name in requested:
+        for needed in (name, ROWS[name].peer):
+            if needed is not None and needed not in names:
+                names.append(needed)
+    return [ROWS[name] for name in names]

@@ -1,0 +1,102 @@
+"""Typed collectives over one mesh axis. Every call names its AxisGroup; a size-1 axis is a no-op.
+
+This is the only module that calls torch.distributed collectives, so backend quirks live here:
+- gloo has no PREMUL_SUM and no uneven all_gather: callers scale before/after and pad to equal shards.
+- torch >= 2.13 prefers all_gather_single / reduce_scatter_single; older releases only have the *_tensor names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.comm.log import CommsLog
+from shardspeed.topology import AxisGroup
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Work:
+    """A pending collective (or an already-finished no-op). ``wait()`` is idempotent."""
+
+    def __init__(self, handle: dist.Work | None) -> None:
+        self._handle = handle
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+
+
+class Collectives:
+    """Collectives with an attached comms log. One per engine; passed down explicitly."""
+
+    def __init__(self, log: CommsLog | None = None) -> None:
+        self.log = log or CommsLog(enabled=False)
+
+    def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
+        """Sum ``tensor`` in place over ``axis``."""
+        if axis.size == 1:
+            return Work(None)
+        self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
+        return Work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
+
+    def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
+        if axis.size == 1:
+            return
+        self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group)
+
+    def all_gather(
+        self,
+        unsharded: torch.Tensor,
+        shard: torch.Tensor,
+        axis: AxisGroup,
+        *,
+        async_op: bool = False,
+        tag: str = "",
+    ) -> Work:
+        """Concatenate every rank's equal-sized ``shard`` into ``unsharded`` (size = shard × axis size)."""
+        if unsharded.numel() != shard.numel() * axis.size:
+            raise ValueError(f"all_gather: output {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
+        if axis.size == 1:
+            if unsharded.data_ptr() != shard.data_ptr():
+                unsharded.copy_(shard)
+            return Work(None)
+        self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        return Work(_all_gather_single(unsharded, shard, group=axis.group, async_op=async_op))
+
+    def reduce_scatter(
+        self,
+        shard: torch.Tensor,
+        unsharded: torch.Tensor,
+        axis: AxisGroup,
+        *,
+        async_op: bool = False,
+        tag: str = "",
+    ) -> Work:
+        """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``."""
+        if unsharded.numel() != shard.numel() * axis.size:
+            raise ValueError(f"reduce_scatter: input {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
+        if axis.size == 1:
+            if unsharded.data_ptr() != shard.data_ptr():
+                shard.copy_(unsharded)
+            return Work(None)
+        self.log.record("reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        return Work(_reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
+        """Copy axis member ``src_index``'s tensor to every member (``src_index`` is an axis index, not global)."""
+        if axis.size == 1:
+            return
+        self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag)
+        dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group)
+
+    def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
+        """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""
+        if axis.size == 1:
+            return [obj]
+        out: list[object] = [None] * axis.size
+        dist.all_gather_object(out, obj, group=axis.group)
+        return out

@@ -1,0 +1,55 @@
+"""DeepSpeed's accessor-style engine methods, kept in one place so internal code can read the typed config.
+
+Ported scripts call these (``engine.train_micro_batch_size_per_gpu()``, ``engine.fp16_enabled()``, …);
+shardspeed's own code never does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+
+class DeepSpeedCompatMixin:
+    config: Any
+    topology: Any
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp_world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.global_rank
+
+    def _not_yet(self, name: str) -> NoReturn:
+        raise NotImplementedError(
+            f"engine.{name}() is part of DeepSpeed's API that shardspeed has not implemented yet "
+            "(rank-agnostic checkpoints are planned); nothing was written or read"
+        )
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._not_yet("save_checkpoint")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._not_yet("load_checkpoint")

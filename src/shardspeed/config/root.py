@@ -1,0 +1,123 @@
+"""``ShardSpeedConfig``: the whole typed config, one field per top-level DeepSpeed key we implement."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from pydantic import Field, model_validator
+
+from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from .batch import BATCH_KEYS
+from .precision import BF16Config, DtypeName, FP16Config
+from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
+from .zero import ZeroConfig
+
+
+class ShardSpeedConfig(ConfigModel):
+    """A parsed, validated DeepSpeed-compatible config. Build it with ``load_config``, which infers the
+    batch sizes from the data-parallel world size and turns every problem into one ``ConfigError``."""
+
+    KEY_ALIASES: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}  # DeepSpeed's legacy section name
+    AUTO_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset(BATCH_KEYS)
+    INTERNAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"dp_world_size", "warnings"})
+
+    train_batch_size: PositiveInt
+    """Samples per optimizer step, summed over all data-parallel ranks:
+    ``train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp_world_size``. DeepSpeed: no default;
+    inferred from the other two (``"auto"`` counts as absent)."""
+
+    train_micro_batch_size_per_gpu: PositiveInt
+    """Samples per rank per forward/backward. DeepSpeed: inferred when absent (``train_batch_size`` /
+    world size when it is the only key given)."""
+
+    gradient_accumulation_steps: PositiveInt
+    """Micro-steps whose gradients are accumulated before each optimizer step. DeepSpeed: inferred when
+    absent, 1 when only one of the other two keys is given."""
+
+    dp_world_size: PositiveInt = 1
+    """Data-parallel world size the batch keys were resolved for. Not a DeepSpeed key: the argument of
+    ``load_config``."""
+
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build when ``initialize`` gets none. DeepSpeed default: none."""
+
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule to build when ``initialize`` gets none. DeepSpeed default: none."""
+
+    gradient_clipping: NonNegativeFloat = 0.0
+    """Clip the global gradient L2 norm to this value before each optimizer step; 0 = no clipping.
+    DeepSpeed's code default was 0.0 for years and its docs now say 1.0 (>= 0.19). We deliberately keep
+    0.0: a clip the user did not ask for silently changes the optimizer's math. ``"auto"`` is an error
+    (the HF Trainer would fill in its ``max_grad_norm``, 1.0 by default; we will not guess)."""
+
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision with loss scaling. DeepSpeed default: disabled."""
+
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    """bf16 mixed precision (legacy key ``bfloat16`` accepted). DeepSpeed default: disabled."""
+
+    communication_data_type: DtypeName = None
+    """dtype gradients are reduced in: "fp32"/"float32", "fp16"/"float16"/"half" or "bf16"/"bfloat16"
+    (case-insensitive). DeepSpeed default: none, meaning the training dtype."""
+
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before the all-reduce instead of after (overflow headroom for
+    fp16). DeepSpeed default: false."""
+
+    gradient_predivide_factor: PositiveFloat = 1.0
+    """Divide gradients by this factor before the all-reduce and by ``world_size / factor`` after.
+    DeepSpeed default: 1.0."""
+
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO partitioning settings. DeepSpeed default: stage 0."""
+
+    zero_allow_untested_optimizer: bool = False
+    """Allow ZeRO with an optimizer DeepSpeed has not tested with ZeRO. DeepSpeed default: false."""
+
+    steps_per_print: PositiveInt = 10
+    """Log progress (step, learning rate, skipped steps) every this many optimizer steps.
+    DeepSpeed default: 10."""
+
+    wall_clock_breakdown: bool = False
+    """Time forward / backward / step separately (adds synchronisation). DeepSpeed default: false."""
+
+    seed: NonNegativeInt | None = None
+    """Seed torch's RNGs at ``initialize``. Not a DeepSpeed key (DeepSpeed leaves seeding to the script);
+    default: none (do not seed)."""
+
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication logging. DeepSpeed default: disabled."""
+
+    warnings: list[str] = Field(default_factory=list)
+    """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,
+    and ``"auto"`` values replaced by defaults. Not a DeepSpeed key."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardSpeedConfig:
+        product = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.dp_world_size
+        if self.train_batch_size != product:
+            raise InvalidValue(
+                "train_batch_size",
+                f"{self.train_batch_size} must equal train_micro_batch_size_per_gpu "
+                f"({self.train_micro_batch_size_per_gpu}) × gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) × data-parallel world size ({self.dp_world_size}) "
+                f"= {product}",
+            )
+        if self.fp16.enabled and self.bf16.enabled:
+            raise InvalidValue(
+                "fp16.enabled",
+                '"{path}" and "bf16.enabled" are both true; mixed precision uses one 16-bit format, so '
+                "enable at most one",
+            )
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of the forward/backward: float16 under fp16, bfloat16 under bf16, else float32."""
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32

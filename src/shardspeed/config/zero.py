@@ -1,0 +1,211 @@
+"""``zero_optimization``: every DeepSpeed ZeRO key, typed, with DeepSpeed's defaults.
+
+All keys are accepted so real configs parse, but a config may only *use* what shardspeed implements:
+- ``stage`` must be in ``IMPLEMENTED_ZERO_STAGES`` (a stage we don't have is an error, never a silent
+  fallback to stage 0, which would use several times the memory the user planned for);
+- offload devices must be in ``offload.IMPLEMENTED_OFFLOAD_DEVICES``;
+- the keys in ``ZeroConfig.NOT_YET_SUPPORTED`` (ZeRO++, MiCS, ZenFlow: they change the numbers that are
+  communicated or when updates are applied) must stay at their "off" values.
+The remaining keys are communication / memory tuning knobs with no effect on the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from pydantic import field_validator, model_validator
+
+from .base import Int, InvalidValue, NonNegativeInt, PositiveInt, show
+from .offload import IMPLEMENTED_OFFLOAD_DEVICES, OffloadOptimizerConfig, OffloadParamConfig
+from .zero_stage3 import STAGE3_ALIASES, Stage3Options
+
+IMPLEMENTED_ZERO_STAGES: frozenset[int] = frozenset({0})
+"""ZeRO stages shardspeed can run. Read at validation time, so adding a stage is a one-line change."""
+
+_NOT_SUPPORTED = "is a DeepSpeed option shardspeed does not support yet"
+
+
+def _is(default: Any) -> Callable[[Any], bool]:
+    return lambda value: value == default
+
+
+class ZeroConfig(Stage3Options):
+    """``zero_optimization``: ZeRO memory partitioning (stage 0 = plain data parallelism)."""
+
+    KEY_ALIASES: ClassVar[Mapping[str, str]] = STAGE3_ALIASES
+    AUTO_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset(
+        {
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "sub_group_size",
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "model_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+        }
+    )
+    NOT_YET_SUPPORTED: ClassVar[Mapping[str, tuple[str, Callable[[Any], bool]]]] = {
+        # field: (feature, is_off)
+        "zero_quantized_weights": ("ZeRO++ quantized weight all-gather", _is(False)),
+        "zero_quantized_nontrainable_weights": ("ZeRO++ quantized frozen weights", _is(False)),
+        "zero_quantized_gradients": ("ZeRO++ quantized gradient reduction", _is(False)),
+        "zero_hpz_partition_size": ("ZeRO++ hierarchical partitioning (hpZ)", lambda size: size <= 1),
+        "zeropp_loco_param": ("LoCo-ZeRO++ error feedback", _is(None)),
+        "mics_shard_size": ("MiCS sharding", lambda size: size <= 0),
+        "mics_hierarchical_params_gather": ("MiCS hierarchical all-gather", _is(False)),
+        "zenflow": ("ZenFlow asynchronous optimizer updates", _is(None)),
+    }
+
+    stage: Int = 0
+    """0: no partitioning (data parallelism); 1: partition optimizer states; 2: also gradients; 3: also
+    parameters. DeepSpeed default: 0. Must be one of ``IMPLEMENTED_ZERO_STAGES``."""
+
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation).
+    DeepSpeed default: true."""
+
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter (or reduce) instead of all-reduce. DeepSpeed default: true."""
+
+    reduce_bucket_size: PositiveInt = 500_000_000
+    """Gradient elements reduced per collective. DeepSpeed default: 5e8. ``"auto"`` -> this default (the HF
+    Trainer would use hidden_size**2)."""
+
+    use_multi_rank_bucket_allreduce: bool = True
+    """Combine the ranks' reduce buckets into one all-reduce. DeepSpeed default: true."""
+
+    allgather_partitions: bool = True
+    """Gather updated parameter partitions with all-gather instead of a series of broadcasts.
+    DeepSpeed default: true."""
+
+    allgather_bucket_size: PositiveInt = 500_000_000
+    """Parameter elements all-gathered per collective. DeepSpeed default: 5e8."""
+
+    overlap_comm: bool
+    """Overlap gradient reduction with the backward pass. DeepSpeed default: true for stage 3, false
+    otherwise (filled in from ``stage`` when the key is absent or null)."""
+
+    load_from_fp32_weights: bool = True
+    """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from
+    the 16-bit model weights. DeepSpeed default: true."""
+
+    elastic_checkpoint: bool = False
+    """Legacy elastic ZeRO checkpoints (deprecated in DeepSpeed). DeepSpeed default: false."""
+
+    offload_param: OffloadParamConfig | None = None
+    """Parameter offload (stage 3). DeepSpeed default: none. Not implemented yet: a device other than
+    "none" is an error."""
+
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    """Optimizer-state offload. DeepSpeed default: none. Not implemented yet: a device other than "none"
+    is an error."""
+
+    sub_group_size: PositiveInt = 1_000_000_000
+    """Parameter elements per optimizer-step tile (bounds temporary memory). DeepSpeed default: 1e9."""
+
+    cpu_offload: bool | None = None
+    """Deprecated DeepSpeed spelling of ``offload_optimizer: {"device": "cpu"}``. DeepSpeed default: none.
+    true is an error until offload is implemented."""
+
+    cpu_offload_param: bool | None = None
+    """Deprecated DeepSpeed spelling of ``offload_param: {"device": "cpu"}``. DeepSpeed default: none.
+    true is an error until offload is implemented."""
+
+    cpu_offload_use_pin_memory: bool | None = None
+    """Deprecated DeepSpeed spelling of the offload sections' ``pin_memory``. DeepSpeed default: none."""
+
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that get no gradient (DeepSpeed stage 2 errors otherwise).
+    DeepSpeed default: true."""
+
+    legacy_stage1: bool = False
+    """Select DeepSpeed's old stage-1 implementation (same math). DeepSpeed default: false."""
+
+    round_robin_gradients: bool = False
+    """Spread gradient copies to CPU across ranks (stage 1/2 with offload). DeepSpeed default: false."""
+
+    compute_grad_norm: bool = True
+    """Compute the global gradient norm on every stage 1/2 step even without clipping.
+    DeepSpeed default: true."""
+
+    parameter_alignment: bool = False
+    """Pad stage 1/2 flat buffers so every parameter starts 16-byte aligned. DeepSpeed default: false."""
+
+    zero_hpz_partition_size: NonNegativeInt = 1
+    """ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition; 1 = off. DeepSpeed default: 1."""
+
+    zero_quantized_weights: bool = False
+    """ZeRO++: quantize weights for the all-gather. DeepSpeed default: false."""
+
+    zero_quantized_nontrainable_weights: bool = False
+    """ZeRO++: store frozen weights quantized. DeepSpeed default: false."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++: quantize gradients for the reduction. DeepSpeed default: false."""
+
+    zeropp_loco_param: dict[str, Any] | None = None
+    """LoCo-ZeRO++ error-feedback settings (``err_beta``, ``reset_T``). DeepSpeed default: none."""
+
+    mics_shard_size: Int = -1
+    """MiCS: ranks per parameter shard group; <= 0 = off. DeepSpeed default: -1."""
+
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: gather parameters hierarchically (intra-node first). DeepSpeed default: false."""
+
+    zenflow: dict[str, Any] | None = None
+    """ZenFlow (stall-free offloaded optimizer updates) settings. DeepSpeed default: none."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_overlap_comm(cls, data: Any) -> Any:
+        """DeepSpeed's ``overlap_comm`` default depends on the stage, so it is filled in before the
+        fields are validated."""
+        if isinstance(data, Mapping) and data.get("overlap_comm") is None:
+            data = {**data, "overlap_comm": data.get("stage", 0) == 3}
+        return data
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_is_implemented(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        if stage not in IMPLEMENTED_ZERO_STAGES:
+            implemented = ", ".join(str(s) for s in sorted(IMPLEMENTED_ZERO_STAGES))
+            raise ValueError(
+                f"ZeRO stage {stage} is not implemented in shardspeed yet (implemented: {implemented}); "
+                "shardspeed never falls back to another stage silently"
+            )
+        return stage
+
+    @model_validator(mode="after")
+    def _only_implemented_features(self) -> ZeroConfig:
+        for key, section in (
+            ("offload_optimizer", self.offload_optimizer),
+            ("offload_param", self.offload_param),
+        ):
+            if section is not None and section.device not in IMPLEMENTED_OFFLOAD_DEVICES:
+                raise InvalidValue(
+                    key,
+                    f'"{{path}}" with device "{section.device}" {_NOT_SUPPORTED} (offload is a later '
+                    'shardspeed release); remove it or set "device": "none"',
+                )
+        for key, replacement in (
+            ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_param", "offload_param"),
+        ):
+            if getattr(self, key):
+                raise InvalidValue(
+                    key,
+                    f'"{{path}}" (DeepSpeed\'s old spelling of {replacement} with device "cpu") '
+                    f"{_NOT_SUPPORTED}; remove it or set it to false",
+                )
+        for key, (feature, is_off) in self.NOT_YET_SUPPORTED.items():
+            value = getattr(self, key)
+            if not is_off(value):
+                raise InvalidValue(
+                    key,
+                    f'"{{path}}" = {show(value)} {_NOT_SUPPORTED} ({feature}); remove it to use the default',
+                )
+        return self

@@ -1,0 +1,103 @@
+"""The ``zero_optimization`` keys that only ZeRO stage 3 (parameter partitioning) reads.
+
+DeepSpeed accepts most of them with a ``stage3_`` prefix too; those spellings are aliases here (see
+``STAGE3_ALIASES``): both are accepted, the value is stored under the unprefixed field, and giving both
+spellings with different values is an error.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field
+
+from .base import ConfigModel, NonNegativeInt
+
+STAGE3_ALIASES: Mapping[str, str] = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    # DeepSpeed's older name for the same switch (from when only fp16 existed).
+    "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold": "module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential": "allgather_sequential",
+    "stage3_partition_stream_chunk_size": "partition_stream_chunk_size",
+}
+
+
+class Stage3Options(ConfigModel):
+    """Fields of ``ZeroConfig`` used by stage 3 only. Counts are in elements, not bytes.
+
+    The thresholds and limits may be 0 (DeepSpeed allows it: 0 disables prefetching, a 0 persistence
+    threshold partitions every parameter), unlike the bucket sizes in ``ZeroConfig``, which must be > 0.
+    """
+
+    prefetch_bucket_size: NonNegativeInt = 50_000_000
+    """Parameter elements to all-gather ahead of use (alias ``stage3_prefetch_bucket_size``).
+    DeepSpeed default: 5e7. ``"auto"`` -> this default (the HF Trainer would use 0.9 * hidden_size**2)."""
+
+    param_persistence_threshold: NonNegativeInt = 100_000
+    """Parameters with fewer elements than this stay unpartitioned on every rank (alias
+    ``stage3_param_persistence_threshold``). DeepSpeed default: 1e5. ``"auto"`` -> this default (the HF
+    Trainer would use 10 * hidden_size)."""
+
+    model_persistence_threshold: NonNegativeInt = sys.maxsize
+    """Upper bound on the total elements kept unpartitioned by ``param_persistence_threshold`` (alias
+    ``stage3_model_persistence_threshold``). DeepSpeed default: sys.maxsize (no bound)."""
+
+    max_live_parameters: NonNegativeInt = 1_000_000_000
+    """Gathered parameter elements allowed per rank before releasing some (alias
+    ``stage3_max_live_parameters``). DeepSpeed default: 1e9."""
+
+    max_reuse_distance: NonNegativeInt = 1_000_000_000
+    """Keep a gathered parameter if it is used again within this many elements of other parameters
+    (alias ``stage3_max_reuse_distance``). DeepSpeed default: 1e9."""
+
+    gather_16bit_weights_on_model_save: bool = False
+    """Gather the partitioned 16-bit weights into a full ``state_dict`` when saving the model (aliases
+    ``stage3_gather_16bit_weights_on_model_save``, ``stage3_gather_fp16_weights_on_model_save``).
+    DeepSpeed default: false."""
+
+    module_granularity_threshold: NonNegativeInt = 0
+    """Modules with fewer parameter elements per descendant than this are fetched as one unit (alias
+    ``stage3_module_granularity_threshold``). DeepSpeed default: 0 (off)."""
+
+    use_all_reduce_for_fetch_params: bool = False
+    """Fetch parameters with all-reduce instead of all-gather (alias
+    ``stage3_use_all_reduce_for_fetch_params``). DeepSpeed default: false."""
+
+    allgather_sequential: bool = False
+    """All-gather parameters one at a time instead of bucketed (alias ``stage3_allgather_sequential``).
+    DeepSpeed default: false."""
+
+    partition_stream_chunk_size: NonNegativeInt = 0
+    """Partition very large parameters by streaming chunks of this many elements (alias
+    ``stage3_partition_stream_chunk_size``). DeepSpeed default: 0 (off)."""
+
+    memory_efficient_linear: bool = True
+    """Use DeepSpeed's memory-efficient linear autograd function under stage 3. DeepSpeed default: true."""
+
+    override_module_apply: bool = True
+    """Gather parameters around ``nn.Module.apply`` calls under stage 3. DeepSpeed default: true."""
+
+    pipeline_loading_checkpoint: bool = False
+    """Load checkpoints in pipeline mode under stage 3. DeepSpeed default: false."""
+
+    log_trace_cache_warnings: bool = False
+    """Log parameter-fetch trace-cache invalidations. DeepSpeed default: false."""
+
+    enable_sanity_checks: bool = False
+    """Run stage-3 internal consistency checks (debugging). DeepSpeed default: false."""
+
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Keep Muon's momentum in memory instead of swapping it to NVMe. DeepSpeed default: false."""
+
+    leaf_module: dict[str, Any] = Field(default_factory=dict)
+    """Modules whose parameters stage 3 gathers as one unit (DeepSpeed's ``leaf_module`` section,
+    kept as given). DeepSpeed default: none."""

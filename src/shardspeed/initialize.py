@@ -1,0 +1,63 @@
+"""``shardspeed.initialize``: DeepSpeed's entry point, same arguments and return value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.config import load_config
+from shardspeed.distributed import init_distributed
+from shardspeed.engine import ShardSpeedEngine
+from shardspeed.topology import Topology
+
+
+def _topology_from_mpu(mpu: Any) -> Topology:
+    """A Megatron-style ``mpu`` supplies the data-parallel group; we use it as the data axis."""
+    import torch.distributed as dist
+
+    group = mpu.get_data_parallel_group()
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return Topology.from_data_group(group, ranks, mpu.get_data_parallel_rank())
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    config: Any = None,
+    collate_fn: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    config_params: Any = None,
+) -> tuple[ShardSpeedEngine, torch.optim.Optimizer, Any, Any]:
+    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed.
+
+    ``config`` is a dict or a path to a DeepSpeed JSON file; as in DeepSpeed it may also come from
+    ``args.deepspeed_config`` or the older ``config_params``.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=…")
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "shardspeed_config", None)
+    if config is None:
+        raise ValueError("initialize() needs config=… (a dict or a DeepSpeed JSON path), or args.deepspeed_config")
+    init_distributed(dist_init_required=dist_init_required)
+    topology = _topology_from_mpu(mpu) if mpu is not None else Topology.build()
+    cfg = load_config(config, dp_world_size=topology.dp_world_size)
+    engine = ShardSpeedEngine(
+        model,
+        cfg,
+        topology,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

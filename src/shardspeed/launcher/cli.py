@@ -1,0 +1,177 @@
+"""The ``shardspeed`` command: DeepSpeed's launcher on top of ``torch.distributed.run``, plus subcommands.
+
+Dispatch rule: if the first command-line word is a registered subcommand name (see ``subcommands.py``;
+``shardspeed help`` lists them), the remaining words go to that subcommand. Otherwise the command line is a
+launch::
+
+    shardspeed [launcher options] script.py [script args...]
+
+Launcher options come before the script; the first word that is not a launcher option (or the word after
+``--``) is the script, and everything after it is passed to the script untouched — even words that look like
+launcher options. A script whose file name equals a subcommand name runs as ``./name``, ``-- name``, or with
+any launcher option in front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from shardspeed.config.errors import did_you_mean
+from shardspeed.launcher.errors import LauncherError, MissingScriptError
+from shardspeed.launcher.multinode import LAUNCHER_CHOICES
+from shardspeed.launcher.plan import DEFAULT_HOSTFILE, plan_launch
+from shardspeed.launcher.processes import run_commands
+from shardspeed.launcher.subcommands import get_subcommand, subcommands
+from shardspeed.launcher.torchrun import DEFAULT_MASTER_PORT
+
+PROGRAM = "shardspeed"
+
+# Launcher options that take a value: needed to find where the script starts before argparse runs (argparse
+# alone cannot tell "--foo" meant for the script from a launcher option). build_parser uses the same table.
+_VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
+    ("--num_gpus",): {
+        "type": int,
+        "help": "processes (GPUs) per node; default: all CUDA devices, or 1 on CPU",
+    },
+    ("--num_procs",): {"type": int, "help": "same as --num_gpus, spelled for CPU jobs (no device check)"},
+    ("--num_nodes",): {"type": int, "help": "use the first K hosts of the hostfile"},
+    ("-H", "--hostfile"): {
+        "help": f"hostfile of 'hostname slots=N' lines (default: {DEFAULT_HOSTFILE} if it exists, else localhost)"
+    },
+    ("-i", "--include"): {"help": "only these hosts/slots, e.g. 'worker-1@worker-2:0,2'"},
+    ("-e", "--exclude"): {"help": "all but these hosts/slots, e.g. 'worker-1:0@worker-3'"},
+    ("--master_addr",): {"help": "rendezvous address (default: first host; 127.0.0.1 on one node)"},
+    ("--master_port",): {
+        "type": int,
+        "default": DEFAULT_MASTER_PORT,
+        "help": "rendezvous port (default %(default)s)",
+    },
+    ("--node_rank",): {"type": int, "help": "start only this node's share (each node started by hand)"},
+    ("--launcher",): {
+        "choices": LAUNCHER_CHOICES,
+        "default": "auto",
+        "help": "remote shell: auto = pdsh if found",
+    },
+}
+_FLAG_OPTIONS: dict[tuple[str, ...], str] = {
+    ("--force_multi",): "use ssh/pdsh even for a single host",
+    ("--dry_run",): "print the commands that would run, and exit",
+}
+
+
+def _epilog() -> str:
+    listed = "\n".join(f"  {command.name:<14} {command.summary}" for command in subcommands())
+    return (
+        "dispatch: if the first word is a subcommand name, the rest goes to that subcommand; otherwise the\n"
+        "first non-option word is the training script and every word after it is passed to the script.\n"
+        "Run a script named like a subcommand as ./NAME or 'shardspeed -- NAME'.\n\n"
+        f"subcommands:\n{listed}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser for launcher options (the script and its arguments are split off before parsing)."""
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM,
+        usage=f"{PROGRAM} [launcher options] script.py [script args...]  |  {PROGRAM} SUBCOMMAND [args...]",
+        description="Launch a training script on one or many nodes with torch.distributed.run (torchrun).",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    for flags, settings in _VALUE_OPTIONS.items():
+        parser.add_argument(*flags, **settings)  # type: ignore[arg-type]
+    for flags, help_text in _FLAG_OPTIONS.items():
+        parser.add_argument(*flags, action="store_true", help=help_text)
+    return parser
+
+
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]:
+    """Split a launch command line into (launcher options, script or None, script arguments)."""
+    value_flags = {flag for flags in _VALUE_OPTIONS for flag in flags}
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            script_index = index + 1
+            break
+        if not word.startswith("-") or word == "-":
+            script_index = index
+            break
+        index += 2 if word in value_flags else 1  # "--opt=value", "-Hfile" and flags are one word
+    else:
+        return list(argv), None, []
+    launcher_words = list(argv[:index])
+    if script_index >= len(argv):
+        return launcher_words, None, []
+    return launcher_words, argv[script_index], list(argv[script_index + 1 :])
+
+
+def parse_launch_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a launch command line; ``options.script`` / ``options.script_args`` hold the split-off script."""
+    parser = build_parser()
+    launcher_words, script, script_args = split_script_args(argv)
+    options = parser.parse_args(launcher_words)
+    if script is None:
+        parser.error("missing the training script (shardspeed [launcher options] script.py [script args...])")
+    options.script = script
+    options.script_args = script_args
+    return options
+
+
+def help_command(argv: list[str]) -> int:
+    """``shardspeed help [SUBCOMMAND]``: the launcher's help, or SUBCOMMAND's own ``--help``."""
+    if not argv:
+        build_parser().print_help()
+        return 0
+    subcommand = get_subcommand(argv[0])
+    if subcommand is None:
+        names = [command.name for command in subcommands()]
+        print(f"{PROGRAM} help: unknown subcommand {argv[0]!r}{did_you_mean(argv[0], names)}", file=sys.stderr)
+        return 2
+    return subcommand.resolve()([*argv[1:], "--help"])
+
+
+def _launch(argv: list[str]) -> int:
+    options = parse_launch_args(argv)
+    try:
+        plan = plan_launch(options)
+    except MissingScriptError as error:  # maybe a misspelt subcommand: "shardspeed estimat ..."
+        suggestion = did_you_mean(options.script, [command.name for command in subcommands()])
+        print(f"{PROGRAM}: error: {error}{suggestion}", file=sys.stderr)
+        return 2
+    except LauncherError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+    for note in plan.notes:
+        print(f"[{PROGRAM}] {note}", file=sys.stderr)
+    for command in plan.commands:
+        env_words = [f"{name}={value}" for name, value in command.env_overrides.items()]
+        line = f"{command.name}: {shlex.join([*env_words, *command.argv])}"
+        print(
+            line if options.dry_run else f"[{PROGRAM}] {line}",
+            file=sys.stdout if options.dry_run else sys.stderr,
+        )
+    if options.dry_run:
+        return 0
+    return run_commands(plan.commands)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardspeed`` console script; returns the process exit code."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        subcommand = get_subcommand(words[0]) if words else None
+        if subcommand is not None:
+            return subcommand.resolve()(words[1:])
+        return _launch(words)
+    except SystemExit as exit_request:  # argparse's --help / usage errors: report as a return code
+        code = exit_request.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Build the training optimizer from the config section or from what the user passed to ``initialize``.
+
+Exactly one source is allowed: a config ``optimizer`` section, or a user optimizer (an instance, or a
+callable ``(params) -> Optimizer`` for when the optimizer must be created over parameters the engine
+prepares). Both at once is refused: which one wins would be a silent guess, and DeepSpeed refuses it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from shardspeed.config.errors import ConfigError
+from shardspeed.optim.lamb import Lamb
+from shardspeed.optim.lion import Lion
+from shardspeed.optim.names import canonical_optimizer_name, torch_optimizer_classes
+from shardspeed.optim.specs import validate_optimizer_params
+
+ModelParameters = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+UserOptimizer = torch.optim.Optimizer | Callable[[list[Any]], torch.optim.Optimizer]
+
+_ELEMENTWISE_NAMES = (
+    "Adam",
+    "AdamW",
+    "SGD",
+    "Adagrad",
+    "RMSprop",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Adadelta",
+    "ASGD",
+    "Rprop",
+    "SparseAdam",
+)
+
+
+def _elementwise_classes() -> frozenset[type]:
+    torch_classes = torch_optimizer_classes()
+    return frozenset({torch_classes[name] for name in _ELEMENTWISE_NAMES if name in torch_classes} | {Lion})
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer | type) -> bool:
+    """Whether every element's update depends only on that element's own gradient and state.
+
+    True means a parameter may be cut into arbitrary flat shards, each stepped independently with the same
+    result as stepping the whole tensor (what ZeRO's flat partitions need). False for optimizers that take
+    per-tensor norms or factorized statistics (Lamb, Adafactor, Muon, LBFGS) and for any class we do not
+    know: the type must match exactly, since a subclass may override ``step`` with anything.
+    """
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return cls in _elementwise_classes()
+
+
+def _materialize(model_parameters: ModelParameters | None) -> list[Any]:
+    """A list of tensors or param-group dicts (a generator can be read only once; groups are kept)."""
+    if model_parameters is None:
+        raise ValueError("model_parameters is None: pass the model's parameters (or param-group dicts)")
+    if isinstance(model_parameters, torch.Tensor):
+        raise TypeError("model_parameters must be an iterable of tensors or param-group dicts, got one tensor")
+    params = list(model_parameters)
+    if not params:
+        raise ValueError("model_parameters is empty: the optimizer would have nothing to update")
+    return params
+
+
+def _from_user(user_optimizer: UserOptimizer, model_parameters: ModelParameters | None) -> torch.optim.Optimizer:
+    if isinstance(user_optimizer, torch.optim.Optimizer):
+        return user_optimizer
+    if callable(user_optimizer):
+        built = user_optimizer(_materialize(model_parameters))
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(built).__name__}, expected a torch.optim.Optimizer")
+        return built
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer or a callable (params) -> Optimizer, "
+        f"got {type(user_optimizer).__name__}"
+    )
+
+
+def build_optimizer(
+    cfg_type: str | None,
+    params_cfg: dict[str, Any] | None,
+    model_parameters: ModelParameters | None,
+    user_optimizer: UserOptimizer | None = None,
+) -> torch.optim.Optimizer:
+    """The training optimizer, from the config (``optimizer.type`` / ``optimizer.params``) or the user.
+
+    ``model_parameters`` is an iterable of tensors or of param-group dicts (groups are kept; a group's own
+    keys override the config's values for that group). A user optimizer instance is returned as is; a
+    user callable is called with the materialized parameter list. Config ``Adam`` builds
+    ``torch.optim.AdamW`` unless ``adam_w_mode`` is false (DeepSpeed's convention, see
+    ``shardspeed.optim.specs``); ``Lamb`` and ``Lion`` build ``shardspeed.optim.Lamb`` / ``Lion``; any
+    other name builds that ``torch.optim`` class.
+    """
+    if cfg_type is not None and user_optimizer is not None:
+        raise ConfigError(
+            f'optimizer.type: the config defines an optimizer ("{cfg_type}") and an optimizer was also '
+            "passed to initialize(); remove the config's optimizer section or do not pass one"
+        )
+    if user_optimizer is not None:
+        return _from_user(user_optimizer, model_parameters)
+    if cfg_type is None:
+        raise ValueError(
+            'no optimizer: add an "optimizer" section ({"type": ..., "params": {...}}) to the config, '
+            "or pass optimizer= to initialize()"
+        )
+    name = canonical_optimizer_name(cfg_type)
+    hyperparameters = validate_optimizer_params(name, params_cfg or {})
+    params = _materialize(model_parameters)
+    if name in ("Adam", "AdamW"):
+        decoupled = hyperparameters.pop("adam_w_mode")
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, **hyperparameters)
+    if name == "Lamb":
+        return Lamb(params, **hyperparameters)
+    if name == "Lion":
+        return Lion(params, **hyperparameters)
+    return torch_optimizer_classes()[name](params, **hyperparameters)

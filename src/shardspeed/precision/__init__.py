@@ -1,0 +1,1 @@
+"""Mixed precision: loss scaling, fp32 master weights, global gradient norm."""

@@ -1,0 +1,27 @@
+"""Shared fixtures. Warm lazy imports once in the parent so forked ranks start fast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import run_ranks
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def dist_run(tmp_path: Path):
+    """``dist_run(fn, world_size, *args)`` → per-rank results of fn(rank, world_size, *args)."""
+
+    def _run(fn, world_size: int, *args, **kwargs):
+        return run_ranks(fn, world_size, tmp_path, *args, **kwargs)
+
+    return _run

@@ -1,0 +1,56 @@
+"""``python -m shardspeed.demo`` end to end: self-relaunch under torch.distributed.run, two gloo workers,
+training through ``shardspeed.initialize``, and the summary a user reads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def run_demo(*arguments: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the test is about the CPU/gloo path on any machine
+    return subprocess.run(
+        [sys.executable, "-m", "shardspeed.demo", *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_tiny_demo_trains_on_two_ranks_and_the_loss_goes_down() -> None:
+    result = run_demo("--nproc", "2", "--steps", "20", "--tiny", timeout=280)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    assert "world size         2 (gloo, cpu)" in result.stdout, report
+    train = re.search(r"train loss\s+([\d.]+) -> ([\d.]+)", result.stdout)
+    evaluation = re.search(r"eval loss\s+([\d.]+) -> ([\d.]+)", result.stdout)
+    assert train and evaluation, report
+    first, last = float(train.group(1)), float(train.group(2))
+    assert last < first - 0.3, report  # 20 steps take a byte model well below uniform (ln 256 ≈ 5.55)
+    assert float(evaluation.group(2)) < float(evaluation.group(1)), report
+    assert re.search(r"steps\s+20\b", result.stdout), report
+    assert re.search(r"peak RSS per rank\s+\d+/\d+ MB", result.stdout), report
+    assert "loss went down     yes" in result.stdout, report
+
+
+@pytest.mark.timeout(120)
+def test_an_invalid_stage_is_one_clean_line_not_a_traceback() -> None:
+    result = run_demo("--nproc", "2", "--steps", "2", "--tiny", "--stage", "7", timeout=110)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 2, report
+    assert "shardspeed.demo: config error:" in result.stderr, report
+    assert "stage" in result.stderr, report
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, report

@@ -1,0 +1,102 @@
+"""The benchmark's pure helpers: percentiles, per-round ratios, /proc status parsing.
+
+Expected values are worked out by hand (and percentiles also cross-checked against numpy's default method).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from proc_status import parse_status_kib
+from stats import (
+    interquartile_range,
+    mean,
+    median,
+    per_round_ratios,
+    percentile,
+    summarize_ratios,
+)
+
+
+def test_median_odd_and_even_counts() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.5  # mean of the two middle values 2 and 3
+    assert median([7.0]) == 7.0
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    values = [10.0, 20.0, 30.0, 40.0, 50.0]
+    # position = q/100 * (n - 1): 25% -> index 1 exactly, 10% -> index 0.4 -> 10 + 0.4 * 10
+    assert percentile(values, 25) == 20.0
+    assert percentile(values, 10) == pytest.approx(14.0)
+    assert percentile(values, 0) == 10.0
+    assert percentile(values, 100) == 50.0
+    assert percentile([5.0, 1.0], 50) == 3.0  # unsorted input is sorted first
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("q", [0, 12.5, 25, 50, 75, 90, 100])
+def test_percentile_matches_numpy_linear(count: int, q: float) -> None:
+    values = list(np.random.default_rng(count).normal(100.0, 15.0, size=count))
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_interquartile_range_of_known_values() -> None:
+    # 1..9: 25th percentile at index 2 (value 3), 75th at index 6 (value 7)
+    assert interquartile_range([9.0, 1.0, 5.0, 3.0, 7.0, 2.0, 4.0, 6.0, 8.0]) == (3.0, 7.0)
+    # four values: positions 0.75 and 2.25
+    low, high = interquartile_range([1.0, 2.0, 4.0, 8.0])
+    assert low == pytest.approx(1.75) and high == pytest.approx(5.0)
+
+
+def test_per_round_ratios_and_summary() -> None:
+    row = [98.0, 105.0, 99.0, 120.0, 100.0]
+    peer = [100.0, 100.0, 100.0, 100.0, 80.0]
+    assert per_round_ratios(row, peer) == pytest.approx([0.98, 1.05, 0.99, 1.2, 1.25])
+    summary = summarize_ratios(row, peer)
+    # sorted ratios 0.98, 0.99, 1.05, 1.20, 1.25: median 1.05, quartiles at indexes 1 and 3
+    assert summary.median == pytest.approx(1.05)
+    assert (summary.q25, summary.q75) == pytest.approx((0.99, 1.2))
+    assert summary.per_round == pytest.approx((0.98, 1.05, 0.99, 1.2, 1.25))
+
+
+def test_mean() -> None:
+    assert mean([1.0, 2.0, 6.0]) == 3.0
+
+
+def test_bad_inputs_name_the_culprit() -> None:
+    with pytest.raises(ValueError, match="values is empty"):
+        median([])
+    with pytest.raises(ValueError, match=r"q=101.*0 <= q <= 100"):
+        percentile([1.0], 101)
+    with pytest.raises(ValueError, match="non-finite"):
+        median([1.0, float("nan")])
+    with pytest.raises(ValueError, match="row_times has 2 rounds but peer_times has 3"):
+        per_round_ratios([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"peer_times\[1\] = 0.0"):
+        per_round_ratios([1.0, 2.0], [1.0, 0.0])
+    with pytest.raises(ValueError, match="peer_times is empty"):
+        summarize_ratios([1.0], [])
+
+
+STATUS_SAMPLE = """Name:\tpython
+VmPeak:\t  812340 kB
+VmHWM:\t  412345 kB
+VmRSS:\t  398001 kB
+Threads:\t3
+"""
+
+
+def test_parse_status_fields() -> None:
+    assert parse_status_kib(STATUS_SAMPLE, "VmHWM") == 412345
+    assert parse_status_kib(STATUS_SAMPLE, "VmRSS") == 398001
+    with pytest.raises(KeyError, match="VmSwap"):
+        parse_status_kib(STATUS_SAMPLE, "VmSwap")
+    with pytest.raises(ValueError, match="Threads"):
+        parse_status_kib(STATUS_SAMPLE, "Threads")  # present, but not a 'kB' field
