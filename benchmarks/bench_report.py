@@ -9,7 +9,8 @@ from stats import median, summarize_ratios
 MEMORY_NOTE = (
     "peak RSS = VmHWM (/proc/self/status) of each rank, in MiB, from a separate torchrun per row that builds "
     "only that row and runs warmup + steps steps; it includes torch, the template model and the batch. In "
-    "parentheses: growth over the VmHWM just before the row was built, i.e. what the row itself added."
+    "parentheses: growth over the VmHWM just before the row was built: what building and training the row "
+    "added, including torch's one-time costs of a first forward/backward, which every row pays alike."
 )
 
 

@@ -50,6 +50,9 @@ def _child(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S)
         )
+        # gloo connects its mesh asymmetrically: a rank that returns (and exits) before its peers finished
+        # connecting makes them fail with "connection closed by peer". One barrier settles the mesh.
+        dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
         payload = ("ok", result)
     except BaseException as exc:  # report everything, including SystemExit from a CLI under test

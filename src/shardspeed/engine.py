@@ -25,25 +25,15 @@ from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.log import configure_logger
-from shardspeed.optim import build_optimizer
-from shardspeed.precision.grad_norm import clip_coefficient, sum_of_squares
+from shardspeed.optim import build_optimizer, is_elementwise
+from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
-from shardspeed.precision.master import MasterWeights
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.topology import Topology
-from shardspeed.zero.bucketed_allreduce import BucketedAllReduce, GradScaling
-from shardspeed.zero.grad_buffer import FlatGradBuffer
-
-
-def _trainable(module: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[str]]:
-    """Trainable parameters in registration order, each once (tied parameters appear under their first name)."""
-    params, names = [], []
-    for name, p in module.named_parameters():  # named_parameters already de-duplicates shared parameters
-        if p.requires_grad:
-            params.append(p)
-            names.append(name)
-    return params, names
+from shardspeed.zero import build_model_states
+from shardspeed.zero.grad_sync import CommContext, GradScaling
+from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
 
 
 class ShardSpeedEngine(DeepSpeedCompatMixin):
@@ -77,29 +67,27 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             self.module.to(dtype=config.compute_dtype)
         self._broadcast_module_state()
 
-        params, names = _trainable(self.module)
-        mixed = config.compute_dtype != torch.float32
-        self._check_param_dtypes(params, names)
-        # Flat buffer in reverse registration order: roughly the order backward produces gradients, so buckets fill
-        # front to back and launch early.
-        order = list(reversed(range(len(params))))
-        params, names = [params[i] for i in order], [names[i] for i in order]
         zero = config.zero_optimization
-        self.grad_buffer = FlatGradBuffer(params, torch.float32, as_views=not mixed, device=self.device)
-        self.reducer = BucketedAllReduce(
-            params,
-            names,
-            buffer=self.grad_buffer,
-            bucket_numel=int(zero.reduce_bucket_size),
-            comm_dtype=config.communication_data_type or torch.float32,
+        groups = normalize_groups(
+            optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else model_parameters, self.module
+        )
+        packed = pack_order(self.module, groups)
+        self._check_param_dtypes(packed)
+        comm = CommContext(
             axis=topology.data,
             collectives=self.collectives,
+            comm_dtype=config.communication_data_type or torch.float32,
             scaling=GradScaling.for_config(
                 topology.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
             ),
         )
-        self.master = MasterWeights(params, self.grad_buffer) if mixed else None
-        self.optimizer = self._build_optimizer(optimizer, model_parameters, params)
+        # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is
+        # bounded by both sizes.
+        bucket_numel = (
+            zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        )
+        self.states = build_model_states(zero.stage, packed, int(bucket_numel), comm, self.device)
+        self.optimizer = self._build_optimizer(optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
             config.scheduler.params if config.scheduler else None,
@@ -149,7 +137,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 config.compute_dtype,
                 topology.shape.world_size,
                 topology.dp_world_size,
-                sum(p.numel() for p in params),
+                sum(p.numel() for p in packed.params),
                 config.train_micro_batch_size_per_gpu,
                 config.gradient_accumulation_steps,
                 topology.dp_world_size,
@@ -170,38 +158,34 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         for tensor in [*self.module.parameters(), *self.module.buffers()]:
             self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
 
-    def _check_param_dtypes(self, params: list[torch.nn.Parameter], names: list[str]) -> None:
+    def _check_param_dtypes(self, packed: PackedParams) -> None:
         expected = self.config.compute_dtype
-        for p, name in zip(params, names):
+        for p, name in zip(packed.params, packed.names):
             if p.dtype != expected:
                 raise TypeError(f"trainable parameter '{name}' is {p.dtype}; this config trains in {expected}")
 
-    def _build_optimizer(
-        self, user_optimizer: Any, model_parameters: Iterable[Any] | None, params: list
-    ) -> torch.optim.Optimizer:
+    def _build_optimizer(self, user_optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups."""
         cfg = self.config.optimizer
-        groups = list(model_parameters) if model_parameters is not None else list(reversed(params))
-        optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, groups, user_optimizer)
-        # Frozen parameters may sit in the optimizer (they never get a gradient, so never move); anything that is
-        # not a parameter of this module would silently train without its gradient being averaged.
-        owned = {id(p) for p in self.module.parameters()}
-        if self.master is not None:
-            owned |= {id(m) for m in self.master.masters}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a trainable parameter "
-                        "of the model passed to initialize(); its gradient would never be reduced"
-                    )
-        if self.master is not None:
-            # The optimizer steps the fp32 masters; swap them in, group by group, keeping hyperparameters.
-            if optimizer.state:
-                raise ValueError(
-                    "pass a fresh optimizer with mixed precision: it already has state for fp16/bf16 params"
-                )
-            for group in optimizer.param_groups:
-                group["params"] = [self.master.master_of.get(id(p), p) for p in group["params"]]
+        stepped = self.states.optimizer_groups(groups)
+        if isinstance(user_optimizer, torch.optim.Optimizer):
+            if cfg is not None:
+                raise ValueError("pass either an optimizer to initialize() or an 'optimizer' section in the config")
+            swapped = any(a["params"] is not b["params"] for a, b in zip(groups, stepped))
+            if swapped and user_optimizer.state:
+                raise ValueError("pass a fresh optimizer: it already has state for parameters shardspeed re-homes")
+            for group, new in zip(user_optimizer.param_groups, stepped):
+                group["params"] = new["params"]
+            optimizer = user_optimizer
+        else:
+            optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
+        stage = self.config.zero_optimization.stage
+        if stage > 0 and not is_elementwise(optimizer) and not self.config.zero_allow_untested_optimizer:
+            raise ValueError(
+                f"ZeRO stage {stage} steps flat shards, which is only correct for element-wise optimizers; "
+                f"{type(optimizer).__name__} is not known to be element-wise. Set "
+                '"zero_allow_untested_optimizer": true to run it anyway.'
+            )
         return optimizer
 
     # --- training loop API ---------------------------------------------------------------------------------------
@@ -220,14 +204,16 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         scale = 1.0 / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
-        sync = self.is_gradient_accumulation_boundary() and not self._no_sync
-        self.reducer.before_backward(sync)
+        boundary = self.is_gradient_accumulation_boundary()
+        communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
+        reducer = self.states.reducer
+        reducer.before_backward(communicate)
         try:
             (loss.float() * scale).backward(retain_graph=retain_graph)
         except BaseException:
-            self.reducer.abort_backward()
+            reducer.abort_backward()
             raise
-        self.reducer.after_backward()
+        reducer.after_backward()
         return loss
 
     def step(self) -> None:
@@ -238,16 +224,15 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self._boundary_override = None
 
     def _boundary_step(self) -> None:
-        if not self.reducer.reduced:
+        if not self.states.reducer.reduced:
             raise RuntimeError(
                 "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
                 "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
                 "Ranks would step on different gradients and diverge."
             )
-        flat = self.grad_buffer.flat
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        # Reduced gradients are identical on every rank, so the norm (and the overflow verdict) is too: no collective.
-        norm = math.sqrt(sum_of_squares([flat]).item()) / loss_scale
+        # Identical on every rank (sharded stages all-reduce the partial sums), so the overflow verdict is too.
+        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale
         self._global_grad_norm = norm
         overflow = not math.isfinite(norm)
         if overflow and self.loss_scaler is None:
@@ -262,15 +247,14 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         else:
             coef = clip_coefficient(norm, self.config.gradient_clipping) / loss_scale
             if coef != 1.0:
-                flat.mul_(coef)
+                self.states.scale_grads(coef)
             self.optimizer.step()
-            if self.master is not None:
-                self.master.copy_to_model()
+            self.states.after_optimizer_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
-        self.reducer.zero()
+        self.states.zero_grads()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         if self.global_steps % self.config.steps_per_print == 0:
@@ -296,7 +280,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         )
 
     def zero_grad(self) -> None:
-        self.reducer.zero()
+        self.states.zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -310,6 +294,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient all-reduce for backward passes inside the context (gradients keep accumulating)."""
+        if self.states.communicate_every_micro_step:
+            raise RuntimeError(
+                "no_sync() cannot be used with ZeRO stage 2: gradients are reduce-scattered into shards on every "
+                "backward (as in DeepSpeed). Use gradient_accumulation_steps instead."
+            )
         previous, self._no_sync = self._no_sync, True
         try:
             yield
@@ -336,7 +325,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
 
     def destroy(self) -> None:
         """Remove the gradient hooks (lets the module be wrapped by another engine)."""
-        self.reducer.remove_hooks()
+        self.states.reducer.remove_hooks()
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

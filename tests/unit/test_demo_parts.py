@@ -236,6 +236,7 @@ def test_a_config_error_in_a_worker_is_one_line_and_reported_through_the_result_
 
     monkeypatch.setattr(demo_train, "run", failing_run)
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(demo_main.ARGV_ENV, raising=False)
     result = tmp_path / "result.json"
     monkeypatch.setenv(demo_main.RESULT_FILE_ENV, str(result))
     assert demo_main.main(["--stage", "3"]) == 0, "the worker itself succeeds so the launcher stays quiet"
@@ -269,5 +270,19 @@ def test_relaunch_runs_torch_distributed_run_and_returns_the_workers_verdict(
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert command[command.index("--nproc_per_node") + 1] == "3"
     assert 0 < int(command[command.index("--master_port") + 1]) < 65536
-    assert command[-7:] == ["-m", "shardspeed.demo", "--nproc", "3", "--cpu", "--steps", "5"]
+    assert command[-2:] == ["-m", "shardspeed.demo"], "no script arguments for the launcher to misparse"
+    assert json.loads(seen["env"][demo_main.ARGV_ENV]) == ["--nproc", "3", "--cpu", "--steps", "5"]
     assert seen["env"]["OMP_NUM_THREADS"] == "1" and seen["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_relaunched_worker_takes_its_arguments_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    received: list[object] = []
+    monkeypatch.setattr(demo_train, "run", lambda args: received.append(args) or 0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(demo_main.ARGV_ENV, json.dumps(["--nproc", "2", "--stage", "1", "--tiny"]))
+    monkeypatch.setenv(demo_main.RESULT_FILE_ENV, str(tmp_path / "result.json"))
+    assert demo_main.main([]) == 0
+    assert received[0].stage == 1 and received[0].tiny and received[0].nproc == 2
+    assert json.loads((tmp_path / "result.json").read_text()) == {"exit_code": 0}

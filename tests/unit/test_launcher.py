@@ -600,13 +600,18 @@ def test_held_stdin_is_a_pipe_until_the_end() -> None:
 def test_sigterm_to_launcher_stops_its_children(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     child_code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    # processes.py needs only the standard library: load it by path so this child skips the package's imports.
+    processes_path = Path(cli.__file__).with_name("processes.py")
     launcher_code = (
-        "import sys\n"
-        "from shardspeed.launcher.processes import LaunchCommand, run_commands\n"
-        f"sys.exit(run_commands([LaunchCommand(name='c', argv=[sys.executable, '-c', {child_code!r}])]))\n"
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('processes', {str(processes_path)!r})\n"
+        "processes = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['processes'] = processes\n"
+        "spec.loader.exec_module(processes)\n"
+        "command = processes.LaunchCommand(name='c', argv=[sys.executable, '-c', sys.argv[1]])\n"
+        "sys.exit(processes.run_commands([command]))\n"
     )
-    src = Path(cli.__file__).parents[2]
-    launcher = subprocess.Popen([PY, "-c", launcher_code], env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    launcher = subprocess.Popen([PY, "-c", launcher_code, child_code])
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 RESULT_FILE_ENV = "SHARDSPEED_DEMO_RESULT"
+# The relauncher hands the workers their arguments here, not on torch.distributed.run's command line: the
+# launcher's own parser would claim some of them (``--nproc`` is an ambiguous prefix of its
+# ``--nproc-per-node``, and abbreviations such as ``--st`` would match its options too).
+ARGV_ENV = "SHARDSPEED_DEMO_ARGV"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +114,7 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="shardspeed-demo-") as scratch:
         result_path = Path(scratch, "result.json")
         env[RESULT_FILE_ENV] = str(result_path)
+        env[ARGV_ENV] = json.dumps(argv)
         command = [
             sys.executable,
             "-m",
@@ -124,7 +129,6 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
             str(free_port()),
             "-m",
             "shardspeed.demo",
-            *argv,
         ]
         launcher = subprocess.Popen(command, env=env)
         try:
@@ -167,10 +171,11 @@ def worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
     if "RANK" in os.environ:
-        return worker(args)
-    return relaunch(args, argv)
+        if ARGV_ENV in os.environ:  # started by relaunch(): the arguments travel in the environment
+            argv = json.loads(os.environ[ARGV_ENV])
+        return worker(parse_args(argv))
+    return relaunch(parse_args(argv), argv)
 
 
 if __name__ == "__main__":

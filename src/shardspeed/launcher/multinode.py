@@ -68,7 +68,7 @@ def choose_launcher(requested: str, which: Callable[[str], str | None] = shutil.
 def remote_shell_command(cwd: str, env: Mapping[str, str], argv: Sequence[str]) -> str:
     """One shell string: cd into ``cwd``, then exec ``argv`` with ``env`` added; every word shell-quoted."""
     env_words = [f"{name}={value}" for name, value in env.items()]
-    return f"cd {shlex.quote(cwd)} && exec {' '.join(['env', *env_words, *argv])}"
+    return f"cd {shlex.quote(cwd)} && exec {shlex.join(['env', *env_words, *argv])}"
 
 
 def node_commands(

@@ -84,3 +84,6 @@ def subcommands() -> list[Subcommand]:
 # Built-ins. Later features add theirs here, e.g.
 # register_subcommand("estimate", "shardspeed.zero.memory:estimate_main", "estimate memory per rank").
 register_subcommand("help", "shardspeed.launcher.cli:help_command", "show launcher help, or a subcommand's help")
+register_subcommand(
+    "estimate", "shardspeed.zero.estimate:main", "estimate ZeRO model-state memory per GPU (e.g. --params 7.5B)"
+)

@@ -18,7 +18,7 @@ class MasterWeights:
     def __init__(self, params: Sequence[torch.nn.Parameter], grads: FlatGradBuffer) -> None:
         assert grads.dtype == torch.float32 and not grads.as_views, "master weights pair with an fp32 grad buffer"
         self.params = list(params)
-        self.flat = torch.empty(grads.layout.total, dtype=torch.float32, device=grads.flat.device)
+        self.flat = torch.zeros(grads.layout.total, dtype=torch.float32, device=grads.flat.device)
         self.masters: list[torch.Tensor] = []
         for i, p in enumerate(self.params):
             start, end = grads.layout.span(i)

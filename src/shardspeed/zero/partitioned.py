@@ -1,0 +1,120 @@
+"""ZeRO stages 1 and 2: optimizer states (and for stage 2 gradients) exist only for this rank's shard.
+
+Layout (see [Note: bucket-major sharding] in zero/layout.py): the model's parameters are repacked as views of one
+flat, padded buffer; this rank owns the same 1/N slice of every bucket. What lives where, per rank:
+
+                          fp32 training            bf16/fp16 training
+  parameters (full)       4Ψ  (the flat buffer)    2Ψ
+  fp32 master shard       — (steps the param       4Ψ/N
+                            buffer's own slices)
+  gradients               stage 1: 4Ψ full buffer + 4Ψ/N shard;  stage 2: 4Ψ/N shard (+ in-flight buckets)
+  optimizer states        K·Ψ/N (Adam: 8Ψ/N)
+
+The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
+step every bucket is all-gathered back into the parameter buffer in one equal-split collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.comm import Work
+from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
+from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter
+from shardspeed.zero.layout import ShardLayout
+from shardspeed.zero.param_groups import PackedParams
+from shardspeed.zero.reducer import GradReducer
+
+
+class PartitionedStates:
+    def __init__(
+        self, stage: int, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device
+    ) -> None:
+        assert stage in (1, 2), stage
+        self.stage, self.layout, self.ctx = stage, layout, ctx
+        self.communicate_every_micro_step = stage == 2
+        rank = ctx.axis.rank
+        dtypes = {p.dtype for p in packed.params} or {torch.float32}
+        assert len(dtypes) == 1, f"one parameter dtype expected, got {dtypes}"
+        self.compute_dtype = dtypes.pop()
+        mixed = self.compute_dtype != torch.float32
+
+        # Parameters become views of one padded flat buffer (the all-gather destination).
+        self.param_flat = torch.zeros(layout.total, dtype=self.compute_dtype, device=device)
+        with torch.no_grad():
+            for p, view in zip(packed.params, param_views(self.param_flat, layout, packed.params)):
+                view.copy_(p)
+                p.data = view
+        self.shard_grads = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        self.master_shard: torch.Tensor | None = None
+        if mixed:
+            self.master_shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+        # One optimizer tensor per bucket: the bucket's slice of the master shard (mixed) or of the parameter
+        # buffer itself (fp32: no separate master copy), with the matching gradient-shard slice as its .grad.
+        self.group_tensors: dict[int, list[torch.Tensor]] = {}
+        for k, bucket in enumerate(layout.buckets):
+            lo, hi = layout.shard_offset(k)
+            start, end = layout.rank_slice(k, rank)
+            if self.master_shard is not None:
+                tensor = self.master_shard[lo:hi]
+                tensor.copy_(self.param_flat[start:end])
+            else:
+                tensor = self.param_flat[start:end]
+            tensor.grad = self.shard_grads[lo:hi]
+            self.group_tensors.setdefault(bucket.group, []).append(tensor)
+
+        if stage == 1:
+            self.grad_buffer: FlatGradBuffer | None = FlatGradBuffer(
+                packed.params, layout, torch.float32, as_views=not mixed, device=device
+            )
+            self.grad_sync: ReduceScatterGrads | StagedReduceScatter = ReduceScatterGrads(
+                self.grad_buffer, self.shard_grads, ctx
+            )
+        else:
+            self.grad_buffer = None
+            self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_grads, ctx)
+        self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync)
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
+
+    def grad_sq_sum(self) -> float:
+        partial = sum_of_squares([self.shard_grads])
+        self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
+        return partial.item()
+
+    def scale_grads(self, factor: float) -> None:
+        self.shard_grads.mul_(factor)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """All-gather every bucket's updated shards into the parameter buffer (launched together, then waited)."""
+        rank = self.ctx.axis.rank
+        pending: list[tuple[Work, torch.Tensor]] = []
+        for k, bucket in enumerate(self.layout.buckets):
+            lo, hi = self.layout.shard_offset(k)
+            if self.master_shard is not None:
+                shard = self.master_shard[lo:hi].to(self.compute_dtype)
+            else:
+                start, end = self.layout.rank_slice(k, rank)
+                shard = self.param_flat[start:end].clone()  # input must not alias the output on every backend
+            out = self.param_flat[bucket.start : bucket.end]
+            pending.append(
+                (self.ctx.collectives.all_gather(out, shard, self.ctx.axis, async_op=True, tag="params"), shard)
+            )
+        for work, _ in pending:
+            work.wait()
+
+    def zero_grads(self) -> None:
+        self.reducer.zero()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        out = {"params": self.param_flat, "grad_shard": self.shard_grads}
+        if self.grad_buffer is not None:
+            out["grads"] = self.grad_buffer.flat
+        if self.master_shard is not None:
+            out["master_shard"] = self.master_shard
+        return out

@@ -1,0 +1,52 @@
+"""Stage 0 model states: full gradients all-reduced in buckets; fp32 masters when training in bf16/fp16."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.precision.master import MasterWeights
+from shardspeed.zero.grad_buffer import FlatGradBuffer
+from shardspeed.zero.grad_sync import AllReduceGrads, CommContext
+from shardspeed.zero.layout import ShardLayout
+from shardspeed.zero.param_groups import PackedParams
+from shardspeed.zero.reducer import GradReducer
+
+
+class ReplicatedStates:
+    communicate_every_micro_step = False
+
+    def __init__(self, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device) -> None:
+        mixed = any(p.dtype != torch.float32 for p in packed.params)
+        self.layout = layout
+        self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
+        self.reducer = GradReducer(packed.params, packed.names, layout, AllReduceGrads(self.grad_buffer, ctx))
+        self.master = MasterWeights(packed.params, self.grad_buffer) if mixed else None
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.master is None:
+            return groups
+        swap = self.master.master_of
+        return [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in groups]
+
+    def grad_sq_sum(self) -> float:
+        # Reduced gradients are identical on every rank, so the norm (and any overflow) is too: no collective.
+        return sum_of_squares([self.grad_buffer.flat]).item()
+
+    def scale_grads(self, factor: float) -> None:
+        self.grad_buffer.flat.mul_(factor)
+
+    def after_optimizer_step(self) -> None:
+        if self.master is not None:
+            self.master.copy_to_model()
+
+    def zero_grads(self) -> None:
+        self.reducer.zero()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        out = {"grads": self.grad_buffer.flat}
+        if self.master is not None:
+            out["master"] = self.master.flat
+        return out

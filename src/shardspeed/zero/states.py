@@ -1,0 +1,34 @@
+"""The interface the engine sees for a stage's model states (parameters, gradients, optimizer tensors)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from shardspeed.zero.reducer import GradReducer
+
+
+class ModelStates(Protocol):
+    reducer: GradReducer
+    communicate_every_micro_step: bool  # stage 2 reduces on every backward, stages 0/1 only on the boundary
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The user's groups with their parameters replaced by the tensors the optimizer must step."""
+        ...
+
+    def grad_sq_sum(self) -> float:
+        """Σ g² over the whole model's reduced gradients (collective where gradients are sharded)."""
+        ...
+
+    def scale_grads(self, factor: float) -> None: ...
+
+    def after_optimizer_step(self) -> None:
+        """Make the model's parameters reflect the optimizer's update (copy back / all-gather)."""
+        ...
+
+    def zero_grads(self) -> None: ...
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every persistent buffer this stage allocated, by role (for memory accounting)."""
+        ...
