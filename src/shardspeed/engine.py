@@ -319,6 +319,23 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         """Gradient norm of the last optimizer step, before clipping (unscaled for fp16); None before the first."""
         return self._global_grad_norm
 
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for model states, by role: the engine's own list of its buffers.
+
+        ``params`` counts every parameter storage once (tied and frozen included); ``optimizer_states`` every
+        tensor in the optimizer's state; the stage's flat buffers appear under their own names (``grads``,
+        ``grad_shard``, ``master``/``master_shard``). ``peak_bucket_bytes`` (stage 2's in-flight gradient buckets)
+        is transient and reported apart from the model states.
+        """
+        out = {"params": _unique_storage_bytes(self.module.parameters())}
+        for role, tensor in self.states.buffers().items():
+            if role != "params":
+                out[role] = tensor.numel() * tensor.element_size()
+        states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        out["optimizer_states"] = _unique_storage_bytes(states)
+        out["peak_bucket_bytes"] = getattr(self.states.reducer.grad_sync, "peak_staging_bytes", 0)
+        return out
+
     @property
     def comms_log(self) -> CommsLog:
         return self.collectives.log
@@ -326,6 +343,15 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def destroy(self) -> None:
         """Remove the gradient hooks (lets the module be wrapped by another engine)."""
         self.states.reducer.remove_hooks()
+
+
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

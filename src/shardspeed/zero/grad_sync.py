@@ -91,36 +91,39 @@ class AllReduceGrads:
 
 
 class _ShardReduceScatter:
-    """Shared by stages 1 and 2: reduce-scatter a full bucket into this rank's slice of the gradient shard."""
+    """Shared by stages 1 and 2: reduce-scatter a full bucket; this rank's reduced slice is its gradient shard.
 
-    def __init__(self, layout: ShardLayout, shard_grads: torch.Tensor, ctx: CommContext) -> None:
-        self.layout, self.shard_grads, self.ctx = layout, shard_grads, ctx
-        self._out: list[torch.Tensor | None] = [None] * len(layout.buckets)
+    ``grad_shards[k]`` is where this rank keeps bucket k's reduced gradient: a slice of the full buffer (stage 1,
+    so no separate shard memory) or of a contiguous fp32 shard buffer (stage 2).
+    """
+
+    def __init__(self, layout: ShardLayout, grad_shards: list[torch.Tensor], ctx: CommContext) -> None:
+        self.layout, self.grad_shards, self.ctx = layout, grad_shards, ctx
+        self._inflight: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layout.buckets)
 
     def _reduce_scatter(self, k: int, full_bucket: torch.Tensor) -> Work:
         staged = self.ctx.staged(full_bucket)
+        # A separate output: in-place reduce-scatter (output aliasing the input) is not portable across backends.
         out = torch.empty(staged.numel() // self.layout.world, dtype=staged.dtype, device=staged.device)
-        self._out[k] = out
+        self._inflight[k] = (staged, out)  # both must outlive the async collective
         return self.ctx.collectives.reduce_scatter(out, staged, self.ctx.axis, async_op=True, tag="grads")
 
-    def _shard_slice(self, k: int) -> torch.Tensor:
-        lo, hi = self.layout.shard_offset(k)
-        return self.shard_grads[lo:hi]
-
     def _take_output(self, k: int) -> torch.Tensor:
-        out = self._out[k]
-        assert out is not None
-        self._out[k] = None
+        inflight = self._inflight[k]
+        assert inflight is not None
+        self._inflight[k] = None
+        out = inflight[1]
         if self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
         return out
 
 
 class ReduceScatterGrads(_ShardReduceScatter):
-    """Stage 1: gradients accumulate in a full fp32 buffer; the boundary reduce-scatters it into the shard."""
+    """Stage 1: gradients accumulate in a full fp32 buffer; the boundary reduce-scatters each bucket and writes
+    the reduced result over this rank's slice of that same buffer (the optimizer's .grad views it)."""
 
-    def __init__(self, buffer: FlatGradBuffer, shard_grads: torch.Tensor, ctx: CommContext) -> None:
-        super().__init__(buffer.layout, shard_grads, ctx)
+    def __init__(self, buffer: FlatGradBuffer, grad_shards: list[torch.Tensor], ctx: CommContext) -> None:
+        super().__init__(buffer.layout, grad_shards, ctx)
         self.buffer = buffer
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
@@ -131,20 +134,25 @@ class ReduceScatterGrads(_ShardReduceScatter):
         return self._reduce_scatter(k, self.buffer.flat[b.start : b.end])
 
     def complete(self, k: int) -> None:
-        self._shard_slice(k).copy_(self._take_output(k))
+        self.grad_shards[k].copy_(self._take_output(k))
 
     def zero(self) -> None:
         self.buffer.zero()
-        self.shard_grads.zero_()
 
 
 class StagedReduceScatter(_ShardReduceScatter):
     """Stage 2: only in-flight buckets exist at full size; everything else lives in the fp32 shard."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], layout: ShardLayout, shard_grads: torch.Tensor, ctx: CommContext
+        self,
+        params: Sequence[torch.nn.Parameter],
+        layout: ShardLayout,
+        shard_flat: torch.Tensor,
+        grad_shards: list[torch.Tensor],
+        ctx: CommContext,
     ) -> None:
-        super().__init__(layout, shard_grads, ctx)
+        super().__init__(layout, grad_shards, ctx)
+        self.shard_flat = shard_flat
         self.params = list(params)
         self.bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.members}
         self._staging: dict[int, torch.Tensor] = {}
@@ -154,7 +162,7 @@ class StagedReduceScatter(_ShardReduceScatter):
         staging = self._staging.get(k)
         if staging is None:
             b = self.layout.buckets[k]
-            staging = torch.zeros(b.numel, dtype=self.ctx.comm_dtype, device=self.shard_grads.device)
+            staging = torch.zeros(b.numel, dtype=self.ctx.comm_dtype, device=self.shard_flat.device)
             self._staging[k] = staging
             live = sum(t.numel() * t.element_size() for t in self._staging.values())
             self.peak_staging_bytes = max(self.peak_staging_bytes, live)
@@ -174,9 +182,9 @@ class StagedReduceScatter(_ShardReduceScatter):
         return self._reduce_scatter(k, self._staging_for(k))  # zeros if no member got a gradient (unused)
 
     def complete(self, k: int) -> None:
-        self._shard_slice(k).add_(self._take_output(k))
+        self.grad_shards[k].add_(self._take_output(k))
         del self._staging[k]  # freed as soon as its bucket is reduced
 
     def zero(self) -> None:
         self._staging.clear()
-        self.shard_grads.zero_()
+        self.shard_flat.zero_()

@@ -72,7 +72,7 @@ class BytesPerParam:
         else:
             head, grads = "fp32 Adam", "fp32 gradients"
             states = "momentum 4 + variance 4" if self.optimizer == 8 else "no separate master copy"
-        note = "what shardspeed's engine allocates" if self.accounting == "shardspeed" else "the ZeRO paper's"
+        note = "as shardspeed's engine allocates" if self.accounting == "shardspeed" else "as in the ZeRO paper"
         return (
             f"{head}: {self.params} B params + {self.grads} B grads + {self.optimizer} B optimizer states per "
             f"parameter ({self.accounting} accounting, {note}; {grads}; optimizer states: {states})"

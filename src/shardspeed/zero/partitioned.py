@@ -7,7 +7,8 @@ flat, padded buffer; this rank owns the same 1/N slice of every bucket. What liv
   parameters (full)       4Ψ  (the flat buffer)    2Ψ
   fp32 master shard       — (steps the param       4Ψ/N
                             buffer's own slices)
-  gradients               stage 1: 4Ψ full buffer + 4Ψ/N shard;  stage 2: 4Ψ/N shard (+ in-flight buckets)
+  gradients (fp32)        stage 1: 4Ψ full buffer (the shard is this rank's slices of it)
+                          stage 2: 4Ψ/N shard (+ buckets in flight during backward)
   optimizer states        K·Ψ/N (Adam: 8Ψ/N)
 
 The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
@@ -48,12 +49,24 @@ class PartitionedStates:
             for p, view in zip(packed.params, param_views(self.param_flat, layout, packed.params)):
                 view.copy_(p)
                 p.data = view
-        self.shard_grads = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.master_shard: torch.Tensor | None = None
         if mixed:
             self.master_shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+        self.grad_buffer: FlatGradBuffer | None = None
+        self.shard_flat: torch.Tensor | None = None
+        if stage == 1:
+            self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
+            self.grad_shards = [
+                self.grad_buffer.flat.narrow(0, *_start_len(layout.rank_slice(k, rank)))
+                for k in range(len(layout.buckets))
+            ]
+        else:
+            self.shard_flat = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            self.grad_shards = [
+                self.shard_flat.narrow(0, *_start_len(layout.shard_offset(k))) for k in range(len(layout.buckets))
+            ]
         # One optimizer tensor per bucket: the bucket's slice of the master shard (mixed) or of the parameter
-        # buffer itself (fp32: no separate master copy), with the matching gradient-shard slice as its .grad.
+        # buffer itself (fp32: no separate master copy), with this rank's reduced gradient slice as its .grad.
         self.group_tensors: dict[int, list[torch.Tensor]] = {}
         for k, bucket in enumerate(layout.buckets):
             lo, hi = layout.shard_offset(k)
@@ -63,31 +76,27 @@ class PartitionedStates:
                 tensor.copy_(self.param_flat[start:end])
             else:
                 tensor = self.param_flat[start:end]
-            tensor.grad = self.shard_grads[lo:hi]
+            tensor.grad = self.grad_shards[k]
             self.group_tensors.setdefault(bucket.group, []).append(tensor)
-
-        if stage == 1:
-            self.grad_buffer: FlatGradBuffer | None = FlatGradBuffer(
-                packed.params, layout, torch.float32, as_views=not mixed, device=device
-            )
+        if self.grad_buffer is not None:
             self.grad_sync: ReduceScatterGrads | StagedReduceScatter = ReduceScatterGrads(
-                self.grad_buffer, self.shard_grads, ctx
+                self.grad_buffer, self.grad_shards, ctx
             )
         else:
-            self.grad_buffer = None
-            self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_grads, ctx)
+            assert self.shard_flat is not None
+            self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
         self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync)
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
 
     def grad_sq_sum(self) -> float:
-        partial = sum_of_squares([self.shard_grads])
+        partial = sum_of_squares(self.grad_shards)
         self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
         return partial.item()
 
     def scale_grads(self, factor: float) -> None:
-        self.shard_grads.mul_(factor)
+        torch._foreach_mul_(self.grad_shards, factor)
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -112,9 +121,15 @@ class PartitionedStates:
         self.reducer.zero()
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        out = {"params": self.param_flat, "grad_shard": self.shard_grads}
+        out = {"params": self.param_flat}
         if self.grad_buffer is not None:
             out["grads"] = self.grad_buffer.flat
+        if self.shard_flat is not None:
+            out["grad_shard"] = self.shard_flat
         if self.master_shard is not None:
             out["master_shard"] = self.master_shard
         return out
+
+
+def _start_len(span: tuple[int, int]) -> tuple[int, int]:
+    return span[0], span[1] - span[0]
