@@ -26,6 +26,7 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.log import configure_logger
 from shardspeed.optim import build_optimizer, is_elementwise
+from shardspeed.optim.lamb import Lamb
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.schedulers import build_scheduler
@@ -34,6 +35,7 @@ from shardspeed.topology import Topology
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
+from shardspeed.zero.sharded_lamb import ShardedLamb
 
 
 class ShardSpeedEngine(DeepSpeedCompatMixin):
@@ -180,7 +182,16 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         else:
             optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
         stage = self.config.zero_optimization.stage
-        if stage > 0 and not is_elementwise(optimizer) and not self.config.zero_allow_untested_optimizer:
+        if stage > 0 and type(optimizer) is Lamb:
+            # Lamb's trust ratio needs whole-parameter norms: sum them across shards (one small all-reduce).
+            axis, collectives = self.topology.data, self.collectives
+            optimizer = ShardedLamb.replacing(
+                optimizer,
+                self.states.tensor_segments(),
+                num_params=len(self.states.layout.numels),
+                all_reduce_sum=lambda t: collectives.all_reduce(t, axis, tag="lamb_norms"),
+            )
+        elif stage > 0 and not is_elementwise(optimizer) and not self.config.zero_allow_untested_optimizer:
             raise ValueError(
                 f"ZeRO stage {stage} steps flat shards, which is only correct for element-wise optimizers; "
                 f"{type(optimizer).__name__} is not known to be element-wise. Set "

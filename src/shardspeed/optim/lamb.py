@@ -78,6 +78,17 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
     def _update_one(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        update = self._direction(param, group)
+        # Norms stay tensors and the fallback is a torch.where, so there is no host sync per parameter.
+        # Norms in at least fp32: a bf16/fp16 sum of squares over a large tensor loses the ratio's precision.
+        norm_dtype = torch.promote_types(param.dtype, torch.float32)
+        weight_norm = torch.linalg.vector_norm(param, dtype=norm_dtype)
+        update_norm = torch.linalg.vector_norm(update, dtype=norm_dtype)
+        trust = trust_ratio(weight_norm, update_norm, group)
+        param.sub_(update * (trust.to(update.dtype) * group["lr"]))
+
+    def _direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance the moments of ``param`` and return its update ``r`` (element-wise; no norms yet)."""
         grad = param.grad
         beta1, beta2 = group["betas"]
         state = self.state[param]
@@ -103,12 +114,10 @@ class Lamb(torch.optim.Optimizer):
         update = m_hat / denom
         if group["weight_decay"] != 0.0:
             update.add_(param, alpha=group["weight_decay"])
+        return update
 
-        # Norms stay tensors and the fallback is a torch.where, so there is no host sync per parameter.
-        # Norms in at least fp32: a bf16/fp16 sum of squares over a large tensor loses the ratio's precision.
-        norm_dtype = torch.promote_types(param.dtype, torch.float32)
-        weight_norm = torch.linalg.vector_norm(param, dtype=norm_dtype)
-        update_norm = torch.linalg.vector_norm(update, dtype=norm_dtype)
-        ratio = (weight_norm / update_norm).clamp_(group["min_coeff"], group["max_coeff"])
-        trust = torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
-        param.sub_(update * (trust.to(update.dtype) * group["lr"]))
+
+def trust_ratio(weight_norm: torch.Tensor, update_norm: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """clamp(||w|| / ||r||, min_coeff, max_coeff), and 1 where either norm is 0 (element-wise over tensors)."""
+    ratio = (weight_norm / update_norm).clamp_(group["min_coeff"], group["max_coeff"])
+    return torch.where((weight_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))

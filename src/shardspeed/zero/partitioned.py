@@ -25,7 +25,7 @@ from shardspeed.comm import Work
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
 from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter
-from shardspeed.zero.layout import ShardLayout
+from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 
@@ -67,6 +67,7 @@ class PartitionedStates:
             ]
         # One optimizer tensor per bucket: the bucket's slice of the master shard (mixed) or of the parameter
         # buffer itself (fp32: no separate master copy), with this rank's reduced gradient slice as its .grad.
+        self.bucket_tensors: list[torch.Tensor] = []
         self.group_tensors: dict[int, list[torch.Tensor]] = {}
         for k, bucket in enumerate(layout.buckets):
             lo, hi = layout.shard_offset(k)
@@ -77,6 +78,7 @@ class PartitionedStates:
             else:
                 tensor = self.param_flat[start:end]
             tensor.grad = self.grad_shards[k]
+            self.bucket_tensors.append(tensor)
             self.group_tensors.setdefault(bucket.group, []).append(tensor)
         if self.grad_buffer is not None:
             self.grad_sync: ReduceScatterGrads | StagedReduceScatter = ReduceScatterGrads(
@@ -86,6 +88,20 @@ class PartitionedStates:
             assert self.shard_flat is not None
             self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
         self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync)
+
+    def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
+        """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it."""
+        rank = self.ctx.axis.rank
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        for k, tensor in enumerate(self.bucket_tensors):
+            start, end = self.layout.rank_slice(k, rank)
+            pieces = []
+            for i in self.layout.buckets[k].members:
+                owned = intersect(self.layout.span(i), (start, end))
+                if owned:
+                    pieces.append((i, owned[0] - start, owned[1] - start))
+            out[id(tensor)] = pieces
+        return out
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
