@@ -18,6 +18,7 @@ row's peak comes from a fresh torchrun that builds only that row.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -240,6 +241,11 @@ def rank_main(args: argparse.Namespace) -> None:
         elif rank == 0 and args.memory_row is None:
             print(format_report(result, {}))
     finally:
+        # Free the rows' DDP reducers and engines (reference cycles) while the process group still exists:
+        # left to interpreter exit, a DDP reducer torn down after its group sometimes aborts the process
+        # ("terminate called without an active exception") even though the run itself succeeded.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

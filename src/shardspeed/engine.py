@@ -26,6 +26,7 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.log import configure_logger
 from shardspeed.optim import build_optimizer, is_elementwise
+from shardspeed.optim.build import state_bytes_per_element
 from shardspeed.optim.lamb import Lamb
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
@@ -34,6 +35,7 @@ from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.topology import Topology
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
+from shardspeed.zero.memory import model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
 from shardspeed.zero.sharded_lamb import ShardedLamb
 
@@ -88,7 +90,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         bucket_numel = (
             zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         )
-        self.states = build_model_states(zero.stage, packed, int(bucket_numel), comm, self.device)
+        self.states = build_model_states(zero.stage, packed, int(bucket_numel), comm, self.device, zero.overlap_comm)
         self.optimizer = self._build_optimizer(optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
@@ -123,6 +125,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             if training_data is not None
             else None
         )
+        trainable_numel = sum(p.numel() for p in packed.params)
+        self.predicted_memory = model_state_bytes(
+            trainable_numel,
+            topology.dp_world_size,
+            zero.stage,
+            precision="fp32" if config.compute_dtype == torch.float32 else "mixed",
+            accounting="shardspeed",
+            optimizer_state_bytes_per_param=state_bytes_per_element(self.optimizer)
+            + (4 if config.compute_dtype != torch.float32 else 0),
+            padded_numel=max(self.states.layout.total, trainable_numel),
+        )
+        """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
+        ``memory_breakdown()``, which lists what was really allocated."""
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -139,11 +154,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 config.compute_dtype,
                 topology.shape.world_size,
                 topology.dp_world_size,
-                sum(p.numel() for p in packed.params),
+                trainable_numel,
                 config.train_micro_batch_size_per_gpu,
                 config.gradient_accumulation_steps,
                 topology.dp_world_size,
                 config.train_batch_size,
+            )
+            mb = self.predicted_memory
+            self.logger.info(
+                "model states per rank (predicted): params %.1f MB + grads %.1f MB + optimizer %.1f MB = %.1f MB",
+                mb.params / 2**20,
+                mb.grads / 2**20,
+                mb.optimizer / 2**20,
+                mb.total() / 2**20,
             )
 
     # --- construction helpers ----------------------------------------------------------------------------------
@@ -241,6 +264,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
                 "Ranks would step on different gradients and diverge."
             )
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         # Identical on every rank (sharded stages all-reduce the partial sums), so the overflow verdict is too.
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale
@@ -270,6 +295,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self.global_samples += self.config.train_batch_size
         if self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
+
+    def _check_no_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: every rank learns whether any rank saw an unused parameter (one
+        scalar all-reduce, issued on every rank), so all ranks raise together instead of some hanging."""
+        unused = self.states.reducer.unused_names()
+        flag = torch.tensor([float(len(unused))], device=self.device)
+        self.collectives.all_reduce_max(flag, self.topology.data, tag="unused_check")
+        if flag.item() > 0:
+            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
+            raise RuntimeError(
+                f"parameters received no gradient this step ({where}) and zero_optimization."
+                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
+            )
 
     def _log_progress(self) -> None:
         now = time.perf_counter()

@@ -313,7 +313,7 @@ def test_zero_defaults_match_deepspeed() -> None:
     assert zero.stage == 0
     assert zero.contiguous_gradients is True and zero.reduce_scatter is True
     assert zero.reduce_bucket_size == 500_000_000 and zero.allgather_bucket_size == 500_000_000
-    assert zero.allgather_partitions is True and zero.overlap_comm is False
+    assert zero.allgather_partitions is True and zero.overlap_comm is True  # ours: true for every stage
     assert zero.load_from_fp32_weights is True and zero.elastic_checkpoint is False
     assert zero.sub_group_size == 1_000_000_000
     assert zero.prefetch_bucket_size == 50_000_000 and zero.param_persistence_threshold == 100_000

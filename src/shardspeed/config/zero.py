@@ -64,10 +64,13 @@ class ZeroConfig(Stage3Options):
 
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation).
-    DeepSpeed default: true."""
+    DeepSpeed default: true. shardspeed always does (flat buffers are how its buckets work); accepted for
+    compatibility."""
 
     reduce_scatter: bool = True
-    """Average gradients with reduce-scatter (or reduce) instead of all-reduce. DeepSpeed default: true."""
+    """Average gradients with reduce-scatter (or reduce) instead of all-reduce. DeepSpeed default: true.
+    shardspeed's stages 1/2 always reduce-scatter (same numbers, half the traffic of an all-reduce); the key is
+    accepted for compatibility."""
 
     reduce_bucket_size: PositiveInt = 500_000_000
     """Gradient elements reduced per collective. DeepSpeed default: 5e8. ``"auto"`` -> this default (the HF
@@ -84,8 +87,11 @@ class ZeroConfig(Stage3Options):
     """Parameter elements all-gathered per collective. DeepSpeed default: 5e8."""
 
     overlap_comm: bool
-    """Overlap gradient reduction with the backward pass. DeepSpeed default: true for stage 3, false
-    otherwise (filled in from ``stage`` when the key is absent or null)."""
+    """Overlap gradient reduction with the backward pass: buckets are launched asynchronously from gradient
+    hooks and several may be in flight at once. False makes each bucket's collective complete before the next
+    launches (still inside backward; peak transient memory is one bucket). Default: true for every stage.
+    DeepSpeed defaults it to false below stage 3 because its overlap needs extra bucket copies; ours does not,
+    so we do not make the common case slower (it never changes numerics)."""
 
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from
@@ -160,10 +166,10 @@ class ZeroConfig(Stage3Options):
     @model_validator(mode="before")
     @classmethod
     def _default_overlap_comm(cls, data: Any) -> Any:
-        """DeepSpeed's ``overlap_comm`` default depends on the stage, so it is filled in before the
-        fields are validated."""
+        """An absent or null ``overlap_comm`` means the default (true); DeepSpeed's default depends on the stage,
+        ours does not (see the field)."""
         if isinstance(data, Mapping) and data.get("overlap_comm") is None:
-            data = {**data, "overlap_comm": data.get("stage", 0) == 3}
+            data = {**data, "overlap_comm": True}
         return data
 
     @field_validator("stage")

@@ -49,9 +49,12 @@ def is_elementwise(optimizer: torch.optim.Optimizer | type) -> bool:
     result as stepping the whole tensor (what ZeRO's flat partitions need). False for optimizers that take
     per-tensor norms or factorized statistics (Lamb, Adafactor, Muon, LBFGS) and for any class we do not
     know: the type must match exactly, since a subclass may override ``step`` with anything.
+
+    Your own optimizer class declares itself element-wise with a class attribute ``shardspeed_elementwise =
+    True`` (checked on the class itself, not inherited, for the same reason).
     """
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    return cls in _elementwise_classes()
+    return cls in _elementwise_classes() or cls.__dict__.get("shardspeed_elementwise") is True
 
 
 def _materialize(model_parameters: ModelParameters | None) -> list[Any]:
@@ -119,3 +122,22 @@ def build_optimizer(
     if name == "Lion":
         return Lion(params, **hyperparameters)
     return torch_optimizer_classes()[name](params, **hyperparameters)
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """fp32 bytes of optimizer state per stepped element (Adam: momentum + variance = 8), for memory prediction.
+
+    Read from the hyperparameters of the first group (``momentum`` for SGD, ``amsgrad`` for Adam); unknown
+    classes count as Adam-like (8), the common case and a safe over-estimate for most.
+    """
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 4 if group.get("momentum", 0) else 0
+    if name in ("Adagrad", "Lion", "Rprop"):
+        return 4 if name != "Rprop" else 8
+    if name in ("Adam", "AdamW") and group.get("amsgrad"):
+        return 12
+    if name == "RMSprop":
+        return 4 + (4 if group.get("momentum", 0) else 0) + (4 if group.get("centered") else 0)
+    return 8

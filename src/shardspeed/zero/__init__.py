@@ -11,7 +11,7 @@ from shardspeed.zero.states import ModelStates
 
 
 def build_model_states(
-    stage: int, packed: PackedParams, bucket_numel: int, ctx: CommContext, device: torch.device
+    stage: int, packed: PackedParams, bucket_numel: int, ctx: CommContext, device: torch.device, overlap: bool = True
 ) -> ModelStates:
     from shardspeed.zero.partitioned import PartitionedStates
     from shardspeed.zero.replicated import ReplicatedStates
@@ -19,7 +19,7 @@ def build_model_states(
     world = ctx.axis.size if stage > 0 else 1
     layout = build_shard_layout([p.numel() for p in packed.params], packed.groups, bucket_numel, world)
     if stage == 0:
-        return ReplicatedStates(packed, layout, ctx, device)
+        return ReplicatedStates(packed, layout, ctx, device, overlap)
     if stage in (1, 2):
-        return PartitionedStates(stage, packed, layout, ctx, device)
+        return PartitionedStates(stage, packed, layout, ctx, device, overlap)
     raise ValueError(f"ZeRO stage {stage} is not implemented")

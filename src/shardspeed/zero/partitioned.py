@@ -32,7 +32,13 @@ from shardspeed.zero.reducer import GradReducer
 
 class PartitionedStates:
     def __init__(
-        self, stage: int, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device
+        self,
+        stage: int,
+        packed: PackedParams,
+        layout: ShardLayout,
+        ctx: CommContext,
+        device: torch.device,
+        overlap: bool,
     ) -> None:
         assert stage in (1, 2), stage
         self.stage, self.layout, self.ctx = stage, layout, ctx
@@ -87,7 +93,7 @@ class PartitionedStates:
         else:
             assert self.shard_flat is not None
             self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
-        self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync)
+        self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync, overlap=overlap)
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it."""

@@ -50,9 +50,15 @@ class GradReducer:
     """Owns the hooks and the bucket state machine for one engine."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], names: Sequence[str], layout: ShardLayout, sync: GradSync
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        layout: ShardLayout,
+        sync: GradSync,
+        overlap: bool = True,
     ) -> None:
         self.names = list(names)
+        self.overlap = overlap  # False: each bucket completes before the next launches (one bucket in flight)
         self.layout = layout
         self.grad_sync = sync
         n = len(layout.buckets)
@@ -60,7 +66,8 @@ class GradReducer:
         self.state = [BucketState.ACCUMULATING] * n
         self._pending = [0] * n
         self._work: list[Work | None] = [None] * n
-        self._arrived: set[int] = set()
+        self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
+        self._arrived_since_zero: set[int] = set()  # ... in any backward since gradients were last zeroed
         self._communicate = False
         self._in_backward = False
         self._next_launch = 0
@@ -86,6 +93,7 @@ class GradReducer:
             # reduced, and engine.step() refuses to step on unreduced gradients.
             self.grad_sync.absorb(index, param)
             return
+        self._arrived_since_zero.add(index)
         bucket = self.bucket_of[index]
         if self._communicate and self.state[bucket] is not BucketState.ACCUMULATING:
             raise RuntimeError(
@@ -107,6 +115,16 @@ class GradReducer:
             self._to(k, BucketState.REDUCING, BucketState.ACCUMULATING)
             self._work[k] = self.grad_sync.launch(k)
             self._next_launch += 1
+            if not self.overlap:
+                self._finish(k)
+
+    def _finish(self, k: int) -> None:
+        work = self._work[k]
+        assert work is not None
+        work.wait()
+        self._work[k] = None
+        self.grad_sync.complete(k)
+        self._to(k, BucketState.REDUCED, BucketState.REDUCING)
 
     def after_backward(self) -> None:
         """End of backward: launch what is left (unused parameters), wait, finish every bucket."""
@@ -115,12 +133,9 @@ class GradReducer:
         if not self._communicate:
             return
         self._launch_ready(force=True)
-        for k, work in enumerate(self._work):
-            assert work is not None
-            work.wait()
-            self._work[k] = None
-            self.grad_sync.complete(k)
-            self._to(k, BucketState.REDUCED, BucketState.REDUCING)
+        for k, state in enumerate(self.state):
+            if state is BucketState.REDUCING:
+                self._finish(k)
 
     def abort_backward(self) -> None:
         """Backward raised midway: drain launched collectives so this rank's sequence is not left half-issued."""
@@ -137,7 +152,12 @@ class GradReducer:
         """Whether the last backward reduced every bucket (required before an optimizer step)."""
         return all(s is BucketState.REDUCED for s in self.state)
 
+    def unused_names(self) -> list[str]:
+        """Trainable parameters that got no gradient in any backward since gradients were last zeroed."""
+        return [n for i, n in enumerate(self.names) if i not in self._arrived_since_zero]
+
     def zero(self) -> None:
+        self._arrived_since_zero.clear()
         self.grad_sync.zero()
         self.state = [BucketState.ACCUMULATING] * len(self.state)
 

@@ -18,11 +18,15 @@ from shardspeed.zero.reducer import GradReducer
 class ReplicatedStates:
     communicate_every_micro_step = False
 
-    def __init__(self, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device) -> None:
+    def __init__(
+        self, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device, overlap: bool
+    ) -> None:
         mixed = any(p.dtype != torch.float32 for p in packed.params)
         self.layout = layout
         self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
-        self.reducer = GradReducer(packed.params, packed.names, layout, AllReduceGrads(self.grad_buffer, ctx))
+        self.reducer = GradReducer(
+            packed.params, packed.names, layout, AllReduceGrads(self.grad_buffer, ctx), overlap=overlap
+        )
         self.master = MasterWeights(packed.params, self.grad_buffer) if mixed else None
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
