@@ -95,7 +95,8 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _torchrun(args: argparse.Namespace, rows: list[str], result_file: Path, memory_row: str | None) -> None:
+def _torchrun(args: argparse.Namespace, rows: list[str], result_file: Path, memory_row: str | None) -> bool:
+    """Run one torchrun child; True when it succeeded (and so wrote ``result_file``)."""
     command = [
         sys.executable,
         "-m",
@@ -112,7 +113,8 @@ def _torchrun(args: argparse.Namespace, rows: list[str], result_file: Path, memo
     completed = subprocess.run(command, env=_child_env(), check=False)
     if completed.returncode != 0:
         what = f"memory run for row {memory_row!r}" if memory_row else "timing run"
-        raise SystemExit(f"bench_engine: the {what} failed (exit code {completed.returncode}); see its output above")
+        print(f"bench_engine: the {what} failed (exit code {completed.returncode}); see its output above")
+    return completed.returncode == 0
 
 
 def launcher_main(args: argparse.Namespace) -> None:
@@ -120,13 +122,15 @@ def launcher_main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as scratch:
         timing_file = Path(scratch) / "timing.json"
-        _torchrun(args, rows, timing_file, memory_row=None)
+        if not _torchrun(args, rows, timing_file, memory_row=None):
+            raise SystemExit(1)
         timing = json.loads(timing_file.read_text())
-        memory: dict[str, dict[str, Any]] = {}
+        memory: dict[str, dict[str, Any] | None] = {}
         for name in timing["step_ms"]:  # rows that failed to build in the timing run are not measured again
             memory_file = Path(scratch) / f"memory_{name}.json"
-            _torchrun(args, rows, memory_file, memory_row=name)
-            memory[name] = json.loads(memory_file.read_text())
+            # A failed memory run costs that row's memory cell, not the timings already taken.
+            ok = _torchrun(args, rows, memory_file, memory_row=name)
+            memory[name] = json.loads(memory_file.read_text()) if ok else None
     print()
     print(
         f"bench_engine: {timing['model']} ({timing['parameters']:,} parameters), fp32, AdamW, gloo on CPU, "
@@ -211,8 +215,23 @@ def timing_run(args: argparse.Namespace, rows: list[Row], setup: BenchSetup) -> 
     }
 
 
-def memory_run(args: argparse.Namespace, row: Row, setup: BenchSetup) -> dict[str, Any]:
+def _trigger_torch_one_time_setup() -> None:
+    """Pay torch's lazy one-time costs (the optimizer's first-use imports, the autograd engine's threads).
+
+    They come to tens of MiB and every row pays them alike; paying them before the baseline keeps them out of
+    each row's growth, which is then about the row's own tensors and buffers.
+    """
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight])
+    (weight * 2.0).sum().backward()
+    optimizer.step()
+
+
+def memory_run(args: argparse.Namespace, rows: list[Row], row: Row, setup: BenchSetup) -> dict[str, Any]:
     """VmHWM per rank before and after building ``row`` and running warmup + steps steps with it."""
+    for each in rows:  # the same modules in every row's process: imports cost every row the same
+        each.preload()
+    _trigger_torch_one_time_setup()
     baseline = read_status_mib("VmHWM")
     step, reason = build_row(row, setup)
     if step is None:
@@ -233,7 +252,7 @@ def rank_main(args: argparse.Namespace) -> None:
         setup = make_setup(MODEL_SIZES[args.model], rank)
         rows = resolve_rows(requested_rows(args))
         if args.memory_row is not None:
-            result = memory_run(args, ROWS[args.memory_row], setup)
+            result = memory_run(args, rows, ROWS[args.memory_row], setup)
         else:
             result = timing_run(args, rows, setup)
         if rank == 0 and args.result_file:

@@ -8,21 +8,26 @@ from stats import median, summarize_ratios
 
 MEMORY_NOTE = (
     "peak RSS = VmHWM (/proc/self/status) of each rank, in MiB, from a separate torchrun per row that builds "
-    "only that row and runs warmup + steps steps; it includes torch, the template model and the batch. In "
-    "parentheses: growth over the VmHWM just before the row was built: what building and training the row "
-    "added, including torch's one-time costs of a first forward/backward, which every row pays alike."
+    "only that row and runs warmup + steps steps. Each such process first imports the libraries of all rows in "
+    "the run and triggers torch's lazy one-time setup on a 1-element tensor, so the peak also holds torch, those "
+    "imports, the template model and the batch, equally for every row. In parentheses: growth over the VmHWM "
+    "just before the row was built, i.e. the row's own model copy, gradients, optimizer state, communication "
+    "buffers and activations."
 )
 
 
-def _memory_cell(memory: dict[str, Any] | None) -> str:
-    if memory is None:
+def _memory_cell(memory: dict[str, dict[str, Any] | None], name: str) -> str:
+    if name not in memory:
         return "-"
-    peaks = " / ".join(f"{value:.0f}" for value in memory["peak_mib"])
-    growth = " / ".join(f"+{peak - base:.0f}" for peak, base in zip(memory["peak_mib"], memory["baseline_mib"]))
+    if memory[name] is None:
+        return "memory run failed"
+    row = memory[name]
+    peaks = " / ".join(f"{value:.0f}" for value in row["peak_mib"])
+    growth = " / ".join(f"+{peak - base:.0f}" for peak, base in zip(row["peak_mib"], row["baseline_mib"]))
     return f"{peaks} ({growth})"
 
 
-def table_rows(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> list[list[str]]:
+def table_rows(timing: dict[str, Any], memory: dict[str, dict[str, Any] | None]) -> list[list[str]]:
     """One list of cells per row: name, peer, median step ms, ratio median, IQR, peak RSS, final loss."""
     step_ms: dict[str, list[float]] = timing["step_ms"]
     cells = []
@@ -40,7 +45,7 @@ def table_rows(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> lis
                 f"{median(step_ms[name]):.1f}",
                 ratio,
                 band,
-                _memory_cell(memory.get(name)),
+                _memory_cell(memory, name),
                 f"{timing['final_loss'][name]:.5f}",
             ]
         )
@@ -50,7 +55,7 @@ def table_rows(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> lis
 HEADER = ["row", "peer", "step ms (median)", "ratio median", "IQR", "peak RSS MiB/rank (+row)", "loss"]
 
 
-def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> str:
+def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | None]) -> str:
     """The final table, per-round ratios, and notes on what was measured."""
     body = table_rows(timing, memory)
     widths = [max(len(line[column]) for line in [HEADER, *body]) for column in range(len(HEADER))]

@@ -14,11 +14,14 @@ Adding a row is one builder function and one ``Row(...)`` entry in ``ROWS``; e.g
         return _torch_step(model, optimizer, setup)
 
     ROWS["torch_zero1"] = Row("torch_zero1", "torch DDP + ZeroRedundancyOptimizer", _build_torch_zero1, None)
-    ROWS["stage1"] = Row("stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "torch_zero1")
+    ROWS["stage1"] = Row(
+        "stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "torch_zero1", _import_shardspeed
+    )
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 from collections.abc import Callable
@@ -181,6 +184,19 @@ def _build_deepspeed(setup: BenchSetup, stage: int) -> StepFn:
     return _engine_step(engine, setup)
 
 
+def _import_shardspeed() -> None:
+    from shardspeed import initialize  # noqa: F401  (a lazy export: this loads the engine and its config)
+
+
+def _import_deepspeed() -> None:
+    with contextlib.suppress(ImportError):  # not installed: the row's build reports it
+        import deepspeed  # noqa: F401
+
+
+def _import_nothing() -> None:
+    """torch's own rows need nothing beyond torch, which every run has imported already."""
+
+
 def deepspeed_installed() -> bool:
     """Whether deepspeed can be imported, without importing it (that alone takes seconds)."""
     return importlib.util.find_spec("deepspeed") is not None
@@ -193,12 +209,24 @@ class Row:
     build: Callable[[BenchSetup], StepFn]
     peer: str | None  # the row this one's step time is divided by; None for a reference row
     optional: bool = False  # an optional row that fails to build is reported and skipped, not fatal
+    # Imports the row's library. Memory runs call every row's preload before measuring, so each row's
+    # process holds the same modules and import costs neither differ between rows nor count as a row's growth.
+    preload: Callable[[], None] = _import_nothing
 
 
 ROWS: dict[str, Row] = {
-    "stage0": Row("stage0", "shardspeed ZeRO stage 0", partial(_build_shardspeed, stage=0), "ddp"),
+    "stage0": Row(
+        "stage0", "shardspeed ZeRO stage 0", partial(_build_shardspeed, stage=0), "ddp", preload=_import_shardspeed
+    ),
     "ddp": Row("ddp", "torch DistributedDataParallel", _build_ddp, None),
-    "deepspeed0": Row("deepspeed0", "DeepSpeed ZeRO stage 0", partial(_build_deepspeed, stage=0), "ddp", optional=True),
+    "deepspeed0": Row(
+        "deepspeed0",
+        "DeepSpeed ZeRO stage 0",
+        partial(_build_deepspeed, stage=0),
+        "ddp",
+        optional=True,
+        preload=_import_deepspeed,
+    ),
 }
 
 DEEPSPEED_ROWS = ("deepspeed0",)

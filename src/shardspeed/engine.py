@@ -85,12 +85,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 topology.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
             ),
         )
-        # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is
-        # bounded by both sizes.
-        bucket_numel = (
-            zero.reduce_bucket_size if zero.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        )
-        self.states = build_model_states(zero.stage, packed, int(bucket_numel), comm, self.device, zero.overlap_comm)
+        trainable_numel = sum(p.numel() for p in packed.params)
+        self.states = build_model_states(zero, self.module, packed, comm, self.device)
         self.optimizer = self._build_optimizer(optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
@@ -125,7 +121,6 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             if training_data is not None
             else None
         )
-        trainable_numel = sum(p.numel() for p in packed.params)
         self.predicted_memory = model_state_bytes(
             trainable_numel,
             topology.dp_world_size,
@@ -134,7 +129,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             accounting="shardspeed",
             optimizer_state_bytes_per_param=state_bytes_per_element(self.optimizer)
             + (4 if config.compute_dtype != torch.float32 else 0),
-            padded_numel=max(self.states.layout.total, trainable_numel),
+            padded_numel=max(self.states.padded_numel, trainable_numel),
         )
         """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
         ``memory_breakdown()``, which lists what was really allocated."""
@@ -211,7 +206,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             optimizer = ShardedLamb.replacing(
                 optimizer,
                 self.states.tensor_segments(),
-                num_params=len(self.states.layout.numels),
+                num_params=self.states.num_params,
                 all_reduce_sum=lambda t: collectives.all_reduce(t, axis, tag="lamb_norms"),
             )
         elif stage > 0 and not is_elementwise(optimizer) and not self.config.zero_allow_untested_optimizer:
@@ -368,21 +363,29 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         """Gradient norm of the last optimizer step, before clipping (unscaled for fp16); None before the first."""
         return self._global_grad_norm
 
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict. Under ZeRO-3 parameters are gathered unit by unit (every rank must call
+        this); other stages hold whole parameters and return ``module.state_dict()``."""
+        full_state_dict = getattr(self.states, "full_state_dict", None)
+        return full_state_dict(self.module) if full_state_dict else self.module.state_dict()
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by role: the engine's own list of its buffers.
 
         ``params`` counts every parameter storage once (tied and frozen included); ``optimizer_states`` every
         tensor in the optimizer's state; the stage's flat buffers appear under their own names (``grads``,
-        ``grad_shard``, ``master``/``master_shard``). ``peak_bucket_bytes`` (stage 2's in-flight gradient buckets)
+        ``grad_shard``, ``master``/``master_shard``). ``peak_bucket_bytes``
+        (in-flight gradient buckets of stage 2, gathered units of stage 3)
         is transient and reported apart from the model states.
         """
         out = {"params": _unique_storage_bytes(self.module.parameters())}
-        for role, tensor in self.states.buffers().items():
+        for role, tensors in self.states.buffers().items():
             if role != "params":
-                out[role] = tensor.numel() * tensor.element_size()
+                tensors = tensors if isinstance(tensors, list) else [tensors]
+                out[role] = sum(t.numel() * t.element_size() for t in tensors)
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         out["optimizer_states"] = _unique_storage_bytes(states)
-        out["peak_bucket_bytes"] = getattr(self.states.reducer.grad_sync, "peak_staging_bytes", 0)
+        out["peak_bucket_bytes"] = self.states.peak_bucket_bytes
         return out
 
     @property

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+from bench_report import table_rows
 from proc_status import parse_status_kib
 from stats import (
     interquartile_range,
@@ -100,3 +101,18 @@ def test_parse_status_fields() -> None:
         parse_status_kib(STATUS_SAMPLE, "VmSwap")
     with pytest.raises(ValueError, match="Threads"):
         parse_status_kib(STATUS_SAMPLE, "Threads")  # present, but not a 'kB' field
+
+
+def test_report_rows_pair_each_row_with_its_peer() -> None:
+    timing = {
+        "rows": [{"name": "stage0", "peer": "ddp"}, {"name": "ddp", "peer": None}],
+        "step_ms": {"stage0": [95.0, 110.0, 90.0], "ddp": [100.0, 100.0, 100.0]},
+        "final_loss": {"stage0": 1.25, "ddp": 1.25},
+    }
+    memory = {"stage0": {"peak_mib": [400.0, 398.0], "baseline_mib": [250.0, 250.0]}, "ddp": None}
+    stage0, ddp = table_rows(timing, memory)
+    # ratios 0.95, 1.10, 0.90 -> sorted 0.90, 0.95, 1.10: median 0.95, quartiles 0.925 and 1.025
+    assert stage0[:5] == ["stage0", "ddp", "95.0", "0.950×", "0.925-1.025×"]
+    assert stage0[5] == "400 / 398 (+150 / +148)"
+    assert ddp[:5] == ["ddp", "-", "100.0", "-", "-"]
+    assert ddp[5] == "memory run failed"

@@ -387,13 +387,6 @@ def test_alias_and_canonical_spelling_together() -> None:
     )
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_unimplemented_zero_stage_is_an_error(stage: int) -> None:
-    message = error_of({**MICRO1, "zero_optimization": {"stage": stage}})
-    assert message.startswith(f"zero_optimization.stage: ZeRO stage {stage} is not implemented in shardspeed yet")
-    assert "(implemented: 0, 1, 2)" in message
-
-
 @pytest.mark.parametrize("stage", [-1, 4])
 def test_zero_stage_out_of_range(stage: int) -> None:
     assert error_of({**MICRO1, "zero_optimization": {"stage": stage}}) == (

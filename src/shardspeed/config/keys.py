@@ -60,7 +60,7 @@ def _empty(value: Any) -> bool:
 
 
 def _all_falsy(value: Any) -> bool:
-    """Every leaf is false/null/0/empty: e.g. an ``activation_checkpointing`` block with all options off."""
+    """Every leaf is false/null/0/empty: e.g. a ``data_types`` block with every dtype null."""
     if isinstance(value, Mapping):
         return all(_all_falsy(v) for v in value.values())
     if isinstance(value, list):
@@ -170,7 +170,6 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
         "client-managed accumulation boundaries (false)", _equals(True), "remove it or set it to true"
     ),
     # Model / training-loop transformations.
-    "activation_checkpointing": KeyRule("DeepSpeed's activation checkpointing", _all_falsy, _REMOVE),
     "sparse_attention": KeyRule("block-sparse attention kernels", _empty, _REMOVE),
     "progressive_layer_drop": KeyRule("progressive layer dropping", _enabled_false, _ENABLED_OFF),
     "curriculum_learning": KeyRule("curriculum learning (legacy)", _enabled_false, _ENABLED_OFF),

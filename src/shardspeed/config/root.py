@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field, model_validator
 
+from .activation import ActivationCheckpointingConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .precision import BF16Config, DtypeName, FP16Config
@@ -89,6 +90,10 @@ class ShardSpeedConfig(ConfigModel):
 
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication logging. DeepSpeed default: disabled."""
+
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    """How ``shardspeed.checkpointing`` stores checkpointed inputs (partitioned, in CPU memory, ...).
+    DeepSpeed default: every option off."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,

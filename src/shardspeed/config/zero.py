@@ -20,7 +20,7 @@ from .base import Int, InvalidValue, NonNegativeInt, PositiveInt, show
 from .offload import IMPLEMENTED_OFFLOAD_DEVICES, OffloadOptimizerConfig, OffloadParamConfig
 from .zero_stage3 import STAGE3_ALIASES, Stage3Options
 
-IMPLEMENTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2})
+IMPLEMENTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
 """ZeRO stages shardspeed can run. Read at validation time, so adding a stage is a one-line change."""
 
 _NOT_SUPPORTED = "is a DeepSpeed option shardspeed does not support yet"

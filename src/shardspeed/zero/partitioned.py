@@ -112,6 +112,18 @@ class PartitionedStates:
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
 
+    @property
+    def peak_bucket_bytes(self) -> int:
+        return getattr(self.grad_sync, "peak_staging_bytes", 0)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.total
+
+    @property
+    def num_params(self) -> int:
+        return len(self.layout.numels)
+
     def grad_sq_sum(self) -> float:
         partial = sum_of_squares(self.grad_shards)
         self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")

@@ -35,6 +35,16 @@ class ReplicatedStates:
         swap = self.master.master_of
         return [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in groups]
 
+    peak_bucket_bytes = 0  # stage 0 reduces the persistent buffer in place
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.total
+
+    @property
+    def num_params(self) -> int:
+        return len(self.layout.numels)
+
     def grad_sq_sum(self) -> float:
         # Reduced gradients are identical on every rank, so the norm (and any overflow) is too: no collective.
         return sum_of_squares([self.grad_buffer.flat]).item()

@@ -10,8 +10,27 @@ from shardspeed.zero.reducer import GradReducer
 
 
 class ModelStates(Protocol):
-    reducer: GradReducer
+    reducer: GradReducer  # or Stage3Runtime: the same backward protocol
     communicate_every_micro_step: bool  # stage 2 reduces on every backward, stages 0/1 only on the boundary
+
+    @property
+    def peak_bucket_bytes(self) -> int:
+        """Transient communication memory high-water mark (reported apart from the model states)."""
+        ...
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the (padded) flat parameter space this stage shards; Ψ_padded of the memory model."""
+        ...
+
+    @property
+    def num_params(self) -> int:
+        """Number of packed parameters (indices used by tensor_segments)."""
+        ...
+
+    def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per optimizer tensor (by id): (parameter index, start, end) of each parameter piece inside it."""
+        ...
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The user's groups with their parameters replaced by the tensors the optimizer must step."""

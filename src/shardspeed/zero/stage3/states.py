@@ -1,0 +1,167 @@
+"""ZeRO stage 3 model states: parameters, gradients and optimizer states all exist only as this rank's shards.
+
+Per rank (fp32 Adam): parameter shards 4Ψ/N + gradient shards 4Ψ/N + Adam 8Ψ/N = 16Ψ/N, plus the persistent
+small parameters kept whole. bf16/fp16: 2Ψ/N parameter shards + fp32 master shards 4Ψ/N + fp32 gradient
+shards 4Ψ/N + 8Ψ/N. The optimizer steps one tensor per (unit, parameter group): a contiguous slice of the unit's
+shard, because a unit's parameters are packed group by group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.zero.grad_sync import CommContext
+from shardspeed.zero.layout import intersect
+from shardspeed.zero.stage3.grads import UnitGrads
+from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
+from shardspeed.zero.stage3.runtime import Stage3Runtime
+from shardspeed.zero.stage3.unit import ParamUnit, UnitState
+
+
+class Stage3States:
+    communicate_every_micro_step = True
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        group_of: dict[str, int],
+        ctx: CommContext,
+        *,
+        persistence_threshold: int,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
+    ) -> None:
+        self.ctx = ctx
+        plan = plan_units(module, persistence_threshold)
+        named = dict(module.named_parameters())
+        no_group = max(group_of.values(), default=-1) + 1
+        unit_names = [u.name for u in plan.units]
+        self.units: list[ParamUnit] = []
+        for index, spec in enumerate(plan.units):
+            # Group by optimizer group inside the unit so each group's slice of the shard is contiguous.
+            names = sorted(spec.param_names, key=lambda n: group_of.get(n, no_group))
+            unit = ParamUnit(index, spec.name, [named[n] for n in names], names, ctx.axis, ctx.collectives, unit_names)
+            unit.persistent = spec.name == PERSISTENT
+            unit.shard_from_params(broadcast_from_rank0=False)
+            if unit.persistent:
+                unit.gather()
+                unit.wait()
+            self.units.append(unit)
+        self.grads = [UnitGrads(u, ctx) for u in self.units]
+        self.reducer = Stage3Runtime(
+            self.units,
+            self.grads,
+            prefetch_numel=prefetch_numel,
+            max_live_numel=max_live_numel,
+            max_reuse_distance=max_reuse_distance,
+            names=list(named),
+        )
+        self.reducer.attach(module, plan.roots, plan.foreign)
+        mixed = any(u.dtype != torch.float32 for u in self.units)
+        self.masters = [u.shard.float() if mixed else None for u in self.units]
+        # optimizer tensors: (group → tensors), and per tensor the (param index, start, end) pieces for Lamb
+        self.group_tensors: dict[int, list[torch.Tensor]] = {}
+        self._segments: dict[int, list[tuple[int, int, int]]] = {}
+        self._flat_index: dict[tuple[int, int], int] = {}
+        param_index = 0
+        for u, (unit, grads) in enumerate(zip(self.units, self.grads)):
+            for i in range(len(unit.params)):
+                self._flat_index[(u, i)] = param_index
+                param_index += 1
+            if not grads.trainable:
+                continue
+            stepped = self.masters[u] if self.masters[u] is not None else unit.shard
+            rank_range = (unit.rank_start, unit.rank_start + unit.shard_numel)
+            by_group: dict[int, list[int]] = {}
+            for i, name in enumerate(unit.names):
+                if i in grads.trainable:
+                    by_group.setdefault(group_of.get(name, no_group), []).append(i)
+            for group, members in by_group.items():
+                lo = unit.offsets[members[0]]
+                hi = unit.offsets[members[-1]] + unit.numels[members[-1]]
+                owned = intersect((lo, hi), rank_range)
+                if owned is None:
+                    continue
+                a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
+                tensor = stepped[a:b]
+                tensor.grad = grads.grad_shard[a:b]
+                self.group_tensors.setdefault(group, []).append(tensor)
+                pieces = []
+                for i in members:
+                    piece = intersect((unit.offsets[i], unit.offsets[i] + unit.numels[i]), owned)
+                    if piece:
+                        pieces.append((self._flat_index[(u, i)], piece[0] - owned[0], piece[1] - owned[0]))
+                self._segments[id(tensor)] = pieces
+        self.num_params = param_index
+
+    # --- ModelStates interface -----------------------------------------------------------------------------
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
+
+    def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
+        return self._segments
+
+    def grad_sq_sum(self) -> float:
+        partial = sum_of_squares([g.grad_shard for g in self.grads if g.trainable])
+        self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
+        return partial.item()
+
+    def scale_grads(self, factor: float) -> None:
+        torch._foreach_mul_([g.grad_shard for g in self.grads if g.trainable], factor)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        for unit, master in zip(self.units, self.masters):
+            if master is not None:
+                unit.shard.copy_(master)
+            if unit.persistent:  # kept whole on every rank: refresh it from the updated shards
+                unit.release()
+                unit.gather()
+                unit.wait()
+
+    def zero_grads(self) -> None:
+        self.reducer.zero()
+
+    def buffers(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {
+            "param_shards": [u.shard for u in self.units],
+            "grad_shard": [g.grad_shard for g in self.grads],
+        }
+        if any(m is not None for m in self.masters):
+            out["master_shard"] = [m for m in self.masters if m is not None]
+        return out
+
+    @property
+    def peak_bucket_bytes(self) -> int:
+        """Peak gathered (non-persistent) parameters during a pass, in bytes: the working set the prefetch and
+        live-parameter settings bound."""
+        return self.reducer.peak_live_numel * (self.units[0].shard.element_size() if self.units else 0)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded_numel for u in self.units)
+
+    @torch.no_grad()
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's whole state dict, gathering one unit at a time (collective: every rank calls it).
+
+        Each unit is gathered, copied out and released before the next, so no rank holds more than the copies
+        plus one unit. Tied parameters appear under every name, as in ``module.state_dict()``.
+        """
+        by_id: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            was_sharded = unit.state is UnitState.SHARDED
+            unit.ensure_unsharded()
+            for p in unit.params:
+                by_id[id(p)] = p.detach().clone()
+            if was_sharded:
+                unit.release()
+        state = module.state_dict(keep_vars=True)
+        return {name: by_id.get(id(t), t.detach()) for name, t in state.items()}
+
+    def unsharded_units(self) -> list[str]:
+        return [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.persistent]

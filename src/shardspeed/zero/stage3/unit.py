@@ -1,0 +1,152 @@
+"""One ZeRO-3 unit: a set of parameters stored as this rank's 1/N shard and gathered whole on demand.
+
+State machine (every transition asserts where it starts):
+
+    SHARDED ──gather()──▶ GATHERING ──wait()──▶ UNSHARDED ──release()──▶ SHARDED
+
+In SHARDED each parameter's ``.data`` is an empty placeholder (``numel() == 0``, as in DeepSpeed); the unit keeps
+its flat shard. In UNSHARDED the parameters are views of one gathered flat buffer. The unit never writes
+attributes onto its parameters; everything it knows lives here.
+
+[Note: unit-id check] gloo and NCCL match collectives by call order and size only. If two ranks gathered two
+different same-sized units at the same point (different control flow), weights would silently swap. So every
+gather also all-gathers the unit's id (N integers, launched just before the data); after it completes each rank
+checks that all ranks named the same unit and otherwise raises — on every rank, naming both units.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from shardspeed.comm import Collectives, Work
+from shardspeed.topology import AxisGroup
+from shardspeed.zero.layout import padded_size
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class UnitMismatchError(RuntimeError):
+    """Ranks reached different ZeRO-3 units at the same collective (different control flow)."""
+
+
+class ParamUnit:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        axis: AxisGroup,
+        collectives: Collectives,
+        all_names: Sequence[str],
+    ) -> None:
+        self.index, self.name = index, name
+        self.params, self.names = list(params), list(names)
+        self.axis, self.collectives = axis, collectives
+        self._all_unit_names = all_names  # for error messages naming the other rank's unit
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.numel = sum(self.numels)
+        self.padded_numel = padded_size(self.numel, axis.size)
+        self.shard_numel = self.padded_numel // axis.size
+        self.rank_start = axis.rank * self.shard_numel
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(f"ZeRO-3 unit '{name}' mixes parameter dtypes {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.device = self.params[0].device
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        self.full: torch.Tensor | None = None
+        self.state = UnitState.UNSHARDED  # parameters are whole until shard_from_params()
+        self._work: Work | None = None
+        self._ids: torch.Tensor | None = None
+        self._id_work: Work | None = None
+        self.persistent = False
+
+    # --- construction --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def shard_from_params(self, broadcast_from_rank0: bool) -> None:
+        """Take this rank's slice of the (whole) parameters and free the rest. Collective when broadcasting."""
+        self._to(UnitState.SHARDED, UnitState.UNSHARDED)
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            flat[off : off + n].copy_(p.reshape(-1))
+        if broadcast_from_rank0:
+            self.collectives.broadcast(flat, self.axis, 0, tag="init")
+        self.shard.copy_(flat[self.rank_start : self.rank_start + self.shard_numel])
+        self._point_params_at(None)
+
+    # --- state machine -------------------------------------------------------------------------------------
+    def _to(self, new: UnitState, expected: UnitState) -> None:
+        assert self.state is expected, f"ZeRO-3 unit '{self.name}' is {self.state.value}, expected {expected.value}"
+        self.state = new
+
+    def gather(self) -> None:
+        """Launch the all-gather of this unit (asynchronous); ``wait()`` makes the parameters whole."""
+        self._to(UnitState.GATHERING, UnitState.SHARDED)
+        self._ids = torch.empty(self.axis.size, dtype=torch.int64, device=self.device)
+        mine = torch.full((1,), self.index, dtype=torch.int64, device=self.device)
+        self._id_work = self.collectives.all_gather(self._ids, mine, self.axis, async_op=True, tag="unit_ids")
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self._work = self.collectives.all_gather(self.full, self.shard, self.axis, async_op=True, tag="params")
+
+    def wait(self) -> None:
+        self._to(UnitState.UNSHARDED, UnitState.GATHERING)
+        assert self._id_work is not None and self._work is not None and self._ids is not None
+        self._id_work.wait()
+        self.check_same_unit(self._ids, "gather")
+        self._work.wait()
+        self._work = self._id_work = self._ids = None
+        self._point_params_at(self.full)
+
+    def ensure_unsharded(self) -> None:
+        if self.state is UnitState.SHARDED:
+            self.gather()
+        if self.state is UnitState.GATHERING:
+            self.wait()
+
+    def release(self) -> None:
+        """Back to the shard only; the gathered buffer is freed (unless something else still references it)."""
+        if self.state is UnitState.GATHERING:
+            self.wait()
+        self._to(UnitState.SHARDED, UnitState.UNSHARDED)
+        self._point_params_at(None)
+        self.full = None
+
+    def check_same_unit(self, ids: torch.Tensor, what: str) -> None:
+        others = ids.tolist()
+        for rank_index, other in enumerate(others):
+            if other != self.index:
+                theirs = self._all_unit_names[other] if 0 <= other < len(self._all_unit_names) else f"#{other}"
+                raise UnitMismatchError(
+                    f"ZeRO-3 {what} order differs between ranks: this rank reached unit '{self.name}' while "
+                    f"data-parallel rank {self.axis.ranks[rank_index]} reached unit '{theirs}'. All ranks must run "
+                    "the model's modules in the same order (data-dependent control flow must agree across ranks)."
+                )
+
+    @torch.no_grad()
+    def write_full(self, flat: torch.Tensor) -> None:
+        """Replace this rank's shard from a whole (padded or unpadded) flat copy of the unit."""
+        start = self.rank_start
+        end = min(start + self.shard_numel, flat.numel())
+        self.shard.zero_()
+        if end > start:
+            self.shard[: end - start].copy_(flat[start:end])
+
+    def _point_params_at(self, flat: torch.Tensor | None) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            if flat is None:
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            else:
+                p.data = flat[off : off + n].view(shape)
+
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
