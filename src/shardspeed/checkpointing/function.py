@@ -38,7 +38,7 @@ from shardspeed.comm.collectives import Collectives
 from shardspeed.topology import AxisGroup
 
 from .partition import InputStore, StoragePlan
-from .rng import RNGStatesTracker, RngSnapshot
+from .rng import RngSnapshot, RNGStatesTracker
 
 
 @dataclass
@@ -167,9 +167,7 @@ def checkpoint_non_reentrant(
 
     out = _timed_forward(
         settings,
-        lambda: torch_checkpoint.checkpoint(
-            region, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
-        ),
+        lambda: torch_checkpoint.checkpoint(region, use_reentrant=False, preserve_rng_state=False, context_fn=contexts),
     )
     inputs.stash(settings)
     return out
