@@ -60,4 +60,12 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    if "activation_checkpointing" in cfg.model_fields_set:
+        # The config names activation checkpointing: set up shardspeed.checkpointing the way a DeepSpeed user
+        # would with deepspeed.checkpointing.configure(mpu, deepspeed_config=...), on this engine's topology.
+        from shardspeed import checkpointing
+
+        checkpointing.configure(
+            topology=topology, deepspeed_config=cfg.activation_checkpointing, collectives=engine.collectives
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

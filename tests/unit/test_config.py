@@ -246,7 +246,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
         ("curriculum_learning", {"enabled": True}),
         ("data_efficiency", {"enabled": True}),
         ("pipeline", {"stages": 2}),
-        ("activation_checkpointing", {"partition_activations": True}),
         ("sparse_gradients", True),
         ("progressive_layer_drop", {"enabled": True}),
         ("eigenvalue", {"enabled": True}),

@@ -77,9 +77,15 @@ class RNGStatesTracker:
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device if device is not None else accelerator_device()
+        self._fixed_device = device
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
+
+    @property
+    def device(self) -> torch.device:
+        """The device given at construction, else the accelerator *now*: a tracker made before
+        ``torch.cuda.set_device(local_rank)`` must still drive the rank's own device."""
+        return self._fixed_device if self._fixed_device is not None else accelerator_device()
 
     def reset(self) -> None:
         """Forget every named state (and the seeds used, so they may be added again)."""
@@ -151,7 +157,10 @@ class RngSnapshot:
 
     @classmethod
     def capture(cls, tracker: RNGStatesTracker, input_devices: Iterable[torch.device] = ()) -> RngSnapshot:
-        devices = _initialized_cuda_devices([*input_devices, tracker.device])
+        extra = list(input_devices)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # else tracker.device could start CUDA
+            extra.append(tracker.device)
+        devices = _initialized_cuda_devices(extra)
         return cls(
             cpu_state=torch.get_rng_state(),
             device_states={d: torch.cuda.get_rng_state(d) for d in devices},

@@ -7,6 +7,7 @@ keys we ignore or reject, and why), ``batch`` (batch-size inference), ``root`` /
 
 from __future__ import annotations
 
+from .activation import ActivationCheckpointingConfig
 from .batch import BatchSizes, resolve_batch_sizes
 from .errors import ConfigError, did_you_mean, nearest
 from .keys import IGNORED_KEYS, UNSUPPORTED_KEYS, KeyRule
@@ -22,6 +23,7 @@ __all__ = [
     "IMPLEMENTED_OFFLOAD_DEVICES",
     "IMPLEMENTED_ZERO_STAGES",
     "UNSUPPORTED_KEYS",
+    "ActivationCheckpointingConfig",
     "BF16Config",
     "BatchSizes",
     "CommsLoggerConfig",

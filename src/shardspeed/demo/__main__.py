@@ -179,4 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:
+        # A finished worker skips interpreter finalization: torch's C++ statics (thread pools, the gloo
+        # transport) are occasionally torn down in an order that aborts with "terminate called without an
+        # active exception" *after* all work is done and the process group destroyed, turning a successful run
+        # into a crash report. Everything that matters has been flushed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

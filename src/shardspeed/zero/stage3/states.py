@@ -8,6 +8,7 @@ shard, because a unit's parameters are packed group by group.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,7 +17,10 @@ from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.grads import UnitGrads
+from shardspeed.zero.stage3.init import has_deferred_tensors
+from shardspeed.zero.stage3.materialize import materialize_units
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
+from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 
@@ -34,23 +38,48 @@ class Stage3States:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        device: torch.device | None = None,
     ) -> None:
         self.ctx = ctx
         plan = plan_units(module, persistence_threshold)
-        named = dict(module.named_parameters())
+        merge_external_parameters(module, plan)
         no_group = max(group_of.values(), default=-1) + 1
         unit_names = [u.name for u in plan.units]
-        self.units: list[ParamUnit] = []
-        for index, spec in enumerate(plan.units):
-            # Group by optimizer group inside the unit so each group's slice of the shard is contiguous.
-            names = sorted(spec.param_names, key=lambda n: group_of.get(n, no_group))
-            unit = ParamUnit(index, spec.name, [named[n] for n in names], names, ctx.axis, ctx.collectives, unit_names)
+        # Group by optimizer group inside the unit so each group's slice of the shard is contiguous.
+        ordered = [sorted(spec.param_names, key=lambda n: group_of.get(n, no_group)) for spec in plan.units]
+        deferred = has_deferred_tensors(module)  # built under zero.Init: still on the meta device
+        if deferred and device is None:
+            device = _default_device()
+
+        def build_unit(index: int, params: list[torch.nn.Parameter], full: torch.Tensor | None) -> ParamUnit:
+            spec = plan.units[index]
+            unit = ParamUnit(
+                index,
+                spec.name,
+                params,
+                ordered[index],
+                ctx.axis,
+                ctx.collectives,
+                unit_names,
+                device=device,
+                full=full,
+            )
             unit.persistent = spec.name == PERSISTENT
-            unit.shard_from_params(broadcast_from_rank0=False)
+            return unit
+
+        if deferred:  # materialize, initialize and shard one unit at a time (materialize.py)
+            assert device is not None
+            self.units = materialize_units(module, plan, ordered, device, build_unit, ctx)
+        else:
+            named = dict(module.named_parameters())
+            self.units = [build_unit(i, [named[n] for n in names], None) for i, names in enumerate(ordered)]
+            for unit in self.units:
+                unit.shard_from_params(broadcast_from_rank0=False)
+        for unit in self.units:
             if unit.persistent:
                 unit.gather()
                 unit.wait()
-            self.units.append(unit)
+        named = dict(module.named_parameters())
         self.grads = [UnitGrads(u, ctx) for u in self.units]
         self.reducer = Stage3Runtime(
             self.units,
@@ -97,6 +126,7 @@ class Stage3States:
                         pieces.append((self._flat_index[(u, i)], piece[0] - owned[0], piece[1] - owned[0]))
                 self._segments[id(tensor)] = pieces
         self.num_params = param_index
+        register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
 
     # --- ModelStates interface -----------------------------------------------------------------------------
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,3 +195,10 @@ class Stage3States:
 
     def unsharded_units(self) -> list[str]:
         return [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.persistent]
+
+
+def _default_device() -> torch.device:
+    """The engine's device rule, for a meta model (it carries no device of its own) when none was passed."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -46,7 +46,12 @@ class ParamUnit:
         axis: AxisGroup,
         collectives: Collectives,
         all_names: Sequence[str],
+        *,
+        device: torch.device | None = None,
+        full: torch.Tensor | None = None,
     ) -> None:
+        """``device``: where the shard lives (default: the parameters' device). ``full``: a padded flat buffer the
+        parameters already are views of (zero.Init materialization), so sharding needs no second copy."""
         self.index, self.name = index, name
         self.params, self.names = list(params), list(names)
         self.axis, self.collectives = axis, collectives
@@ -62,9 +67,9 @@ class ParamUnit:
         if len(dtypes) != 1:
             raise TypeError(f"ZeRO-3 unit '{name}' mixes parameter dtypes {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
-        self.device = self.params[0].device
+        self.device = device if device is not None else self.params[0].device
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        self.full: torch.Tensor | None = None
+        self.full: torch.Tensor | None = full
         self.state = UnitState.UNSHARDED  # parameters are whole until shard_from_params()
         self._work: Work | None = None
         self._ids: torch.Tensor | None = None
@@ -76,13 +81,25 @@ class ParamUnit:
     def shard_from_params(self, broadcast_from_rank0: bool) -> None:
         """Take this rank's slice of the (whole) parameters and free the rest. Collective when broadcasting."""
         self._to(UnitState.SHARDED, UnitState.UNSHARDED)
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            flat[off : off + n].copy_(p.reshape(-1))
+        flat = (
+            self.full if self.full is not None else torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        )
+        self.pack_params_into(flat)
+        flat[self.numel :].zero_()
         if broadcast_from_rank0:
             self.collectives.broadcast(flat, self.axis, 0, tag="init")
         self.shard.copy_(flat[self.rank_start : self.rank_start + self.shard_numel])
         self._point_params_at(None)
+        self.full = None
+
+    @torch.no_grad()
+    def pack_params_into(self, flat: torch.Tensor) -> None:
+        """Copy each parameter into its slot of ``flat`` unless it already is a view of that slot (its ``.data``
+        may have been replaced, e.g. by ``p.data = new`` inside ``GatheredParameters``)."""
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            slot = flat[off : off + n]
+            if n and p.data_ptr() != slot.data_ptr():
+                slot.copy_(p.reshape(-1))
 
     # --- state machine -------------------------------------------------------------------------------------
     def _to(self, new: UnitState, expected: UnitState) -> None:

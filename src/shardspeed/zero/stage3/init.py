@@ -1,0 +1,161 @@
+"""``zero.Init``: build a model for ZeRO-3 without any rank ever holding it whole.
+
+Inside the context every tensor factory defaults to the meta device (``torch.device("meta")`` used as a context
+manager — torch's own mechanism; no torch function or ``nn.Module.__init__`` is patched), so constructing the model
+allocates nothing. ``shardspeed.initialize`` with stage 3 then materializes it one unit at a time
+(``materialize.py``): allocate the unit, run ``reset_parameters()`` and ``init_fn``, broadcast from rank 0, keep
+this rank's shard, free the unit, next.
+
+How ``init_fn`` (and the rest of what Init knows) reaches the engine — [Note: creation records]. Init cannot know
+which object is "the model": a user may build several models inside one context, build submodules inside it and
+attach them to a root built outside, or nest contexts. What flows into ``initialize()`` is the parameters. So
+while the context is active, torch's global parameter/buffer registration hooks
+(``register_module_parameter_registration_hook``, a public torch API) record for every meta tensor registered on a
+module a ``CreationRecord``: the module that registered it first (its *creator*: its ``reset_parameters`` is the
+one that really initializes it — a later registration is a tie such as ``head.weight = emb.weight``), its dtype
+at creation (before the engine casts to bf16, so initialization is bitwise the fp32 one), and the context's
+settings (``init_fn``). Records live in a weak identity map (``registry.WeakIdMap``): no attribute on the
+parameter, nothing kept alive, and no distributed state at module level.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from shardspeed.config.load import ConfigSource, read_config_source
+from shardspeed.zero.stage3.registry import WeakIdMap
+
+InitFn = Callable[[torch.nn.Module], None]
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """What one ``zero.Init`` context asks of materialization."""
+
+    init_fn: InitFn | None = None
+
+
+@dataclass(frozen=True)
+class CreationRecord:
+    creator_ref: weakref.ref[torch.nn.Module]
+    name: str  # attribute name on the creator
+    dtype: torch.dtype  # dtype at creation
+    settings: InitSettings
+
+    @property
+    def creator(self) -> torch.nn.Module | None:
+        return self.creator_ref()
+
+
+CREATED: WeakIdMap[CreationRecord] = WeakIdMap()
+"""Meta parameter or buffer → how it was created under ``zero.Init`` (see [Note: creation records])."""
+
+
+def creation_record(tensor: torch.Tensor) -> CreationRecord | None:
+    return CREATED.get(tensor)
+
+
+class Init:
+    """Context manager: modules constructed inside live on the meta device until stage 3 materializes them.
+
+    ``init_fn(module)``, if given, runs after ``module.reset_parameters()`` for every module that owns parameters
+    or buffers (e.g. a Hugging Face model's ``_init_weights``); the result is bitwise equal to building the model
+    normally and then calling ``model.apply(init_fn)`` with the same seed.
+
+    ``config_dict_or_path`` (or ``config``, DeepSpeed's other spelling) is optional; when given, its
+    ``zero_optimization.stage`` must be 3, because only stage 3 can materialize a meta model. ``enabled=False``
+    makes the context a no-op (a normal build). ``mem_efficient_linear`` and ``pin_memory`` are accepted for
+    DeepSpeed compatibility and have no effect; ``remote_device`` (parameter offload) is not implemented.
+    """
+
+    def __init__(
+        self,
+        config_dict_or_path: ConfigSource = None,
+        enabled: bool = True,
+        init_fn: InitFn | None = None,
+        *,
+        config: ConfigSource = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        if config_dict_or_path is not None and config is not None:
+            raise ValueError("zero.Init: pass the config as config_dict_or_path or as config, not both")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"zero.Init: init_fn must be callable(module), got {type(init_fn).__name__}")
+        if remote_device not in (None, "none"):
+            raise NotImplementedError(
+                f"zero.Init: remote_device={remote_device!r} (parameter offload) is not implemented; "
+                "use None to keep parameter shards on the training device"
+            )
+        _check_stage(config_dict_or_path if config is None else config)
+        self.enabled = bool(enabled)
+        self.settings = InitSettings(init_fn=init_fn)
+        self._device_context: Any = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if self._device_context is not None:
+            raise RuntimeError("zero.Init: this context is already active; create a new Init() to nest")
+        self._device_context = torch.device("meta")
+        self._device_context.__enter__()
+        self._handles = [
+            register_module_parameter_registration_hook(self._on_register),
+            register_module_buffer_registration_hook(self._on_register),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled or self._device_context is None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        context, self._device_context = self._device_context, None
+        context.__exit__(None, None, None)
+
+    def _on_register(self, module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        """A module registered a parameter or buffer: record its creator unless someone registered it first.
+
+        Nested contexts both see the same registration; the inner one (its hook runs last) wins."""
+        if tensor is None or not tensor.is_meta:
+            return
+        existing = CREATED.get(tensor)
+        if existing is not None and not (existing.creator is module and existing.name == name):
+            return  # a later registration of a tensor created elsewhere: a tie, not a creation
+        CREATED.set(tensor, CreationRecord(weakref.ref(module), name, tensor.dtype, self.settings))
+
+
+def _check_stage(config: ConfigSource) -> None:
+    if config is None:
+        return
+    zero = read_config_source(config).get("zero_optimization") or {}
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if stage is not None and stage != 3:
+        raise ValueError(
+            f"zero.Init: zero_optimization.stage is {stage!r} in the given config; zero.Init builds models on the "
+            "meta device that only ZeRO stage 3 can materialize. Use stage 3, or zero.Init(enabled=False)"
+        )
+
+
+def has_deferred_tensors(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is still on the meta device (built under ``zero.Init``)."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def to_device_except_deferred(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module.to(device)`` for every tensor that has data; meta tensors stay meta for stage 3 to materialize.
+
+    (``Module.to`` on a meta tensor raises: there is nothing to copy.)"""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))

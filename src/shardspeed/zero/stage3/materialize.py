@@ -1,0 +1,380 @@
+"""Materialize a model built under ``zero.Init`` one ZeRO-3 unit at a time, sharding each before the next.
+
+Walk: modules in post-order (children before their parent — the order in which a normal build's constructors
+finish and call ``reset_parameters()``, and the order of ``model.apply(init_fn)``), keeping only modules that own a
+meta parameter or buffer directly. For each module:
+1. open the units it touches: allocate the unit's flat buffer once (padded, uninitialized, NaN-filled for floats)
+   and replace its meta parameters by parameters that are views of it, in every module that holds them (ties
+   survive); the buffer is in the parameters' dtype *at creation* (fp32), cast to the training dtype at close;
+2. allocate its meta buffers;
+3. ``reset_parameters()`` — parameters the module did not create (a tie made after construction, e.g.
+   ``head.weight = emb.weight``) are swapped for a scratch tensor meanwhile, because in a normal build that reset
+   ran on the module's own, since-discarded tensor: it must consume the same random numbers and write nowhere;
+4. ``init_fn(module)`` — on the real (tied) parameters: a normal build applies it after tying;
+5. close every unit this module was the last to touch: check it was fully written, cast, build its
+   ``ParamUnit``, broadcast it from rank 0 and keep this rank's shard (``shard_from_params``), free the buffer.
+
+A unit is touched by the creators of its parameters (and, with an ``init_fn``, by every module holding one), so
+for the usual layouts (a stack of blocks) exactly one unit is open at a time; the persistent small-parameter unit
+stays open throughout (it is kept whole anyway), and with an ``init_fn`` a tied unit stays open until the last
+module that ties it.
+
+[Note: random-number schedule] A normal build consumes the generator in two phases: every constructor's
+``reset_parameters()`` (module order), then ``model.apply(init_fn)``. Materializing unit by unit interleaves them.
+So when any ``init_fn`` is set, a survey pass first runs every reset and then every ``init_fn`` in the normal
+order on scratch copies of one module's tensors at a time, recording the generator state before each call; the
+real pass restores the recorded state before each call and the final state at the end. Without an ``init_fn`` the
+walk order already is the normal order and no survey runs.
+
+Never garbage: a float parameter or buffer still holding a NaN from the fill (or a non-float buffer nobody wrote),
+after every module touching it ran, raises ``UninitializedTensorError`` naming it and how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from shardspeed.zero.grad_sync import CommContext
+from shardspeed.zero.layout import padded_size
+from shardspeed.zero.stage3.init import InitFn, creation_record
+from shardspeed.zero.stage3.plan import UnitPlan
+from shardspeed.zero.stage3.unit import ParamUnit
+
+BuildUnit = Callable[[int, list[torch.nn.Parameter], torch.Tensor], ParamUnit]
+
+_HOW_TO_FIX = (
+    "Tensors created in __init__ under zero.Init live on the meta device and have no values: write them in the "
+    "module's reset_parameters(), or pass zero.Init(init_fn=...) a function that fills them (e.g. "
+    "torch.nn.init.zeros_ if a checkpoint will overwrite them)."
+)
+
+
+class UninitializedTensorError(RuntimeError):
+    """A parameter or buffer built under zero.Init was not written by reset_parameters() or init_fn."""
+
+
+@dataclass
+class _Module:
+    path: str
+    module: torch.nn.Module
+    init_fn: InitFn | None
+    created: list[str] = field(default_factory=list)  # direct parameters this module created
+    aliases: list[str] = field(default_factory=list)  # direct parameters created by another module
+    units: list[int] = field(default_factory=list)  # units its reset/init_fn write into
+
+
+@dataclass
+class _Param:
+    original: torch.nn.Parameter  # the meta parameter (kept alive so its id is never reused meanwhile)
+    name: str  # canonical name
+    unit: int
+    creator: torch.nn.Module  # the module whose reset_parameters() initializes it
+    holders: list[tuple[torch.nn.Module, str]]  # every (module, attribute) that holds it
+    created_dtype: torch.dtype  # dtype at creation: initialization runs in it
+    current: torch.nn.Parameter | None = None  # the materialized parameter, once its unit is open
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.original.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine trains in (the meta parameter was cast to it before materialization)."""
+        return self.original.dtype
+
+
+def materialize_units(
+    module: torch.nn.Module,
+    plan: UnitPlan,
+    ordered_names: list[list[str]],
+    device: torch.device,
+    build_unit: BuildUnit,
+    ctx: CommContext,
+) -> list[ParamUnit]:
+    """Materialize, initialize and shard every unit; returns the units (sharded) in plan order. Collective."""
+    return _Materializer(module, plan, ordered_names, device, build_unit, ctx).run()
+
+
+class _Materializer:
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        plan: UnitPlan,
+        ordered_names: list[list[str]],
+        device: torch.device,
+        build_unit: BuildUnit,
+        ctx: CommContext,
+    ) -> None:
+        self.plan, self.ordered_names, self.device = plan, ordered_names, device
+        self.build_unit, self.ctx = build_unit, ctx
+        self.by_id: dict[int, _Param] = {}  # id(original) and id(materialized parameter) → its facts
+        self.by_name: dict[str, _Param] = {}
+        in_tree = {id(m) for m in root.modules()}
+        holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for m in root.modules():
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    holders.setdefault(id(p), []).append((m, attr))
+        creator_of: dict[int, torch.nn.Module] = {}
+        for name, p in root.named_parameters():
+            record = creation_record(p)
+            first_holder = holders[id(p)][0][0]
+            recorded = record.creator if record is not None else None
+            creator = recorded if recorded is not None and id(recorded) in in_tree else first_holder
+            creator_of[id(p)] = creator
+            dtype = record.dtype if record is not None else p.dtype
+            info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype)
+            self.by_id[id(p)] = self.by_name[name] = info
+
+        self.modules: list[_Module] = []
+        for path, m in _post_order(root):
+            direct = [(a, p) for a, p in m._parameters.items() if p is not None]
+            metas = any(p.is_meta for _, p in direct) or any(b is not None and b.is_meta for b in m._buffers.values())
+            if not metas:
+                continue
+            entry = _Module(path, m, _init_fn_of(m))
+            for attr, p in direct:
+                (entry.created if creator_of[id(p)] is m else entry.aliases).append(attr)
+            touching = entry.created + (entry.aliases if entry.init_fn is not None else [])
+            entry.units = sorted({self._info(m, attr).unit for attr in touching})
+            self.modules.append(entry)
+        self.last_touch: dict[int, int] = {}
+        for position, entry in enumerate(self.modules):
+            for unit in entry.units:
+                self.last_touch[unit] = position
+        self.open: dict[int, torch.Tensor] = {}  # unit → flat buffer (creation dtype)
+        self.built: dict[int, ParamUnit] = {}
+
+    # --- walk ----------------------------------------------------------------------------------------------
+    def run(self) -> list[ParamUnit]:
+        schedule = _RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
+        for position, entry in enumerate(self.modules):
+            for unit in entry.units:
+                if unit not in self.open and unit not in self.built:
+                    self._open(unit)
+            fresh_buffers = self._allocate_buffers(entry)
+            if _has_reset(entry.module):
+                if schedule is not None:
+                    schedule.restore(("reset", position))
+                with self._scratch(entry.module, entry.aliases):
+                    entry.module.reset_parameters()
+            if entry.init_fn is not None:
+                if schedule is not None:
+                    schedule.restore(("init", position))
+                entry.init_fn(entry.module)
+            self._finish_buffers(entry, fresh_buffers)
+            for unit in sorted(u for u, last in self.last_touch.items() if last == position):
+                self._close(unit)
+        if schedule is not None:
+            schedule.restore_final()
+        for unit in range(len(self.plan.units)):  # units no deferred module touched (their tensors had data)
+            if unit not in self.built:
+                self._open(unit)
+                self._close(unit)
+        return [self.built[u] for u in range(len(self.plan.units))]
+
+    def _any_init_fn(self) -> bool:
+        return any(entry.init_fn is not None for entry in self.modules)
+
+    def _info(self, module: torch.nn.Module, attr: str) -> _Param:
+        return self.by_id[id(module._parameters[attr])]
+
+    # --- units ---------------------------------------------------------------------------------------------
+    def _unit_params(self, unit: int) -> list[_Param]:
+        return [self.by_name[n] for n in self.ordered_names[unit]]
+
+    @torch.no_grad()
+    def _open(self, unit: int) -> None:
+        infos = self._unit_params(unit)
+        dtypes = {i.created_dtype for i in infos}
+        dtype = dtypes.pop() if len(dtypes) == 1 else infos[0].dtype
+        numel = sum(i.shape.numel() for i in infos)
+        flat = torch.empty(padded_size(numel, self.ctx.axis.size), dtype=dtype, device=self.device)
+        if flat.is_floating_point():
+            flat.fill_(float("nan"))
+        offset = 0
+        for info in infos:
+            old = info.original
+            view = flat[offset : offset + info.shape.numel()].view(info.shape)
+            if not old.is_meta:  # a parameter that already had data (built outside the context)
+                view.copy_(old.detach())
+            new = torch.nn.Parameter(view, requires_grad=old.requires_grad)
+            for holder, attr in info.holders:
+                holder._parameters[attr] = new
+            info.current = new
+            self.by_id[id(new)] = info
+            offset += info.shape.numel()
+        self.open[unit] = flat
+
+    @torch.no_grad()
+    def _close(self, unit: int) -> None:
+        flat = self.open.pop(unit)
+        infos = self._unit_params(unit)
+        params = [info.current for info in infos]
+        for info, p in zip(infos, params):
+            assert p is not None
+            if p.is_floating_point() and bool(torch.isnan(p).any()):
+                raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
+        target = infos[0].dtype
+        if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
+            flat = flat.to(target)
+            offset = 0
+            for p in params:
+                p.data = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+        built = self.build_unit(unit, [p for p in params if p is not None], flat)
+        del flat
+        built.shard_from_params(broadcast_from_rank0=True)
+        self.built[unit] = built
+
+    # --- buffers -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _allocate_buffers(self, entry: _Module) -> dict[str, tuple[torch.Tensor, int]]:
+        fresh: dict[str, tuple[torch.Tensor, int]] = {}
+        for attr, b in list(entry.module._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            new = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+            if new.is_floating_point():
+                new.fill_(float("nan"))
+            entry.module._buffers[attr] = new
+            fresh[attr] = (new, new._version)
+        return fresh
+
+    @torch.no_grad()
+    def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
+        for attr, (allocated, version) in fresh.items():
+            now = entry.module._buffers[attr]
+            if now is None:
+                continue
+            if now is allocated:
+                unwritten = bool(torch.isnan(now).any()) if now.is_floating_point() else now._version == version
+            else:
+                unwritten = now.is_meta
+            if unwritten:
+                name = f"{entry.path}.{attr}" if entry.path else attr
+                raise UninitializedTensorError(self._uninitialized("buffer", name, entry.module))
+            if now.device != self.device:
+                now = entry.module._buffers[attr] = now.to(self.device)
+            self.ctx.collectives.broadcast(now, self.ctx.axis, 0, tag="init")
+
+    def _uninitialized(self, kind: str, name: str, module: torch.nn.Module) -> str:
+        has_reset = (
+            "has a reset_parameters() that did not write it" if _has_reset(module) else "has no reset_parameters()"
+        )
+        fn = "no init_fn wrote it" if _init_fn_of(module) is None else "its init_fn did not write it"
+        return (
+            f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {has_reset} and "
+            f"{fn} (it still holds no values, or only some). {_HOW_TO_FIX}"
+        )
+
+    # --- scratch tensors -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _scratch(self, module: torch.nn.Module, attrs: list[str]) -> Iterator[None]:
+        """Swap ``module``'s parameters ``attrs`` for throw-away tensors of the same shape while the body runs."""
+        saved = {attr: module._parameters[attr] for attr in attrs}
+        try:
+            for attr, p in saved.items():
+                assert p is not None
+                info = self._info(module, attr)
+                scratch = torch.empty(info.shape, dtype=info.created_dtype, device=self.device)
+                module._parameters[attr] = torch.nn.Parameter(scratch, requires_grad=p.requires_grad)
+            yield
+        finally:
+            module._parameters.update(saved)
+
+    @contextlib.contextmanager
+    def _scratch_all(self, module: torch.nn.Module) -> Iterator[None]:
+        """Every meta tensor of ``module`` (parameters and buffers) swapped for scratch (the survey pass)."""
+        saved_buffers = {a: b for a, b in module._buffers.items() if b is not None and b.is_meta}
+        attrs = [a for a, p in module._parameters.items() if p is not None]
+        try:
+            for attr, b in saved_buffers.items():
+                module._buffers[attr] = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+            with self._scratch(module, attrs):
+                yield
+        finally:
+            module._buffers.update(saved_buffers)
+
+
+def _post_order(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules children-first (each once, at its first position), with their paths."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module, path: str) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for name, child in m.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+        out.append((path, m))
+
+    visit(root, "")
+    return out
+
+
+def _has_reset(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
+    """The init_fn of the zero.Init context that created this module's tensors (the first one that has one)."""
+    for tensor in [*module._parameters.values(), *module._buffers.values()]:
+        record = creation_record(tensor) if tensor is not None else None
+        if record is not None and record.settings.init_fn is not None:
+            return record.settings.init_fn
+    return None
+
+
+class _RngSchedule:
+    """Generator states recorded by a survey pass; see [Note: random-number schedule]."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[tuple[str, int], torch.Tensor] = {}
+        self.final: torch.Tensor | None = None
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @classmethod
+    @torch.no_grad()
+    def survey(
+        cls,
+        modules: list[_Module],
+        device: torch.device,
+        scratch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]],
+    ) -> _RngSchedule:
+        schedule = cls(device)
+        for position, entry in enumerate(modules):
+            if _has_reset(entry.module):
+                schedule.states[("reset", position)] = schedule._get()
+                with scratch(entry.module):
+                    entry.module.reset_parameters()
+        for position, entry in enumerate(modules):
+            if entry.init_fn is not None:
+                schedule.states[("init", position)] = schedule._get()
+                with scratch(entry.module):
+                    entry.init_fn(entry.module)
+        schedule.final = schedule._get()
+        return schedule
+
+    def restore(self, key: tuple[str, int]) -> None:
+        self._set(self.states.pop(key))
+
+    def restore_final(self) -> None:
+        assert self.final is not None
+        self._set(self.final)

@@ -1,0 +1,212 @@
+"""``engine.save_16bit_model``: the model's full state dict in its training dtype, as one safetensors file.
+
+Under ZeRO-3 no rank holds the model, so the weights are gathered one unit at a time (``ParamUnit.ensure_unsharded``,
+every rank takes part) and global rank 0 streams each tensor to disk as soon as its unit is whole, then the unit is
+released. Streaming is possible because a safetensors file is an 8-byte header length, a JSON header with every
+tensor's dtype, shape and byte range, then the raw bytes: all of which are known before any gather (shapes from
+the units, dtypes from the training dtype), so the header is written first and the bytes follow in gather order.
+Rank 0 therefore holds one gathered unit plus one tensor's host copy — never the output dict that
+``safetensors.torch.save_file`` would need. The file is written to a temporary name and renamed when complete.
+
+Tied parameters (one tensor under several names) are written under every name, like ``module.state_dict()``, so
+``model.load_state_dict(safetensors.torch.load_file(path))`` works as is; the ``__metadata__`` entry
+``shardspeed.tied`` lists each group of names that share one tensor.
+
+Other stages hold whole parameters: rank 0 streams ``module.state_dict()``. Under stage 3 with
+``stage3_gather_16bit_weights_on_model_save`` false nothing is written and False is returned, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardspeed.zero.stage3.unit import UnitState
+
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SafetensorsStream:
+    """Write a safetensors file whose tensors arrive one at a time, in the order of ``slots``."""
+
+    def __init__(self, path: Path, slots: list[_Slot], metadata: dict[str, str]) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for slot in slots:
+            if slot.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(
+                    f"save_16bit_model: tensor '{slot.name}' has dtype {slot.dtype}, which safetensors "
+                    f"cannot store (supported: {', '.join(map(str, _SAFETENSORS_DTYPES))})"
+                )
+            end = offset + slot.nbytes
+            header[slot.name] = {
+                "dtype": _SAFETENSORS_DTYPES[slot.dtype],
+                "shape": list(slot.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-len(encoded) % 8)  # the byte buffer starts 8-byte aligned
+        self.path, self._slots, self._next = path, slots, 0
+        self._tmp = path.with_name(path.name + ".tmp")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._file.write(struct.pack("<Q", len(encoded)))
+        self._file.write(encoded)
+
+    def write(self, tensor: torch.Tensor) -> None:
+        slot = self._slots[self._next]
+        if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
+            raise AssertionError(
+                f"'{slot.name}': got {tensor.dtype}{tuple(tensor.shape)}, header says {slot.dtype}{slot.shape}"
+            )
+        host = tensor.detach().to("cpu").contiguous().reshape(-1)
+        self._file.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._slots):
+            raise AssertionError(f"wrote {self._next} of {len(self._slots)} tensors")
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    save_filename: str = "pytorch_model.safetensors",
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Write the full model (training dtype) to ``save_dir/save_filename`` from global rank 0. Collective under
+    ZeRO-3: every rank must call it. True when written (on every rank); False under stage 3 without
+    ``stage3_gather_16bit_weights_on_model_save``."""
+    zero = engine.config.zero_optimization
+    writer_rank = engine.topology.global_rank == 0
+    path = Path(save_dir) / save_filename
+    if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
+        if writer_rank:
+            engine.logger.warning(
+                "save_16bit_model: nothing saved to %s: under ZeRO stage 3 each rank holds only parameter shards; "
+                "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather and save them",
+                path,
+            )
+        return False
+    state = engine.module.state_dict(keep_vars=True)
+    skipped = [name for name, t in state.items() if not isinstance(t, torch.Tensor)]
+    state = {
+        name: t
+        for name, t in state.items()
+        if isinstance(t, torch.Tensor) and not (exclude_frozen_parameters and _is_frozen(t))
+    }
+    if skipped and writer_rank:
+        engine.logger.warning(
+            "save_16bit_model: non-tensor entries not saved (safetensors holds tensors): %s", ", ".join(skipped)
+        )
+    units = engine.states.units if zero.stage == 3 else []
+    plan = _write_plan(state, units)
+    error: BaseException | None = None
+    stream: SafetensorsStream | None = None
+    if writer_rank:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            slots = [_Slot(name, t.dtype, tuple(shape)) for _, entries in plan for name, t, shape in entries]
+            stream = SafetensorsStream(path, slots, _metadata(state))
+        except Exception as exc:  # keep taking part in the gathers; report after (see _agree)
+            error = exc
+    for unit, entries in plan:
+        was_sharded = unit is not None and unit.state is UnitState.SHARDED
+        if unit is not None:
+            unit.ensure_unsharded()
+        for _, tensor, _ in entries:
+            if stream is not None and error is None:
+                try:
+                    stream.write(tensor)
+                except Exception as exc:
+                    error = exc
+        if was_sharded:
+            unit.release()
+    if stream is not None:
+        try:
+            stream.close() if error is None else stream.abort()
+        except Exception as exc:
+            error = error or exc
+    _agree(engine, error, path)
+    return True
+
+
+Entry = tuple[str, torch.Tensor, torch.Size]
+
+
+def _write_plan(state: dict[str, torch.Tensor], units: list[Any]) -> list[tuple[Any, list[Entry]]]:
+    """What to write, in file order: per ZeRO-3 unit (gathered around its entries) every name of each of its
+    parameters with its full shape; then everything else (buffers, whole parameters) in state-dict order."""
+    names_of: dict[int, list[str]] = {}
+    for name, t in state.items():
+        names_of.setdefault(id(t), []).append(name)
+    plan: list[tuple[Any, list[Entry]]] = []
+    placed: set[str] = set()
+    for unit in units:
+        entries = [(n, state[n], shape) for p, shape in zip(unit.params, unit.shapes) for n in names_of.get(id(p), [])]
+        if entries:
+            plan.append((unit, entries))
+            placed.update(n for n, _, _ in entries)
+    plan.append((None, [(n, t, t.shape) for n, t in state.items() if n not in placed]))
+    return plan
+
+
+def _is_frozen(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+
+
+def _metadata(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    metadata = {"format": "pt"}
+    if tied:
+        metadata["shardspeed.tied"] = json.dumps(tied)
+    return metadata
+
+
+def _agree(engine: Any, error: BaseException | None, path: Path) -> None:
+    """Every rank learns whether rank 0 wrote the file (one scalar all-reduce), so all raise or all return."""
+    flag = torch.tensor([1.0 if error is not None else 0.0], device=engine.device)
+    engine.collectives.all_reduce(flag, engine.topology.data, tag="save_16bit_model")
+    if error is not None:
+        raise RuntimeError(f"save_16bit_model: writing {path} failed: {error}") from error
+    if flag.item() > 0:
+        raise RuntimeError(f"save_16bit_model: global rank 0 failed to write {path}; see its error")
