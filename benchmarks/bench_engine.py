@@ -117,9 +117,16 @@ def _torchrun(args: argparse.Namespace, rows: list[str], result_file: Path, memo
     return completed.returncode == 0
 
 
+def _load_average() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:  # not Linux
+        return "n/a"
+
+
 def launcher_main(args: argparse.Namespace) -> None:
     rows = [row.name for row in resolve_rows(requested_rows(args))]
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), _load_average()
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as scratch:
         timing_file = Path(scratch) / "timing.json"
         if not _torchrun(args, rows, timing_file, memory_row=None):
@@ -141,7 +148,11 @@ def launcher_main(args: argparse.Namespace) -> None:
         print("deepspeed: not installed" if not deepspeed_installed() else "deepspeed: installed, row not selected")
     print()
     print(format_report(timing, memory))
-    print(f"\n(total wall time {time.perf_counter() - started:.0f} s)")
+    print(
+        f"\n(total wall time {time.perf_counter() - started:.0f} s; 1-minute load average {load_before} before, "
+        f"{_load_average()} after, on {os.cpu_count()} CPUs: a load above the rank count means other processes "
+        "competed for the cores)"
+    )
 
 
 # --- ranks (under torchrun) ------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ MEMORY_NOTE = (
 )
 
 
+# An IQR wider than this cannot support claims like "within 2%" (the target is about the median ratio).
+NOISY_IQR_WIDTH = 0.05
+
+
 def _memory_cell(memory: dict[str, dict[str, Any] | None], name: str) -> str:
     if name not in memory:
         return "-"
@@ -64,8 +68,13 @@ def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | Non
     for row in timing["rows"]:
         name, peer = row["name"], row["peer"]
         if peer is not None and peer in timing["step_ms"]:
-            ratios = summarize_ratios(timing["step_ms"][name], timing["step_ms"][peer]).per_round
-            lines.append(f"{name}/{peer} per round: " + " ".join(f"{value:.3f}" for value in ratios))
+            summary = summarize_ratios(timing["step_ms"][name], timing["step_ms"][peer])
+            lines.append(f"{name}/{peer} per round: " + " ".join(f"{value:.3f}" for value in summary.per_round))
+            if summary.q75 - summary.q25 > NOISY_IQR_WIDTH:
+                lines.append(
+                    f"  noisy: the IQR is {summary.q75 - summary.q25:.3f} wide, too wide to resolve a few percent; "
+                    "rerun on an idle machine or with more, shorter rounds (e.g. --rounds 15 --steps 6)"
+                )
     for row in timing["rows"]:
         lines.append(
             f"{row['name']}: {row['description']}; ms per round: "

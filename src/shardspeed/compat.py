@@ -6,7 +6,7 @@ shardspeed's own code never does.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 
 class DeepSpeedCompatMixin:
@@ -41,15 +41,3 @@ class DeepSpeedCompatMixin:
     @property
     def global_rank(self) -> int:
         return self.topology.global_rank
-
-    def _not_yet(self, name: str) -> NoReturn:
-        raise NotImplementedError(
-            f"engine.{name}() is part of DeepSpeed's API that shardspeed has not implemented yet "
-            "(rank-agnostic checkpoints are planned); nothing was written or read"
-        )
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
-        self._not_yet("save_checkpoint")
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
-        self._not_yet("load_checkpoint")

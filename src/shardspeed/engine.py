@@ -38,6 +38,8 @@ from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
 from shardspeed.zero.sharded_lamb import ShardedLamb
+from shardspeed.zero.stage3.init import has_deferred_tensors, to_device_except_deferred
+from shardspeed.zero.stage3.save import save_16bit_model as _save_16bit_model
 
 
 class ShardSpeedEngine(DeepSpeedCompatMixin):
@@ -66,7 +68,13 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
 
         # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
         check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")
-        self.module = model.to(self.device)
+        deferred = has_deferred_tensors(model)
+        if deferred and config.zero_optimization.stage != 3:
+            raise ValueError(
+                "the model was built under shardspeed.zero.Init (its parameters are on the meta device); only ZeRO "
+                f"stage 3 can materialize it, but zero_optimization.stage is {config.zero_optimization.stage}"
+            )
+        self.module = to_device_except_deferred(model, self.device)
         if config.compute_dtype != torch.float32:
             self.module.to(dtype=config.compute_dtype)
         self._broadcast_module_state()
@@ -176,7 +184,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def _broadcast_module_state(self) -> None:
         """Every rank starts from data-parallel rank 0's parameters and buffers (as DeepSpeed does)."""
         for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
+            if not tensor.is_meta:  # zero.Init: stage 3 broadcasts each unit as it materializes it
+                self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
 
     def _check_param_dtypes(self, packed: PackedParams) -> None:
         expected = self.config.compute_dtype
@@ -362,6 +371,48 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm of the last optimizer step, before clipping (unscaled for fp16); None before the first."""
         return self._global_grad_norm
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
+    ) -> bool:
+        """DeepSpeed's save_checkpoint: a rank-agnostic checkpoint under ``save_dir/tag`` (default
+        ``global_step{N}``), crash-safe, ``latest`` updated last. Every rank must call it. ``client_state`` must be
+        plain data (JSON): checkpoints never need unpickling."""
+        from shardspeed.checkpoint.engine_io import save
+
+        save(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """DeepSpeed's load_checkpoint → ``(load_path, client_state)``; ``(None, None)`` when ``load_dir`` has no
+        ``latest`` and no tag is given. Loads checkpoints of any stage and data-parallel world size."""
+        from shardspeed.checkpoint.engine_io import load
+
+        path, client_state = load(
+            self,
+            load_dir,
+            tag,
+            strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        return (str(path) if path is not None else None), client_state
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """DeepSpeed's save_16bit_model: the full state dict in the training dtype, written by rank 0 as
+        safetensors (under ZeRO-3 only with stage3_gather_16bit_weights_on_model_save, gathered unit by unit)."""
+        return _save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state dict. Under ZeRO-3 parameters are gathered unit by unit (every rank must call

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from bench_report import table_rows
+from bench_report import format_report, table_rows
 from proc_status import parse_status_kib
 from stats import (
     interquartile_range,
@@ -116,3 +116,14 @@ def test_report_rows_pair_each_row_with_its_peer() -> None:
     assert stage0[5] == "400 / 398 (+150 / +148)"
     assert ddp[:5] == ["ddp", "-", "100.0", "-", "-"]
     assert ddp[5] == "memory run failed"
+
+
+def test_report_flags_a_noisy_ratio_band() -> None:
+    rows = [{"name": "stage0", "peer": "ddp", "description": "a"}, {"name": "ddp", "peer": None, "description": "b"}]
+    quiet = {"rows": rows, "step_ms": {"stage0": [99.0, 101.0], "ddp": [100.0, 100.0]}, "final_loss": {}}
+    quiet["final_loss"] = {"stage0": 1.0, "ddp": 1.0}
+    # ratios 0.99 and 1.01: IQR 0.995-1.005, 0.01 wide
+    assert "noisy" not in format_report(quiet, {})
+    noisy = {**quiet, "step_ms": {"stage0": [80.0, 120.0], "ddp": [100.0, 100.0]}}
+    # ratios 0.8 and 1.2: IQR 0.9-1.1, 0.2 wide
+    assert "noisy: the IQR is 0.200 wide" in format_report(noisy, {})

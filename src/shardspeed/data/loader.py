@@ -43,6 +43,10 @@ class ShardSpeedDataLoader:
             collate_fn=collate_fn,
             num_workers=num_workers,
             pin_memory=pin_memory,
+            # A private generator: otherwise every iter() draws its worker base seed from the global RNG, and a
+            # run resumed from a checkpoint (fresh iterator after the RNG was restored) would drift from an
+            # uninterrupted one.
+            generator=torch.Generator().manual_seed(sampler.seed),
         )
         self._live: PrefetchIterator | None = None
 

@@ -87,3 +87,6 @@ register_subcommand("help", "shardspeed.launcher.cli:help_command", "show launch
 register_subcommand(
     "estimate", "shardspeed.zero.estimate:main", "estimate ZeRO model-state memory per GPU (e.g. --params 7.5B)"
 )
+register_subcommand(
+    "zero-to-fp32", "shardspeed.checkpoint.consolidate:main", "write a checkpoint's fp32 weights as safetensors"
+)

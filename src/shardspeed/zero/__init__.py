@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.config import ZeroConfig
+from shardspeed.zero.api import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import build_shard_layout
 from shardspeed.zero.param_groups import PackedParams
@@ -28,6 +29,7 @@ def build_model_states(
             prefetch_numel=zero.prefetch_bucket_size,
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            device=device,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
     # by both sizes.
@@ -40,3 +42,14 @@ def build_model_states(
     if stage in (1, 2):
         return PartitionedStates(stage, packed, layout, ctx, device, overlap)
     raise ValueError(f"ZeRO stage {stage} is not implemented")
+
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ModelStates",
+    "build_model_states",
+    "full_numel",
+    "full_shape",
+    "register_external_parameter",
+]

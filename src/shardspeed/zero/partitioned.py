@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.pieces import Piece
 from shardspeed.comm import Work
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
@@ -42,6 +43,7 @@ class PartitionedStates:
     ) -> None:
         assert stage in (1, 2), stage
         self.stage, self.layout, self.ctx = stage, layout, ctx
+        self.packed = packed
         self.communicate_every_micro_step = stage == 2
         rank = ctx.axis.rank
         dtypes = {p.dtype for p in packed.params} or {torch.float32}
@@ -94,6 +96,37 @@ class PartitionedStates:
             assert self.shard_flat is not None
             self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
         self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync, overlap=overlap)
+
+    @property
+    def managed_names(self) -> set[str]:
+        """Parameters whose values and optimizer states this stage holds (the rest are saved whole)."""
+        return set(self.packed.names)
+
+    def checkpoint_pieces(self) -> list[Piece]:
+        """This rank's slice of every bucket, cut at parameter boundaries (each rank writes what it owns)."""
+        pieces = []
+        rank = self.ctx.axis.rank
+        stepped = self.master_shard if self.master_shard is not None else None
+        for k, tensor in enumerate(self.bucket_tensors):
+            start, end = self.layout.rank_slice(k, rank)
+            for i in self.layout.buckets[k].members:
+                lo, hi = self.layout.span(i)
+                owned = intersect((lo, hi), (start, end))
+                if owned is None:
+                    continue
+                view = (
+                    tensor[owned[0] - start : owned[1] - start]
+                    if stepped is not None
+                    else self.param_flat[owned[0] : owned[1]]
+                )
+                p = self.packed.params[i]
+                shape = tuple(p.shape)
+                pieces.append(
+                    Piece(
+                        self.packed.names[i], shape, owned[0] - lo, owned[1] - lo, view, tensor, owned[0] - start, True
+                    )
+                )
+        return pieces
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.pieces import Piece
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.master import MasterWeights
 from shardspeed.zero.grad_buffer import FlatGradBuffer
@@ -23,6 +24,8 @@ class ReplicatedStates:
     ) -> None:
         mixed = any(p.dtype != torch.float32 for p in packed.params)
         self.layout = layout
+        self.packed = packed
+        self.rank, self.world = ctx.axis.rank, ctx.axis.size
         self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
         self.reducer = GradReducer(
             packed.params, packed.names, layout, AllReduceGrads(self.grad_buffer, ctx), overlap=overlap
@@ -44,6 +47,21 @@ class ReplicatedStates:
     @property
     def num_params(self) -> int:
         return len(self.layout.numels)
+
+    @property
+    def managed_names(self) -> set[str]:
+        """Parameters whose values and optimizer states this stage holds (the rest are saved whole)."""
+        return set(self.packed.names)
+
+    def checkpoint_pieces(self) -> list[Piece]:
+        """Whole parameters on every rank; parameter i is written by rank i mod N to spread the writing."""
+        pieces = []
+        for i, (p, name) in enumerate(zip(self.packed.params, self.packed.names)):
+            # the optimizer's state is keyed by the tensor it steps: the master, or the Parameter object itself
+            stepped = self.master.masters[i] if self.master is not None else p
+            value = stepped.detach().view(-1)
+            pieces.append(Piece(name, tuple(p.shape), 0, p.numel(), value, stepped, 0, i % self.world == self.rank))
+        return pieces
 
     def grad_sq_sum(self) -> float:
         # Reduced gradients are identical on every rank, so the norm (and any overflow) is too: no collective.

@@ -131,12 +131,14 @@ class _Materializer:
             self.by_id[id(p)] = self.by_name[name] = info
 
         self.modules: list[_Module] = []
+        self.init_fns: dict[int, InitFn | None] = {}  # id(module) → its init_fn (records die with the meta tensors)
         for path, m in _post_order(root):
             direct = [(a, p) for a, p in m._parameters.items() if p is not None]
             metas = any(p.is_meta for _, p in direct) or any(b is not None and b.is_meta for b in m._buffers.values())
             if not metas:
                 continue
             entry = _Module(path, m, _init_fn_of(m))
+            self.init_fns[id(m)] = entry.init_fn
             for attr, p in direct:
                 (entry.created if creator_of[id(p)] is m else entry.aliases).append(attr)
             touching = entry.created + (entry.aliases if entry.init_fn is not None else [])
@@ -147,6 +149,7 @@ class _Materializer:
             for unit in entry.units:
                 self.last_touch[unit] = position
         self.open: dict[int, torch.Tensor] = {}  # unit → flat buffer (creation dtype)
+        self._spare: torch.Tensor | None = None  # a closed unit's buffer, for the next one (see _take_buffer)
         self.built: dict[int, ParamUnit] = {}
 
     # --- walk ----------------------------------------------------------------------------------------------
@@ -175,6 +178,7 @@ class _Materializer:
             if unit not in self.built:
                 self._open(unit)
                 self._close(unit)
+        self._spare = None
         return [self.built[u] for u in range(len(self.plan.units))]
 
     def _any_init_fn(self) -> bool:
@@ -193,7 +197,7 @@ class _Materializer:
         dtypes = {i.created_dtype for i in infos}
         dtype = dtypes.pop() if len(dtypes) == 1 else infos[0].dtype
         numel = sum(i.shape.numel() for i in infos)
-        flat = torch.empty(padded_size(numel, self.ctx.axis.size), dtype=dtype, device=self.device)
+        flat = self._take_buffer(padded_size(numel, self.ctx.axis.size), dtype)
         if flat.is_floating_point():
             flat.fill_(float("nan"))
         offset = 0
@@ -212,12 +216,12 @@ class _Materializer:
 
     @torch.no_grad()
     def _close(self, unit: int) -> None:
-        flat = self.open.pop(unit)
+        flat = created = self.open.pop(unit)
         infos = self._unit_params(unit)
         params = [info.current for info in infos]
         for info, p in zip(infos, params):
             assert p is not None
-            if p.is_floating_point() and bool(torch.isnan(p).any()):
+            if p.is_floating_point() and _has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
         target = infos[0].dtype
         if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
@@ -227,9 +231,25 @@ class _Materializer:
                 p.data = flat[offset : offset + p.numel()].view(p.shape)
                 offset += p.numel()
         built = self.build_unit(unit, [p for p in params if p is not None], flat)
-        del flat
+        del flat  # the unit owns the buffer now, and drops it once sharded
         built.shard_from_params(broadcast_from_rank0=True)
         self.built[unit] = built
+        self._keep_spare(created)
+
+    def _take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for the next unit: the last closed unit's when it fits. Why reuse: the communication backend
+        may hold a reference to a broadcast tensor for a moment after the broadcast completed (gloo's worker
+        thread does), so a fresh buffer per unit could briefly mean two units alive."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.dtype == dtype and spare.numel() >= numel:
+            return spare[:numel]
+        del spare
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _keep_spare(self, flat: torch.Tensor) -> None:
+        base = flat if flat._base is None else flat._base
+        if self._spare is None or base.numel() > self._spare.numel():
+            self._spare = base
 
     # --- buffers -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -252,7 +272,7 @@ class _Materializer:
             if now is None:
                 continue
             if now is allocated:
-                unwritten = bool(torch.isnan(now).any()) if now.is_floating_point() else now._version == version
+                unwritten = _has_nan(now) if now.is_floating_point() else now._version == version
             else:
                 unwritten = now.is_meta
             if unwritten:
@@ -266,7 +286,7 @@ class _Materializer:
         has_reset = (
             "has a reset_parameters() that did not write it" if _has_reset(module) else "has no reset_parameters()"
         )
-        fn = "no init_fn wrote it" if _init_fn_of(module) is None else "its init_fn did not write it"
+        fn = "no init_fn wrote it" if self.init_fns.get(id(module)) is None else "its init_fn did not write it"
         return (
             f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {has_reset} and "
             f"{fn} (it still holds no values, or only some). {_HOW_TO_FIX}"
@@ -318,6 +338,12 @@ def _post_order(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
+def _has_nan(tensor: torch.Tensor) -> bool:
+    """Whether any element is NaN, without a tensor-sized temporary in the common case: a NaN makes the sum NaN
+    (the exact check only runs then, so +inf and -inf summing to NaN is no false alarm)."""
+    return bool(torch.isnan(tensor.sum())) and bool(torch.isnan(tensor).any())
+
+
 def _has_reset(module: torch.nn.Module) -> bool:
     return callable(getattr(module, "reset_parameters", None))
 
@@ -351,7 +377,6 @@ class _RngSchedule:
             torch.set_rng_state(state)
 
     @classmethod
-    @torch.no_grad()
     def survey(
         cls,
         modules: list[_Module],

@@ -53,7 +53,7 @@ class _Slot:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 class SafetensorsStream:
@@ -160,7 +160,10 @@ def save_16bit_model(
             unit.release()
     if stream is not None:
         try:
-            stream.close() if error is None else stream.abort()
+            if error is None:
+                stream.close()
+            else:
+                stream.abort()
         except Exception as exc:
             error = error or exc
     _agree(engine, error, path)

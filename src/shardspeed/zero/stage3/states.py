@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.pieces import Piece
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
@@ -96,6 +97,7 @@ class Stage3States:
         self.group_tensors: dict[int, list[torch.Tensor]] = {}
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self._flat_index: dict[tuple[int, int], int] = {}
+        self._unit_tensors: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # (tensor, unit-flat lo, hi)
         param_index = 0
         for u, (unit, grads) in enumerate(zip(self.units, self.grads)):
             for i in range(len(unit.params)):
@@ -118,6 +120,7 @@ class Stage3States:
                 a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
                 tensor = stepped[a:b]
                 tensor.grad = grads.grad_shard[a:b]
+                self._unit_tensors.setdefault(u, []).append((tensor, owned[0], owned[1]))
                 self.group_tensors.setdefault(group, []).append(tensor)
                 pieces = []
                 for i in members:
@@ -131,6 +134,37 @@ class Stage3States:
     # --- ModelStates interface -----------------------------------------------------------------------------
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**g, "params": self.group_tensors.get(i, [])} for i, g in enumerate(groups)]
+
+    @property
+    def managed_names(self) -> set[str]:
+        """Parameters whose values and optimizer states this stage holds (the rest are saved whole)."""
+        return {n for u in self.units for n in u.names}
+
+    def checkpoint_pieces(self) -> list[Piece]:
+        """This rank's shard of every unit, cut at parameter boundaries (frozen parameters included)."""
+        pieces = []
+        for u, unit in enumerate(self.units):
+            rank_range = (unit.rank_start, unit.rank_start + unit.shard_numel)
+            values = self.masters[u] if self.masters[u] is not None else unit.shard
+            for i, name in enumerate(unit.names):
+                lo, hi = unit.offsets[i], unit.offsets[i] + unit.numels[i]
+                owned = intersect((lo, hi), rank_range)
+                if owned is None:
+                    continue
+                opt_tensor, opt_offset = None, 0
+                for tensor, t_lo, t_hi in self._unit_tensors.get(u, []):
+                    if t_lo <= owned[0] < t_hi:
+                        opt_tensor, opt_offset = tensor, owned[0] - t_lo
+                a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
+                # mixed precision: the fp32 master covers the whole shard (frozen parts too) and is what gets
+                # copied back into the low-precision shard after a step or a load
+                value = values[a:b]
+                pieces.append(
+                    Piece(
+                        name, tuple(unit.shapes[i]), owned[0] - lo, owned[1] - lo, value, opt_tensor, opt_offset, True
+                    )
+                )
+        return pieces
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         return self._segments

@@ -1,0 +1,271 @@
+"""save_checkpoint / load_checkpoint for the engine: every stage, any world size, no pickle.
+
+Saving: each rank writes the parameter pieces it is responsible for (see checkpoint/pieces.py) and the
+optimizer state of the same ranges into its own files under a temporary directory; one rank commits (index,
+metadata, rename, then ``latest``). Loading: each rank reads, chunk by chunk, only the ranges of the pieces it
+holds — whatever stage and world size wrote them — then the stage propagates the loaded fp32 values into the
+model's parameters (copy back, or all-gather). Optimizer states are keyed by parameter name and element range,
+so a stage-3 world-2 checkpoint resumes as stage 0 on one process, or as stage 2 on four, without conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardspeed.checkpoint.commit import commit_checkpoint, make_tmp_dir, resolve_tag
+from shardspeed.checkpoint.pieces import Piece
+from shardspeed.checkpoint.rng import capture_rng, restore_rng
+from shardspeed.checkpoint.store import CheckpointReader, CheckpointWriter
+from shardspeed.symmetric import check_same_on_all_ranks
+
+if TYPE_CHECKING:
+    from shardspeed.engine import ShardSpeedEngine
+
+FORMAT = "shardspeed-checkpoint"
+
+
+def _all_pieces(engine: ShardSpeedEngine) -> list[Piece]:
+    """The stage's pieces plus whole parameters the stage does not manage (frozen ones outside ZeRO-3)."""
+    pieces = engine.states.checkpoint_pieces()
+    covered = engine.states.managed_names  # on every rank, even where this rank holds no piece of a parameter
+    first_rank = engine.topology.dp_rank == 0
+    for name, p in engine.module.named_parameters():
+        if name not in covered and p.numel() > 0:
+            pieces.append(Piece(name, tuple(p.shape), 0, p.numel(), p.data.view(-1), None, 0, first_rank))
+    return pieces
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong in a state dict (non-persistent ones, like cached masks, are rebuilt by the model)."""
+    in_state = set(module.state_dict(keep_vars=True))
+    return [(n, b) for n, b in module.named_buffers() if n in in_state]
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    canonical: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+    return aliases
+
+
+def _plain(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"{what} must be plain data (dicts, lists, strings, numbers, booleans, None) so checkpoints can be "
+            f"loaded without unpickling: {err}"
+        ) from None
+
+
+def _scalar(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"value": value.item(), "tensor": True, "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (int, float, bool)):
+        return {"value": value, "tensor": False}
+    return None
+
+
+def save(
+    engine: ShardSpeedEngine, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool
+) -> Path:
+    axis, comm = engine.topology.data, engine.collectives
+    tag = tag or f"global_step{engine.global_steps}"
+    check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
+    client = _plain(client_state or {}, "client_state")
+    save_dir = Path(save_dir)
+    nonce = comm.all_gather_object(uuid.uuid4().hex, axis)[0]
+    tmp_dir = make_tmp_dir(save_dir, tag, nonce)
+    writer = CheckpointWriter(tmp_dir, engine.topology.global_rank)
+    scalars: dict[str, dict[str, Any]] = {}
+    optimizer = engine.optimizer
+    for piece in _all_pieces(engine):
+        if not piece.write:
+            continue
+        writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
+        if piece.opt_tensor is None:
+            continue
+        for key, value in optimizer.state.get(piece.opt_tensor, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == piece.opt_tensor.numel() and value.numel() > 1:
+                part = value.view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
+                writer.add(f"optim/{piece.name}/{key}", piece.full_shape, piece.start, part.detach().contiguous())
+            elif (scalar := _scalar(value)) is not None:
+                scalars.setdefault(piece.name, {})[key] = scalar
+    if engine.topology.dp_rank == 0:
+        for name, buf in _persistent_buffers(engine.module):
+            writer.add(f"buffer/{name}", tuple(buf.shape), 0, buf.detach().reshape(-1).contiguous())
+    records = writer.finish()
+    everything = comm.all_gather_object({"records": records, "scalars": scalars, "rng": capture_rng()}, axis)
+    if engine.topology.dp_rank == 0:
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for r in everything:
+            merged_scalars.update(r["scalars"])
+        loader = engine.training_dataloader
+        metadata = {
+            "format": FORMAT,
+            "version": 1,
+            "counters": {
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "micro_steps": engine.micro_steps,
+                "skipped_steps": engine.skipped_steps,
+            },
+            "zero_stage": engine.config.zero_optimization.stage,
+            "dp_world_size": axis.size,
+            "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
+            "optimizer_class": _optimizer_name(optimizer),
+            "param_groups": [_plain_group(g) for g in optimizer.param_groups],
+            "optimizer_scalars": merged_scalars,
+            "lr_scheduler": _plain(engine.lr_scheduler.state_dict(), "the LR scheduler's state")
+            if engine.lr_scheduler is not None
+            else None,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
+            "rng": [r["rng"] for r in everything],
+            "client_state": client,
+            "tied": _aliases(engine.module),
+        }
+        records_all = [rec for r in everything for rec in r["records"]]
+        commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
+    comm.all_gather_object(None, axis)  # nobody returns before the commit is visible
+    return save_dir / tag
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    name = type(optimizer).__name__
+    return "Lamb" if name == "ShardedLamb" else name
+
+
+def _plain_group(group: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        try:
+            out[k] = json.loads(json.dumps(list(v) if isinstance(v, tuple) else v))
+        except (TypeError, ValueError):
+            continue  # e.g. a tensor lr: restored from the scheduler instead
+    return out
+
+
+def load(
+    engine: ShardSpeedEngine,
+    load_dir: str | Path,
+    tag: str | None,
+    *,
+    strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[Path | None, dict | None]:
+    axis, comm = engine.topology.data, engine.collectives
+    load_dir = Path(load_dir)
+    if tag is None and not (load_dir / "latest").exists():
+        engine.logger.warning("no checkpoint to load: %s has no 'latest' file", load_dir)
+        check_same_on_all_ranks(None, axis, comm, what="checkpoint tag")
+        return None, None
+    tag = resolve_tag(load_dir, tag)
+    check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
+    reader = CheckpointReader(load_dir / tag)
+    meta = reader.metadata
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})")
+    pieces = _all_pieces(engine)
+    model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
+    _check_names(reader, pieces, model_names, strict, load_dir / tag)
+    with_optimizer = load_optimizer_states and not load_module_only
+    if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
+        raise ValueError(
+            f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
+            f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
+        )
+    optim_keys: dict[str, list[str]] = {}
+    for entry in reader.names("optim/"):
+        name, _, key = entry.removeprefix("optim/").rpartition("/")
+        optim_keys.setdefault(name, []).append(key)
+    with torch.no_grad():
+        for piece in pieces:
+            entry = f"param/{piece.name}"
+            if not reader.has(entry):
+                continue
+            reader.read_range_into(entry, piece.start, piece.value)
+            if with_optimizer and piece.opt_tensor is not None:
+                scalars = meta["optimizer_scalars"].get(piece.name, {})
+                _load_optimizer_piece(engine.optimizer, reader, piece, optim_keys.get(piece.name, []), scalars)
+        for name, buf in _persistent_buffers(engine.module):
+            if reader.has(f"buffer/{name}"):
+                buf.copy_(reader.read_full(f"buffer/{name}", dtype=buf.dtype).view_as(buf))
+    if with_optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
+    engine.states.zero_grads()
+    if not load_module_only:
+        _restore_training_state(engine, meta, load_lr_scheduler_states)
+    return load_dir / tag, meta.get("client_state")
+
+
+def _check_names(
+    reader: CheckpointReader, pieces: list[Piece], model_names: set[str], strict: bool, where: Path
+) -> None:
+    """Shapes of what this rank holds must match; with ``strict`` the sets of names must be equal."""
+    ours = {p.name: p.full_shape for p in pieces}
+    theirs = {n.removeprefix("param/") for n in reader.names("param/")}
+    for name, shape in ours.items():
+        if name in theirs and tuple(reader.shape(f"param/{name}")) != shape:
+            raise ValueError(
+                f"parameter '{name}' is {tuple(reader.shape(f'param/{name}'))} in checkpoint {where} but {shape} "
+                "in this model"
+            )
+    if strict:
+        missing, unexpected = sorted(model_names - theirs), sorted(theirs - model_names)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {where} does not match the model (load_module_strict=True): missing "
+                f"{missing[:10]}, unexpected {unexpected[:10]}"
+            )
+
+
+def _load_optimizer_piece(
+    optimizer: torch.optim.Optimizer, reader: CheckpointReader, piece: Piece, keys: list[str], scalars: dict[str, Any]
+) -> None:
+    assert piece.opt_tensor is not None
+    state = optimizer.state[piece.opt_tensor]
+    for key in keys:
+        entry = f"optim/{piece.name}/{key}"
+        if key not in state:
+            state[key] = torch.zeros_like(piece.opt_tensor)
+        target = state[key].view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
+        reader.read_range_into(entry, piece.start, target)
+    for key, scalar in scalars.items():
+        if scalar["tensor"]:
+            state[key] = torch.tensor(scalar["value"], dtype=getattr(torch, scalar["dtype"]))
+        else:
+            state[key] = scalar["value"]
+
+
+def _restore_training_state(engine: ShardSpeedEngine, meta: dict[str, Any], load_lr_scheduler_states: bool) -> None:
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    # Resuming at another world size can change gradient_accumulation_steps: keep micro-steps on a boundary.
+    engine.micro_steps = counters["global_steps"] * engine.config.gradient_accumulation_steps
+    engine.skipped_steps = counters["skipped_steps"]
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if engine.training_dataloader is not None and meta.get("data_loader") is not None:
+        engine.training_dataloader.load_state_dict(meta["data_loader"])
+    rng = meta.get("rng") or []
+    if rng:
+        restore_rng(rng[engine.topology.global_rank] if engine.topology.global_rank < len(rng) else rng[0])
