@@ -1,7 +1,12 @@
 """Side-by-side training speed and memory: shardspeed against torch peers (and DeepSpeed when installed).
 
-    python benchmarks/bench_engine.py [--nproc 2] [--rounds 5] [--steps 20] [--warmup 3]
-                                      [--model small|medium] [--rows stage0,ddp]
+    python benchmarks/bench_engine.py [--nproc 2] [--rounds 7] [--steps 10] [--warmup 3]
+                                      [--model small|medium] [--rows stage0,ddp,...]
+
+The default runs every row (shardspeed stages 0-3 against torch DDP, ZeroRedundancyOptimizer and FSDP2) in
+about 3-4 minutes on a 2-core machine. For tighter ratios run longer: ``--rounds 15`` (about twice the timing
+time), or ``--rows stage3,stage3_nopersist --rounds 15`` to study one comparison; ``--model medium`` makes
+tensors large enough that stage 3's default persistence threshold partitions them.
 
 Run plainly, this script is the launcher: it starts itself under ``torch.distributed.run`` (gloo on CPU, one
 thread per rank) once for the timing run and once per row for the memory runs, then prints the table.
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from bench_report import format_report
 from bench_rows import (
     DEEPSPEED_ROWS,
+    DEFAULT_ROWS,
     MODEL_SIZES,
     ROWS,
     BenchSetup,
@@ -51,15 +57,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) per run (default 2)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row (default 5)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per row per round (default 20)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per row (default 7)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row per round (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row after building it (default 3)")
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default small)")
     parser.add_argument(
         "--rows",
         default=None,
         help=f"comma-separated rows; peers are added as needed (valid: {', '.join(ROWS)}; "
-        "default stage0,ddp plus deepspeed0 when deepspeed is installed)",
+        f"default {','.join(DEFAULT_ROWS)}, plus {','.join(DEEPSPEED_ROWS)} when deepspeed is installed)",
     )
     # Internal: how the launcher tells its torchrun children what to do.
     parser.add_argument("--memory-row", default=None, help=argparse.SUPPRESS)
@@ -76,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def requested_rows(args: argparse.Namespace) -> list[str]:
     if args.rows is not None:
         return [name.strip() for name in args.rows.split(",") if name.strip()]
-    return ["stage0", "ddp", *(DEEPSPEED_ROWS if deepspeed_installed() else ())]
+    return [*DEFAULT_ROWS, *(DEEPSPEED_ROWS if deepspeed_installed() else ())]
 
 
 # --- launcher (no RANK in the environment) ---------------------------------------------------------------
@@ -258,6 +264,7 @@ def memory_run(args: argparse.Namespace, rows: list[Row], row: Row, setup: Bench
 def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")  # shardspeed.initialize respects an existing default group
+    succeeded = False
     try:
         rank = dist.get_rank()
         setup = make_setup(MODEL_SIZES[args.model], rank)
@@ -270,12 +277,14 @@ def rank_main(args: argparse.Namespace) -> None:
             Path(args.result_file).write_text(json.dumps(result))
         elif rank == 0 and args.memory_row is None:
             print(format_report(result, {}))
+        succeeded = True
     finally:
-        # Free the rows' DDP reducers and engines (reference cycles) while the process group still exists:
-        # left to interpreter exit, a DDP reducer torn down after its group sometimes aborts the process
-        # ("terminate called without an active exception") even though the run itself succeeded.
+        # Free the rows' DDP reducers, FSDP2 states and engines (reference cycles) while the process group
+        # still exists: left to interpreter exit, a DDP reducer torn down after its group sometimes aborts the
+        # process ("terminate called without an active exception") even though the run itself succeeded.
         gc.collect()
-        dist.barrier()
+        if succeeded:  # after a failure the other ranks may never reach it: a barrier would hang, not exit
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -6,17 +6,20 @@ trains from identical weights on identical data with the same AdamW hyperparamet
 in the training system, and their losses after the same number of steps should agree (a printed sanity
 check).
 
-Adding a row is one builder function and one ``Row(...)`` entry in ``ROWS``; e.g. a later stage-1 row:
+Adding a row is one builder function and one ``Row(...)`` entry in ``ROWS`` (and, to show it by default, its
+name in ``DEFAULT_ROWS``); e.g. the stage-1 pair:
 
-    def _build_torch_zero1(setup: BenchSetup) -> StepFn:
+    def _build_zero_redundancy(setup: BenchSetup) -> StepFn:
         model = DDP(setup.fresh_model())
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW_PARAMS)
         return _torch_step(model, optimizer, setup)
 
-    ROWS["torch_zero1"] = Row("torch_zero1", "torch DDP + ZeroRedundancyOptimizer", _build_torch_zero1, None)
-    ROWS["stage1"] = Row(
-        "stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "torch_zero1", _import_shardspeed
-    )
+    ROWS["zero_redundancy"] = Row("zero_redundancy", "torch DDP + ZeroRedundancyOptimizer", ...)
+    ROWS["stage1"] = Row("stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "zero_redundancy")
+
+The peers: stage 0 ↔ torch DDP, stage 1 ↔ torch ZeroRedundancyOptimizer (torch's own optimizer-state
+sharding over DDP), stage 2 ↔ shardspeed stage 0 (gradient sharding should cost little over plain data
+parallelism), stage 3 ↔ torch FSDP2 (``fully_shard`` per transformer block, then the root).
 """
 
 from __future__ import annotations
@@ -120,13 +123,14 @@ def make_setup(size: ModelSize, rank: int) -> BenchSetup:
     return BenchSetup(template, description, inputs, targets, size.micro_batch)
 
 
-def engine_config(setup: BenchSetup, stage: int) -> dict[str, Any]:
-    """The DeepSpeed-format config shared by shardspeed and DeepSpeed rows."""
+def engine_config(setup: BenchSetup, stage: int, zero_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed-format config shared by shardspeed and DeepSpeed rows; ``zero_extra`` adds
+    ``zero_optimization`` keys (e.g. a stage-3 persistence threshold)."""
     return {
         "train_micro_batch_size_per_gpu": setup.micro_batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {**ADAMW_PARAMS, "betas": list(ADAMW_PARAMS["betas"])}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero_extra or {})},
         "steps_per_print": 10**9,
     }
 
@@ -156,18 +160,53 @@ def _torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Bench
     return step
 
 
-def _build_shardspeed(setup: BenchSetup, stage: int) -> StepFn:
+def _build_shardspeed(setup: BenchSetup, stage: int, zero_extra: dict[str, Any] | None = None) -> StepFn:
     import shardspeed
 
     model = setup.fresh_model()
     engine, _, _, _ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=engine_config(setup, stage)
+        model=model, model_parameters=model.parameters(), config=engine_config(setup, stage, zero_extra)
     )
     return _engine_step(engine, setup)
 
 
 def _build_ddp(setup: BenchSetup) -> StepFn:
     model = DDP(setup.fresh_model())  # default settings: what a torch user gets without tuning
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
+    return _torch_step(model, optimizer, setup)
+
+
+def _build_zero_redundancy(setup: BenchSetup) -> StepFn:
+    """torch's own stage-1 equivalent: DDP all-reduces gradients, each rank steps AdamW on its share of the
+    parameters and broadcasts the result."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = DDP(setup.fresh_model())
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW_PARAMS)
+    return _torch_step(model, optimizer, setup)
+
+
+def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one: the demo GPT's transformer blocks (the fallback MLP's layers)."""
+    for attribute in ("blocks", "layers"):
+        children = getattr(model, attribute, None)
+        if isinstance(children, (nn.ModuleList, nn.Sequential)):
+            return list(children)
+    raise TypeError(f"{type(model).__name__} has neither .blocks nor .layers; the fsdp2 row cannot wrap it")
+
+
+def _build_fsdp2(setup: BenchSetup) -> StepFn:
+    """torch FSDP2, the usual recipe: ``fully_shard`` each transformer block, then the root (which takes the
+    embeddings, the tied head and the final norm), on a 1-D CPU mesh over the gloo group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = setup.fresh_model()
+    for block in _fsdp_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
     return _torch_step(model, optimizer, setup)
 
@@ -214,22 +253,44 @@ class Row:
     preload: Callable[[], None] = _import_nothing
 
 
-ROWS: dict[str, Row] = {
-    "stage0": Row(
-        "stage0", "shardspeed ZeRO stage 0", partial(_build_shardspeed, stage=0), "ddp", preload=_import_shardspeed
-    ),
-    "ddp": Row("ddp", "torch DistributedDataParallel", _build_ddp, None),
-    "deepspeed0": Row(
-        "deepspeed0",
-        "DeepSpeed ZeRO stage 0",
-        partial(_build_deepspeed, stage=0),
-        "ddp",
-        optional=True,
-        preload=_import_deepspeed,
-    ),
-}
+def _shardspeed_row(name: str, description: str, stage: int, peer: str, **zero_extra: Any) -> Row:
+    build = partial(_build_shardspeed, stage=stage, zero_extra=zero_extra or None)
+    return Row(name, description, build, peer, preload=_import_shardspeed)
 
-DEEPSPEED_ROWS = ("deepspeed0",)
+
+def _deepspeed_row(name: str, description: str, stage: int, peer: str) -> Row:
+    build = partial(_build_deepspeed, stage=stage)
+    return Row(name, description, build, peer, optional=True, preload=_import_deepspeed)
+
+
+_ROW_LIST = [
+    _shardspeed_row("stage0", "shardspeed ZeRO stage 0", 0, "ddp"),
+    Row("ddp", "torch DistributedDataParallel", _build_ddp, None),
+    _shardspeed_row("stage1", "shardspeed ZeRO stage 1", 1, "zero_redundancy"),
+    Row("zero_redundancy", "torch DDP + ZeroRedundancyOptimizer(AdamW)", _build_zero_redundancy, None),
+    _shardspeed_row("stage2", "shardspeed ZeRO stage 2", 2, "stage0"),
+    _shardspeed_row("stage3", "shardspeed ZeRO stage 3 (default thresholds)", 3, "fsdp2"),
+    # With the default persistence threshold (1e5 elements) every tensor of the small model stays whole on
+    # every rank, so the default stage-3 row gathers nothing; this row partitions every parameter, like FSDP2.
+    _shardspeed_row(
+        "stage3_nopersist",
+        "shardspeed ZeRO stage 3, stage3_param_persistence_threshold 0",
+        3,
+        "fsdp2",
+        stage3_param_persistence_threshold=0,
+    ),
+    Row("fsdp2", "torch FSDP2 (fully_shard per block, then root)", _build_fsdp2, None),
+    _deepspeed_row("deepspeed0", "DeepSpeed ZeRO stage 0", 0, "ddp"),
+    _deepspeed_row("deepspeed1", "DeepSpeed ZeRO stage 1", 1, "zero_redundancy"),
+    _deepspeed_row("deepspeed2", "DeepSpeed ZeRO stage 2", 2, "stage0"),
+    _deepspeed_row("deepspeed3", "DeepSpeed ZeRO stage 3", 3, "fsdp2"),
+]
+ROWS: dict[str, Row] = {row.name: row for row in _ROW_LIST}
+
+DEEPSPEED_ROWS = ("deepspeed0", "deepspeed1", "deepspeed2", "deepspeed3")
+
+# What a plain run shows (DeepSpeed's rows are added when deepspeed is installed): every row but the DeepSpeed ones.
+DEFAULT_ROWS = tuple(name for name in ROWS if name not in DEEPSPEED_ROWS)
 
 
 def resolve_rows(requested: list[str]) -> list[Row]:

@@ -32,6 +32,7 @@ from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
+from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
@@ -150,6 +151,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self._global_grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
         self._last_log = (time.perf_counter(), 0)
+        self.last_load_stats: dict[str, int] = {}
+        self.timers = PhaseTimers(
+            config.wall_clock_breakdown, self.device
+        )  # files/chunks the last load_checkpoint read on this rank
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
@@ -230,7 +235,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
-        return self.module(*args, **kwargs)
+        with self.timers.phase("forward"):
+            return self.module(*args, **kwargs)
 
     __call__ = forward
 
@@ -246,18 +252,20 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
         reducer = self.states.reducer
         reducer.before_backward(communicate)
-        try:
-            (loss.float() * scale).backward(retain_graph=retain_graph)
-        except BaseException:
-            reducer.abort_backward()
-            raise
-        reducer.after_backward()
+        with self.timers.phase("backward"):
+            try:
+                (loss.float() * scale).backward(retain_graph=retain_graph)
+            except BaseException:
+                reducer.abort_backward()
+                raise
+            reducer.after_backward()
         return loss
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         if self.is_gradient_accumulation_boundary():
-            self._boundary_step()
+            with self.timers.phase("step"):
+                self._boundary_step()
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -271,9 +279,13 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        # Identical on every rank (sharded stages all-reduce the partial sums), so the overflow verdict is too.
-        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale
-        self._global_grad_norm = norm
+        # The norm costs a pass over the gradients and a host sync (plus an all-reduce when sharded), so, as in
+        # DeepSpeed, it is computed only when something uses it: clipping, fp16 overflow detection, or the log
+        # line of this step. Identical on every rank, so the overflow verdict is too.
+        logging_step = (self.global_steps + 1) % self.config.steps_per_print == 0
+        needed = self.config.gradient_clipping > 0 or self.loss_scaler is not None or logging_step
+        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
+        self._global_grad_norm = norm if needed else None
         overflow = not math.isfinite(norm)
         if overflow and self.loss_scaler is None:
             self.logger.warning(
@@ -317,11 +329,16 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         now = time.perf_counter()
         then, samples_then = self._last_log
         self._last_log = (now, self.global_samples)
+        breakdown = self.timers.report_and_reset(self.config.steps_per_print) if self.timers.enabled else None
         if self.topology.global_rank != 0:
             return
         rate = (self.global_samples - samples_then) / max(now - then, 1e-9)
         loss = float(self._last_loss) if self._last_loss is not None else float("nan")
         scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
+        if self.timers.enabled:
+            self.logger.info(
+                "step %d: %s", self.global_steps, self.timers.report_and_reset(self.config.steps_per_print)
+            )
         self.logger.info(
             "step %d: loss %.4f, lr %s, grad norm %.4g%s, %.1f samples/s",
             self.global_steps,
@@ -369,7 +386,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """Gradient norm of the last optimizer step, before clipping (unscaled for fp16); None before the first."""
+        """Gradient norm of the last optimizer step, before clipping (unscaled for fp16). None before the first
+        step, and on steps where nothing needed it (no clipping, no fp16, not a steps_per_print step)."""
         return self._global_grad_norm
 
     def save_checkpoint(

@@ -168,3 +168,41 @@ def test_client_state_must_be_plain_data(dist_run, tmp_path: Path) -> None:
 
     for message in dist_run(save_object, 2, str(tmp_path / "ckpt")):
         assert "client_state must be plain data" in message
+
+
+def _stage3_save_and_state(rank: int, world: int, where: str) -> dict:
+    engine, loader = _engine(3, world, model_kwargs={"tied": True})
+    _train(engine, loader, 2, False)
+    engine.save_checkpoint(where)
+    return engine.module_state_dict()
+
+
+def _load_stats(rank: int, world: int, where: str) -> dict:
+    engine, _ = _engine(3, world, model_kwargs={"tied": True})
+    engine.load_checkpoint(where)
+    return engine.last_load_stats
+
+
+def test_consolidation_equals_model_and_ranks_read_only_their_part(dist_run, tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from shardspeed.launcher.cli import main
+    from shardspeed.utils import get_fp32_state_dict_from_zero_checkpoint
+
+    where = tmp_path / "ckpt"
+    state = dist_run(_stage3_save_and_state, 2, str(where))[0]
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(where))
+    assert set(consolidated) == set(state)  # tied alias included
+    for name, value in state.items():
+        assert torch.equal(consolidated[name], value), name
+    assert main(["zero-to-fp32", str(where), str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, value in exported.items():
+        assert torch.equal(value, state[name]), name
+    # with tiny chunks, each of 2 ranks reads only the chunks overlapping its shards
+    index = json.loads((where / "global_step2" / "index.json").read_text())
+    total = sum(len(t["chunks"]) for n, t in index["tensors"].items() if not n.startswith("buffer/"))
+    for stats in dist_run(_load_stats, 2, str(where)):
+        assert 0 < stats["chunks_read"] < total

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardspeed
@@ -85,11 +86,7 @@ def _train_lm(rank: int, world: int, kind: str) -> dict:
 def _reference(kind: str, world: int) -> dict[str, torch.Tensor]:
     model = make_lm()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (
-        torch.optim.AdamW(params, **ADAM)
-        if kind == "adamw"
-        else torch.optim.SGD(params, lr=LR * 10, momentum=0.9)
-    )
+    opt = torch.optim.AdamW(params, **ADAM) if kind == "adamw" else torch.optim.SGD(params, lr=LR * 10, momentum=0.9)
     for tokens, targets in token_batches(STEPS, MB * GAS * world):
         opt.zero_grad()
         model(tokens, targets).backward()
@@ -280,3 +277,57 @@ def test_divergent_control_flow_fails_fast_with_a_clear_error(dist_run) -> None:
     assert "this rank reached unit 'gpt.blocks.1'" in messages[0]
     assert "reached unit 'gpt.blocks.2'" in messages[0]
     assert "this rank reached unit 'gpt.blocks.2'" in messages[1]
+
+
+class Looping(torch.nn.Module):
+    """A block called twice in one forward, and a block skipped on odd steps (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        h = torch.tanh(self.layers[0](x))
+        h = torch.tanh(self.layers[0](h))  # reused
+        if not skip:
+            h = torch.tanh(self.layers[1](h))
+        return self.head(torch.tanh(self.layers[2](h)))
+
+
+def _looping(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Looping()
+    config = _config("sgd", stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
+    config["gradient_accumulation_steps"] = 1
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(5)
+    leaked = []
+    for step in range(4):
+        x, y = torch.randn(MB * world, 16, generator=g), torch.randn(MB * world, 4, generator=g)
+        rows = slice(rank * MB, (rank + 1) * MB)
+        engine.backward(F.mse_loss(engine(x[rows], step % 2 == 1), y[rows]))
+        engine.step()
+        leaked.append(engine.states.unsharded_units())
+    return {"state": engine.module_state_dict(), "leaked": leaked}
+
+
+def test_reused_and_skipped_modules_train_correctly_without_leaks(dist_run) -> None:
+    results = dist_run(_looping, 2)
+    torch.manual_seed(0)
+    model = Looping()
+    opt = torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9)
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        x, y = torch.randn(MB * 2, 16, generator=g), torch.randn(MB * 2, 4, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x, step % 2 == 1), y).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    for r in results:
+        assert r["leaked"] == [[], [], [], []]
+        for name, value in model.state_dict().items():
+            assert (r["state"][name] - value).abs().max().item() <= 1e-5, name

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from bench_report import format_report, table_rows
+from bench_report import format_report, loss_agreement, table_rows
 from proc_status import parse_status_kib
 from stats import (
     interquartile_range,
@@ -127,3 +127,31 @@ def test_report_flags_a_noisy_ratio_band() -> None:
     noisy = {**quiet, "step_ms": {"stage0": [80.0, 120.0], "ddp": [100.0, 100.0]}}
     # ratios 0.8 and 1.2: IQR 0.9-1.1, 0.2 wide
     assert "noisy: the IQR is 0.200 wide" in format_report(noisy, {})
+
+
+def test_loss_agreement_flags_rows_that_train_differently() -> None:
+    losses = {"stage3": 4.8634021, "fsdp2": 4.8634030, "broken": 4.9}
+    # 4.8634030 - 4.8634021 = 9e-7: summation-order noise, well inside 1e-4
+    assert "= 9.0e-07 (agree" in loss_agreement(losses, "stage3", "fsdp2")
+    # 4.9 - 4.8634030 = 0.036597
+    assert "= 3.7e-02 (DISAGREE" in loss_agreement(losses, "broken", "fsdp2")
+
+
+def test_report_prints_the_loss_difference_under_each_ratio() -> None:
+    rows = [{"name": "stage0", "peer": "ddp", "description": "a"}, {"name": "ddp", "peer": None, "description": "b"}]
+    timing = {"rows": rows, "step_ms": {"stage0": [1.0], "ddp": [1.0]}, "final_loss": {"stage0": 2.5, "ddp": 2.5}}
+    assert "|loss - ddp loss| = 0.0e+00 (agree" in format_report(timing, {})
+
+
+def test_every_row_has_a_known_peer_and_the_default_shows_every_stage() -> None:
+    from bench_rows import DEEPSPEED_ROWS, DEFAULT_ROWS, ROWS, resolve_rows
+
+    assert all(row.peer is None or row.peer in ROWS for row in ROWS.values())
+    expected_pairs = {"stage0": "ddp", "stage1": "zero_redundancy", "stage2": "stage0", "stage3": "fsdp2"}
+    assert {name: ROWS[name].peer for name in expected_pairs} == expected_pairs
+    assert set(expected_pairs) | {"ddp", "zero_redundancy", "fsdp2"} <= set(DEFAULT_ROWS)
+    assert not set(DEEPSPEED_ROWS) & set(DEFAULT_ROWS)
+    # a row's peer is added after it when not requested
+    assert [row.name for row in resolve_rows(["stage2"])] == ["stage2", "stage0"]
+    with pytest.raises(ValueError, match="unknown row 'stage4'"):
+        resolve_rows(["stage4"])

@@ -207,6 +207,9 @@ def load(
     if with_optimizer:
         for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
+    engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
+    reader.close()
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
     engine.states.zero_grads()
     if not load_module_only:
