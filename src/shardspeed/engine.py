@@ -335,10 +335,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         rate = (self.global_samples - samples_then) / max(now - then, 1e-9)
         loss = float(self._last_loss) if self._last_loss is not None else float("nan")
         scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
-        if self.timers.enabled:
-            self.logger.info(
-                "step %d: %s", self.global_steps, self.timers.report_and_reset(self.config.steps_per_print)
-            )
+        if breakdown:
+            self.logger.info("step %d: %s", self.global_steps, breakdown)
         self.logger.info(
             "step %d: loss %.4f, lr %s, grad norm %.4g%s, %.1f samples/s",
             self.global_steps,
