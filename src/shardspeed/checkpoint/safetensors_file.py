@@ -58,7 +58,10 @@ class SafetensorsStreamWriter:
         path: Path,
         entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         metadata: dict[str, str] | None = None,
+        require_alignment: bool = True,
     ) -> None:
+        """``require_alignment``: every tensor starts at a multiple of its element size (what zero-copy readers
+        like); safetensors itself does not require it, so a writer with a fixed key order may turn it off."""
         self.path = Path(path)
         self._expected: list[tuple[str, torch.dtype, int]] = []
         header: dict[str, object] = {}
@@ -71,7 +74,7 @@ class SafetensorsStreamWriter:
             if dtype not in SAFETENSORS_DTYPE_CODES:
                 raise ValueError(f"{self.path}: key {key!r} has dtype {dtype}, which safetensors cannot store")
             itemsize = torch.empty((), dtype=dtype).element_size()
-            if offset % itemsize:
+            if require_alignment and offset % itemsize:
                 raise ValueError(
                     f"{self.path}: key {key!r} ({dtype}) would start at byte {offset}, not a multiple of its "
                     f"element size {itemsize}; declare keys with larger elements first"

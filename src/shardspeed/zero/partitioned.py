@@ -29,9 +29,10 @@ from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedRed
 from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.states import FlatLayoutStates
 
 
-class PartitionedStates:
+class PartitionedStates(FlatLayoutStates):
     def __init__(
         self,
         stage: int,
@@ -148,14 +149,6 @@ class PartitionedStates:
     @property
     def peak_bucket_bytes(self) -> int:
         return getattr(self.grad_sync, "peak_staging_bytes", 0)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.layout.total
-
-    @property
-    def num_params(self) -> int:
-        return len(self.layout.numels)
 
     def grad_sq_sum(self) -> float:
         partial = sum_of_squares(self.grad_shards)

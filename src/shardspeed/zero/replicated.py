@@ -14,9 +14,10 @@ from shardspeed.zero.grad_sync import AllReduceGrads, CommContext
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.states import FlatLayoutStates
 
 
-class ReplicatedStates:
+class ReplicatedStates(FlatLayoutStates):
     communicate_every_micro_step = False
 
     def __init__(
@@ -39,14 +40,6 @@ class ReplicatedStates:
         return [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in groups]
 
     peak_bucket_bytes = 0  # stage 0 reduces the persistent buffer in place
-
-    @property
-    def padded_numel(self) -> int:
-        return self.layout.total
-
-    @property
-    def num_params(self) -> int:
-        return len(self.layout.numels)
 
     @property
     def managed_names(self) -> set[str]:

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.reducer import GradReducer
 
 
@@ -51,3 +52,17 @@ class ModelStates(Protocol):
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every persistent buffer this stage allocated, by role (for memory accounting)."""
         ...
+
+
+class FlatLayoutStates:
+    """Shared by the stages whose states follow one ShardLayout (0, 1, 2)."""
+
+    layout: ShardLayout
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.total
+
+    @property
+    def num_params(self) -> int:
+        return len(self.layout.numels)

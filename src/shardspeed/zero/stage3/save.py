@@ -20,29 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.safetensors_file import SAFETENSORS_DTYPE_CODES, SafetensorsStreamWriter
 from shardspeed.zero.stage3.unit import UnitState
-
-_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 
 
 @dataclass(frozen=True)
@@ -51,57 +36,31 @@ class _Slot:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
-
-class SafetensorsStream:
-    """Write a safetensors file whose tensors arrive one at a time, in the order of ``slots``."""
+class _AtomicStream:
+    """The shared streaming safetensors writer, into ``path.tmp`` renamed over ``path`` only when complete."""
 
     def __init__(self, path: Path, slots: list[_Slot], metadata: dict[str, str]) -> None:
-        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-        offset = 0
         for slot in slots:
-            if slot.dtype not in _SAFETENSORS_DTYPES:
+            if slot.dtype not in SAFETENSORS_DTYPE_CODES:
                 raise TypeError(
-                    f"save_16bit_model: tensor '{slot.name}' has dtype {slot.dtype}, which safetensors "
-                    f"cannot store (supported: {', '.join(map(str, _SAFETENSORS_DTYPES))})"
+                    f"save_16bit_model: tensor '{slot.name}' has dtype {slot.dtype}, which safetensors cannot store"
                 )
-            end = offset + slot.nbytes
-            header[slot.name] = {
-                "dtype": _SAFETENSORS_DTYPES[slot.dtype],
-                "shape": list(slot.shape),
-                "data_offsets": [offset, end],
-            }
-            offset = end
-        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        encoded += b" " * (-len(encoded) % 8)  # the byte buffer starts 8-byte aligned
-        self.path, self._slots, self._next = path, slots, 0
-        self._tmp = path.with_name(path.name + ".tmp")
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
-        self._file.write(struct.pack("<Q", len(encoded)))
-        self._file.write(encoded)
+        self.path, self._tmp = path, path.with_name(path.name + ".tmp")
+        entries = [(slot.name, slot.dtype, slot.shape) for slot in slots]
+        # keys follow the gather order (unit by unit), not dtype size, so alignment cannot be guaranteed
+        self._writer = SafetensorsStreamWriter(self._tmp, entries, metadata, require_alignment=False)
+        self._names = iter([slot.name for slot in slots])
 
     def write(self, tensor: torch.Tensor) -> None:
-        slot = self._slots[self._next]
-        if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-            raise AssertionError(
-                f"'{slot.name}': got {tensor.dtype}{tuple(tensor.shape)}, header says {slot.dtype}{slot.shape}"
-            )
-        host = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self._file.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
-        self._next += 1
+        self._writer.write(next(self._names), tensor.detach().to("cpu").contiguous().reshape(-1))
 
     def close(self) -> None:
-        if self._next != len(self._slots):
-            raise AssertionError(f"wrote {self._next} of {len(self._slots)} tensors")
-        self._file.close()
+        self._writer.close(fsync=True)
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
-        self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        self._writer.abort()
 
 
 def save_16bit_model(
@@ -138,12 +97,12 @@ def save_16bit_model(
     units = engine.states.units if zero.stage == 3 else []
     plan = _write_plan(state, units)
     error: BaseException | None = None
-    stream: SafetensorsStream | None = None
+    stream: _AtomicStream | None = None
     if writer_rank:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             slots = [_Slot(name, t.dtype, tuple(shape)) for _, entries in plan for name, t, shape in entries]
-            stream = SafetensorsStream(path, slots, _metadata(state))
+            stream = _AtomicStream(path, slots, _metadata(state))
         except Exception as exc:  # keep taking part in the gathers; report after (see _agree)
             error = exc
     for unit, entries in plan:
