@@ -6,16 +6,16 @@ trains from identical weights on identical data with the same AdamW hyperparamet
 in the training system, and their losses after the same number of steps should agree (a printed sanity
 check).
 
-Adding a row is one builder function and one ``Row(...)`` entry in ``ROWS`` (and, to show it by default, its
-name in ``DEFAULT_ROWS``); e.g. the stage-1 pair:
+Adding a row is one builder function and one entry in ``_ROW_LIST`` (rows not from DeepSpeed are shown by
+default); e.g. the stage-1 pair:
 
     def _build_zero_redundancy(setup: BenchSetup) -> StepFn:
         model = DDP(setup.fresh_model())
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW_PARAMS)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW_PARAMS)
         return _torch_step(model, optimizer, setup)
 
-    ROWS["zero_redundancy"] = Row("zero_redundancy", "torch DDP + ZeroRedundancyOptimizer", ...)
-    ROWS["stage1"] = Row("stage1", "shardspeed stage 1", partial(_build_shardspeed, stage=1), "zero_redundancy")
+    _shardspeed_row("stage1", "shardspeed ZeRO stage 1", 1, "zero_redundancy"),
+    Row("zero_redundancy", "torch DDP + ZeroRedundancyOptimizer(AdamW)", _build_zero_redundancy, None),
 
 The peers: stage 0 ↔ torch DDP, stage 1 ↔ torch ZeroRedundancyOptimizer (torch's own optimizer-state
 sharding over DDP), stage 2 ↔ shardspeed stage 0 (gradient sharding should cost little over plain data
