@@ -229,7 +229,27 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 f"{type(optimizer).__name__} is not known to be element-wise. Set "
                 '"zero_allow_untested_optimizer": true to run it anyway.'
             )
-        return optimizer
+        return self._offload(optimizer)
+
+    def _offload(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme)."""
+        zero = self.config.zero_optimization
+        offload = zero.offload_optimizer
+        if offload is None or offload.device == "none":
+            return optimizer
+        from shardspeed.offload.optimizer import offload_optimizer
+
+        axis, collectives = self.topology.data, self.collectives
+        return offload_optimizer(
+            optimizer,
+            offload.device,
+            nvme_path=offload.nvme_path,
+            pin_memory=offload.pin_memory,
+            settings=self.config.aio.settings(),
+            chunk_numel=zero.sub_group_size,
+            rank=axis.rank,
+            agree=lambda obj: collectives.all_gather_object(obj, axis),
+        )
 
     # --- training loop API ---------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -460,8 +480,12 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         return self.collectives.log
 
     def destroy(self) -> None:
-        """Remove the gradient hooks (lets the module be wrapped by another engine)."""
+        """Remove the gradient hooks (lets the module be wrapped by another engine) and release offload storage
+        (NVMe swap files)."""
         self.states.reducer.remove_hooks()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

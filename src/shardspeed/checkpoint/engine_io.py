@@ -141,7 +141,7 @@ def save(
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
-    name = type(optimizer).__name__
+    name = getattr(optimizer, "optimizer_class_name", None) or type(optimizer).__name__  # offload wrappers
     return "Lamb" if name == "ShardedLamb" else name
 
 
@@ -210,6 +210,9 @@ def load(
     # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
     engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
     reader.close()
+    after_load = getattr(engine.optimizer, "after_checkpoint_load", None)
+    if after_load is not None:  # offloaded optimizer: write the loaded values and states back to its store
+        after_load()
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
     engine.states.zero_grads()
     if not load_module_only:

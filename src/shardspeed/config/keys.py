@@ -136,8 +136,7 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
     "disable_python_gc": KeyRule("disabling Python's cyclic garbage collector", _false, _SET_FALSE),
     "graph_harvesting": KeyRule("CUDA-graph capture of short kernel sequences", _false, _SET_FALSE),
     "disable_allgather": KeyRule("broadcasts instead of all-gather (legacy ZeRO-1)", _false, _SET_FALSE),
-    # Only read by NVMe / CPU offload, which shardspeed rejects until it implements it, so never in effect.
-    "aio": KeyRule("asynchronous NVMe I/O settings (used only by NVMe offload)", _empty, _REMOVE),
+    # shardspeed's optimizer offload always steps on its own CPU Adam, so there is no choice to force.
     "zero_force_ds_cpu_optimizer": KeyRule("requiring DeepSpeed's CPU optimizer under offload", _empty, _REMOVE),
     # Nested: implementation choices inside sections we do implement.
     "fp16.fused_mode": KeyRule("choosing DeepSpeed's fused or unfused fp16 optimizer", _empty, _REMOVE),

@@ -1,8 +1,9 @@
 """``zero_optimization.offload_optimizer`` / ``offload_param``: DeepSpeed's CPU / NVMe offload settings.
 
-Every DeepSpeed key is accepted with DeepSpeed's default so real configs parse, but offload itself is not
-implemented yet: ``ZeroConfig`` rejects any device outside ``IMPLEMENTED_OFFLOAD_DEVICES``. Enabling
-offload later is one line here plus the engine work.
+Every DeepSpeed key is accepted with DeepSpeed's default so real configs parse. ``offload_optimizer`` with
+device "cpu" or "nvme" runs (``shardspeed.offload.optimizer``; of its keys ``nvme_path`` and ``pin_memory`` are
+read, the others are tuning knobs with no effect here); ``offload_param`` is not implemented yet and
+``ZeroConfig`` rejects a device other than "none" for it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pydantic import Field
 
 from .base import ConfigModel, NonNegativeInt, PositiveInt
 
-IMPLEMENTED_OFFLOAD_DEVICES: frozenset[str] = frozenset({"none"})
-"""Offload devices shardspeed can run with; "cpu" and "nvme" are a later issue."""
+IMPLEMENTED_OFFLOAD_DEVICES: frozenset[str] = frozenset({"none", "cpu", "nvme"})
+"""Offload devices shardspeed can run with (``offload_optimizer``; ``offload_param`` is checked apart, see
+``ZeroConfig``)."""
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]

@@ -9,6 +9,7 @@ import torch
 from pydantic import Field, model_validator
 
 from .activation import ActivationCheckpointingConfig
+from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .precision import BF16Config, DtypeName, FP16Config
@@ -94,6 +95,10 @@ class ShardSpeedConfig(ConfigModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     """How ``shardspeed.checkpointing`` stores checkpointed inputs (partitioned, in CPU memory, ...).
     DeepSpeed default: every option off."""
+
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Asynchronous NVMe I/O settings, read by NVMe offload (``offload_optimizer.device: "nvme"``).
+    DeepSpeed default: the defaults of each key."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,

@@ -3,7 +3,8 @@
 All keys are accepted so real configs parse, but a config may only *use* what shardspeed implements:
 - ``stage`` must be in ``IMPLEMENTED_ZERO_STAGES`` (a stage we don't have is an error, never a silent
   fallback to stage 0, which would use several times the memory the user planned for);
-- offload devices must be in ``offload.IMPLEMENTED_OFFLOAD_DEVICES``;
+- offload_optimizer devices must be in ``offload.IMPLEMENTED_OFFLOAD_DEVICES`` (stage ≥ 1; nvme needs a path);
+  offload_param is not implemented (device must be "none");
 - the keys in ``ZeroConfig.NOT_YET_SUPPORTED`` (ZeRO++, MiCS, ZenFlow: they change the numbers that are
   communicated or when updates are applied) must stay at their "off" values.
 The remaining keys are communication / memory tuning knobs with no effect on the result.
@@ -105,8 +106,8 @@ class ZeroConfig(Stage3Options):
     "none" is an error."""
 
     offload_optimizer: OffloadOptimizerConfig | None = None
-    """Optimizer-state offload. DeepSpeed default: none. Not implemented yet: a device other than "none"
-    is an error."""
+    """Optimizer-state offload (stages 1-3, Adam/AdamW): "cpu" or "nvme" (states in a swap file under
+    ``nvme_path``, streamed in ``sub_group_size`` chunks). DeepSpeed default: none."""
 
     sub_group_size: PositiveInt = 1_000_000_000
     """Parameter elements per optimizer-step tile (bounds temporary memory). DeepSpeed default: 1e9."""
@@ -187,15 +188,30 @@ class ZeroConfig(Stage3Options):
 
     @model_validator(mode="after")
     def _only_implemented_features(self) -> ZeroConfig:
-        for key, section in (
-            ("offload_optimizer", self.offload_optimizer),
-            ("offload_param", self.offload_param),
-        ):
-            if section is not None and section.device not in IMPLEMENTED_OFFLOAD_DEVICES:
+        if self.offload_param is not None and self.offload_param.device != "none":
+            raise InvalidValue(
+                "offload_param",
+                f'"{{path}}" with device "{self.offload_param.device}" {_NOT_SUPPORTED} (parameter offload is a '
+                'later shardspeed release; offload_optimizer works); remove it or set "device": "none"',
+            )
+        optimizer_offload = self.offload_optimizer
+        if optimizer_offload is not None and optimizer_offload.device != "none":
+            if optimizer_offload.device not in IMPLEMENTED_OFFLOAD_DEVICES:
                 raise InvalidValue(
-                    key,
-                    f'"{{path}}" with device "{section.device}" {_NOT_SUPPORTED} (offload is a later '
-                    'shardspeed release); remove it or set "device": "none"',
+                    "offload_optimizer",
+                    f'"{{path}}" with device "{optimizer_offload.device}" {_NOT_SUPPORTED}; valid devices: '
+                    f"{', '.join(sorted(IMPLEMENTED_OFFLOAD_DEVICES))}",
+                )
+            if self.stage == 0:
+                raise InvalidValue(
+                    "offload_optimizer",
+                    f'"{{path}}" with device "{optimizer_offload.device}" needs ZeRO stage 1, 2 or 3 (the offloaded '
+                    "optimizer steps this rank's shard); set zero_optimization.stage or remove the section",
+                )
+            if optimizer_offload.device == "nvme" and not optimizer_offload.nvme_path:
+                raise InvalidValue(
+                    "offload_optimizer",
+                    '"{path}" with device "nvme" needs "nvme_path": a writable directory on a local disk',
                 )
         for key, replacement in (
             ("cpu_offload", "offload_optimizer"),
