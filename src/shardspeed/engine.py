@@ -95,7 +95,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             ),
         )
         trainable_numel = sum(p.numel() for p in packed.params)
+        self._check_param_offload()  # before the stage attaches its hooks to the module
         self.states = build_model_states(zero, self.module, packed, comm, self.device)
+        self._offload_params()
         self.optimizer = self._build_optimizer(optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
@@ -230,6 +232,32 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 '"zero_allow_untested_optimizer": true to run it anyway.'
             )
         return self._offload(optimizer)
+
+    def _check_param_offload(self) -> None:
+        from shardspeed.zero.stage3.param_offload import check_param_offload
+
+        zero = self.config.zero_optimization
+        device = zero.offload_param.device if zero.offload_param is not None else "none"
+        check_param_offload(device, zero.stage, self.config.compute_dtype != torch.float32, self.device.type != "cpu")
+
+    def _offload_params(self) -> None:
+        """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses."""
+        from shardspeed.zero.stage3.param_offload import build_param_offloader, needs_offloader
+
+        offload = self.config.zero_optimization.offload_param
+        if offload is None or not needs_offloader(offload.device, self.device.type != "cpu"):
+            return
+        axis, collectives = self.topology.data, self.collectives
+        offloader = build_param_offloader(
+            [u for u in self.states.units if not u.persistent],
+            offload.device,
+            nvme_path=offload.nvme_path,
+            pin_memory=offload.pin_memory,
+            settings=self.config.aio.settings(),
+            rank=axis.rank,
+            agree=lambda obj: collectives.all_gather_object(obj, axis),
+        )
+        self.states.offload_params(offloader)
 
     def _offload(self, optimizer: torch.optim.Optimizer) -> Any:
         """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme)."""
@@ -486,6 +514,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()
+        close_states = getattr(self.states, "close", None)  # stage 3 parameter offload
+        if close_states is not None:
+            close_states()
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

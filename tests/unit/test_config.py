@@ -405,11 +405,16 @@ def test_implemented_stages_constant_is_read_at_validation_time(monkeypatch: pyt
     ("section", "device"),
     [("offload_param", "cpu"), ("offload_param", "nvme")],
 )
-def test_param_offload_is_not_supported_yet(section: str, device: str) -> None:
+def test_param_offload_needs_stage_3(section: str, device: str) -> None:
     message = error_of({**MICRO1, "zero_optimization": {section: {"device": device, "pin_memory": True}}})
-    assert message.startswith(
-        f'"zero_optimization.{section}" with device "{device}" is a DeepSpeed option shardspeed does not support yet'
-    )
+    assert message.startswith(f'"zero_optimization.{section}" with device "{device}" needs ZeRO stage 3'), message
+
+
+def test_param_offload_nvme_needs_a_path() -> None:
+    message = error_of({**MICRO1, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert '"zero_optimization.offload_param" with device "nvme" needs "nvme_path"' in message, message
+    zero = load({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).zero_optimization
+    assert zero.offload_param is not None and zero.offload_param.device == "cpu"
 
 
 def test_offload_section_with_device_none_parses_with_defaults() -> None:

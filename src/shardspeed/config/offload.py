@@ -2,8 +2,9 @@
 
 Every DeepSpeed key is accepted with DeepSpeed's default so real configs parse. ``offload_optimizer`` with
 device "cpu" or "nvme" runs (``shardspeed.offload.optimizer``; of its keys ``nvme_path`` and ``pin_memory`` are
-read, the others are tuning knobs with no effect here); ``offload_param`` is not implemented yet and
-``ZeroConfig`` rejects a device other than "none" for it.
+read, the others are tuning knobs with no effect here). ``offload_param`` with device "cpu" or "nvme" runs with
+ZeRO stage 3 (``shardspeed.zero.stage3.param_offload``: bf16/fp16 only when it moves anything; ``nvme_path`` and
+``pin_memory`` are read, ``buffer_count`` / ``buffer_size`` / ``max_in_cpu`` have no effect).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from pydantic import Field
 from .base import ConfigModel, NonNegativeInt, PositiveInt
 
 IMPLEMENTED_OFFLOAD_DEVICES: frozenset[str] = frozenset({"none", "cpu", "nvme"})
-"""Offload devices shardspeed can run with (``offload_optimizer``; ``offload_param`` is checked apart, see
-``ZeroConfig``)."""
+"""Offload devices shardspeed can run with (``offload_optimizer``, and ``offload_param`` with stage 3)."""
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]

@@ -4,7 +4,7 @@ All keys are accepted so real configs parse, but a config may only *use* what sh
 - ``stage`` must be in ``IMPLEMENTED_ZERO_STAGES`` (a stage we don't have is an error, never a silent
   fallback to stage 0, which would use several times the memory the user planned for);
 - offload_optimizer devices must be in ``offload.IMPLEMENTED_OFFLOAD_DEVICES`` (stage ≥ 1; nvme needs a path);
-  offload_param is not implemented (device must be "none");
+  offload_param devices likewise, stage 3 only (bf16/fp16 is checked by the engine, see zero/stage3/param_offload.py);
 - the keys in ``ZeroConfig.NOT_YET_SUPPORTED`` (ZeRO++, MiCS, ZenFlow: they change the numbers that are
   communicated or when updates are applied) must stay at their "off" values.
 The remaining keys are communication / memory tuning knobs with no effect on the result.
@@ -102,8 +102,9 @@ class ZeroConfig(Stage3Options):
     """Legacy elastic ZeRO checkpoints (deprecated in DeepSpeed). DeepSpeed default: false."""
 
     offload_param: OffloadParamConfig | None = None
-    """Parameter offload (stage 3). DeepSpeed default: none. Not implemented yet: a device other than
-    "none" is an error."""
+    """Parameter offload (stage 3): parameter shards in host memory ("cpu"; a no-op without an accelerator) or a
+    swap file under ``nvme_path`` ("nvme") between uses; needs bf16/fp16 when it moves anything (see
+    ``shardspeed.zero.stage3.param_offload``). DeepSpeed default: none."""
 
     offload_optimizer: OffloadOptimizerConfig | None = None
     """Optimizer-state offload (stages 1-3, Adam/AdamW): "cpu" or "nvme" (states in a swap file under
@@ -188,12 +189,25 @@ class ZeroConfig(Stage3Options):
 
     @model_validator(mode="after")
     def _only_implemented_features(self) -> ZeroConfig:
-        if self.offload_param is not None and self.offload_param.device != "none":
-            raise InvalidValue(
-                "offload_param",
-                f'"{{path}}" with device "{self.offload_param.device}" {_NOT_SUPPORTED} (parameter offload is a '
-                'later shardspeed release; offload_optimizer works); remove it or set "device": "none"',
-            )
+        param_offload = self.offload_param
+        if param_offload is not None and param_offload.device != "none":
+            if param_offload.device not in IMPLEMENTED_OFFLOAD_DEVICES:
+                raise InvalidValue(
+                    "offload_param",
+                    f'"{{path}}" with device "{param_offload.device}" {_NOT_SUPPORTED}; valid devices: '
+                    f"{', '.join(sorted(IMPLEMENTED_OFFLOAD_DEVICES))}",
+                )
+            if self.stage != 3:
+                raise InvalidValue(
+                    "offload_param",
+                    f'"{{path}}" with device "{param_offload.device}" needs ZeRO stage 3 (only stage 3 shards the '
+                    "parameters); set zero_optimization.stage to 3 or remove the section",
+                )
+            if param_offload.device == "nvme" and not param_offload.nvme_path:
+                raise InvalidValue(
+                    "offload_param",
+                    '"{path}" with device "nvme" needs "nvme_path": a writable directory on a local disk',
+                )
         optimizer_offload = self.offload_optimizer
         if optimizer_offload is not None and optimizer_offload.device != "none":
             if optimizer_offload.device not in IMPLEMENTED_OFFLOAD_DEVICES:

@@ -20,6 +20,7 @@ from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
+from shardspeed.zero.stage3.param_offload import ParamOffloader
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
@@ -129,6 +130,7 @@ class Stage3States:
                         pieces.append((self._flat_index[(u, i)], piece[0] - owned[0], piece[1] - owned[0]))
                 self._segments[id(tensor)] = pieces
         self.num_params = param_index
+        self.param_offloader: ParamOffloader | None = None
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
 
     # --- ModelStates interface -----------------------------------------------------------------------------
@@ -181,18 +183,36 @@ class Stage3States:
     def after_optimizer_step(self) -> None:
         for unit, master in zip(self.units, self.masters):
             if master is not None:
-                unit.shard.copy_(master)
+                unit.writable_shard(keep_values=False).copy_(master)
+                if unit.state is UnitState.SHARDED:
+                    unit.evict_shard()  # offloaded: written to the store and freed until the next gather
             if unit.persistent:  # kept whole on every rank: refresh it from the updated shards
                 unit.release()
                 unit.gather()
                 unit.wait()
+
+    def offload_params(self, offloader: ParamOffloader) -> None:
+        """``offload_param``: every non-persistent unit's shard moves to ``offloader``'s store (param_offload.py).
+        Only valid in mixed precision: the optimizer and checkpoints use the fp32 masters, never the shards."""
+        if any(m is None for m in self.masters):
+            raise ValueError("offload_params needs fp32 master shards (bf16/fp16 training); see param_offload.py")
+        self.param_offloader = offloader
+        for unit in self.units:
+            if not unit.persistent:
+                unit.start_offload(offloader)
+
+    def close(self) -> None:
+        """Release offload storage (the parameter swap directory); the engine calls it from ``destroy``."""
+        if self.param_offloader is not None:
+            self.param_offloader.close()
+            self.param_offloader = None
 
     def zero_grads(self) -> None:
         self.reducer.zero()
 
     def buffers(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {
-            "param_shards": [u.shard for u in self.units],
+            "param_shards": [u.shard for u in self.units],  # offloaded shards between uses: empty tensors
             "grad_shard": [g.grad_shard for g in self.grads],
         }
         if any(m is not None for m in self.masters):

@@ -12,18 +12,30 @@ attributes onto its parameters; everything it knows lives here.
 different same-sized units at the same point (different control flow), weights would silently swap. So every
 gather also all-gathers the unit's id (N integers, launched just before the data); after it completes each rank
 checks that all ranks named the same unit and otherwise raises — on every rank, naming both units.
+
+[Note: offloaded shard] With ``offload_param`` (param_offload.py) a unit has an ``offloader`` and its shard has
+a sub-state orthogonal to the one above: *resident* (``shard`` holds the values; memory is the truth) or not
+(``shard`` is an empty tensor; the store is the truth). ``fetch_shard`` makes it resident (reading the store),
+``evict_shard`` writes it back if it was changed since it was read (``_shard_dirty``) and frees it. ``gather``
+fetches and ``wait`` evicts (the all-gather has copied the shard by then), so between uses only the store holds
+it. Whoever writes the shard goes through ``writable_shard``, which marks it dirty. Without an offloader the
+shard is always resident and these calls do nothing.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardspeed.comm import Collectives, Work
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.layout import padded_size
+
+if TYPE_CHECKING:
+    from shardspeed.zero.stage3.param_offload import ParamOffloader
 
 
 class UnitState(enum.Enum):
@@ -75,6 +87,9 @@ class ParamUnit:
         self._ids: torch.Tensor | None = None
         self._id_work: Work | None = None
         self.persistent = False
+        self.offloader: ParamOffloader | None = None  # set by Stage3States.offload_params
+        self.shard_resident = True
+        self._shard_dirty = False
 
     # --- construction --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -109,6 +124,7 @@ class ParamUnit:
     def gather(self) -> None:
         """Launch the all-gather of this unit (asynchronous); ``wait()`` makes the parameters whole."""
         self._to(UnitState.GATHERING, UnitState.SHARDED)
+        self.fetch_shard()
         self._ids = torch.empty(self.axis.size, dtype=torch.int64, device=self.device)
         mine = torch.full((1,), self.index, dtype=torch.int64, device=self.device)
         self._id_work = self.collectives.all_gather(self._ids, mine, self.axis, async_op=True, tag="unit_ids")
@@ -122,6 +138,7 @@ class ParamUnit:
         self.check_same_unit(self._ids, "gather")
         self._work.wait()
         self._work = self._id_work = self._ids = None
+        self.evict_shard()  # the gathered buffer holds a copy now
         self._point_params_at(self.full)
 
     def ensure_unsharded(self) -> None:
@@ -154,9 +171,48 @@ class ParamUnit:
         """Replace this rank's shard from a whole (padded or unpadded) flat copy of the unit."""
         start = self.rank_start
         end = min(start + self.shard_numel, flat.numel())
-        self.shard.zero_()
+        shard = self.writable_shard(keep_values=False)
+        shard.zero_()
         if end > start:
-            self.shard[: end - start].copy_(flat[start:end])
+            shard[: end - start].copy_(flat[start:end])
+
+    # --- offloaded shard ([Note: offloaded shard]) -------------------------------------------------------------
+    def fetch_shard(self) -> None:
+        """Make the shard resident, reading it from the offload store if it is not."""
+        if self.shard_resident:
+            return
+        assert self.offloader is not None
+        shard = self.offloader.empty_shard(self)
+        self.offloader.read(self, shard)
+        self.shard, self.shard_resident, self._shard_dirty = shard, True, False
+
+    def writable_shard(self, keep_values: bool = True) -> torch.Tensor:
+        """The resident shard, marked changed so ``evict_shard`` writes it back; ``keep_values=False`` skips
+        reading it from the store when the caller overwrites all of it."""
+        if not self.shard_resident:
+            assert self.offloader is not None
+            if keep_values:
+                self.fetch_shard()
+            else:
+                self.shard, self.shard_resident = self.offloader.empty_shard(self), True
+        self._shard_dirty = True
+        return self.shard
+
+    def evict_shard(self) -> None:
+        """Write the shard to the offload store if it changed, then free it (no-op without an offloader)."""
+        if self.offloader is None or not self.shard_resident:
+            return
+        if self._shard_dirty:
+            self.offloader.write(self, self.shard)
+        self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.shard_resident, self._shard_dirty = False, False
+
+    def start_offload(self, offloader: ParamOffloader) -> None:
+        """Hand the shard to ``offloader``: written to its store now, and resident only while used from now on."""
+        self.offloader = offloader
+        self._shard_dirty = True
+        if self.state is UnitState.SHARDED:
+            self.evict_shard()
 
     def _point_params_at(self, flat: torch.Tensor | None) -> None:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
@@ -166,4 +222,5 @@ class ParamUnit:
                 p.data = flat[off : off + n].view(shape)
 
     def nbytes(self) -> int:
+        """Bytes of the shard in memory (0 while it is offloaded)."""
         return self.shard.numel() * self.shard.element_size()

@@ -1,0 +1,136 @@
+"""``zero_optimization.offload_param``: ZeRO-3 parameter shards kept off the training device between uses.
+
+A ``ParamOffloader`` owns a store (a ``TensorSwapper`` swap file for ``device: "nvme"``, pinned host tensors for
+``device: "cpu"`` with an accelerator) and is attached to every non-persistent ``ParamUnit``. The unit then keeps
+its shard *resident* only while it needs it (see unit.py, [Note: offloaded shard]): ``gather()`` reads the shard
+in before launching the all-gather (the runtime's prefetch calls ``gather()`` a unit ahead, so the read overlaps
+the previous unit's compute) and ``wait()`` drops it again once the all-gather has copied it.
+
+Supported combinations (``check_param_offload``), chosen as the simplest that stay exactly correct:
+
+- ``device: "cpu"`` on a machine without an accelerator is a no-op: the shards already live in host memory.
+- ``device: "nvme"`` (and ``"cpu"`` with an accelerator) needs bf16 or fp16. In mixed precision the optimizer
+  steps the fp32 *master* shards, which stay in memory, and checkpoints read the masters too; the low-precision
+  shard is only the all-gather's source, so it can live in the store between uses. In fp32 the optimizer's
+  tensors *are* slices of the shard, so offloading them would need every shard swapped in around each step and
+  each checkpoint; that is not implemented and is a clear ``ConfigError``.
+
+``buffer_count``, ``buffer_size`` and ``max_in_cpu`` are accepted for DeepSpeed compatibility and have no effect:
+one shard at a time is read into a freshly allocated (page-aligned, so O_DIRECT needs no staging copy) buffer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardspeed.config.errors import ConfigError
+from shardspeed.offload.aio_config import AioSettings
+from shardspeed.offload.optimizer import HostStore, StateStore
+from shardspeed.offload.swapper import SwapSetupError, TensorSwapper, aligned_empty
+
+if TYPE_CHECKING:
+    from shardspeed.zero.stage3.unit import ParamUnit
+
+
+class ParamOffloader:
+    """Reads and writes unit shards to ``store`` under the name ``unit<index>``."""
+
+    def __init__(self, store: StateStore, device_kind: str) -> None:
+        self.store = store
+        self.device_kind = device_kind  # "cpu" or "nvme": what the config asked for
+        self.offloaded_bytes = 0  # bytes of shard data that live in the store
+
+    @staticmethod
+    def key(unit: ParamUnit) -> str:
+        return f"unit{unit.index}"
+
+    def empty_shard(self, unit: ParamUnit) -> torch.Tensor:
+        """A buffer for ``unit``'s shard; page-aligned host memory when the unit lives on the CPU."""
+        if unit.device.type == "cpu" and isinstance(self.store, TensorSwapper):
+            return aligned_empty(unit.shard_numel, unit.dtype)
+        return torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+
+    def write(self, unit: ParamUnit, shard: torch.Tensor) -> None:
+        """Store ``shard`` (blocking: the caller frees it right after)."""
+        host = shard if shard.device.type == "cpu" or isinstance(self.store, HostStore) else shard.to("cpu")
+        self.store.swap_out(self.key(unit), host).wait()
+
+    def read(self, unit: ParamUnit, out: torch.Tensor) -> None:
+        """Fill ``out`` with ``unit``'s stored shard (blocking)."""
+        if out.device.type == "cpu" or isinstance(self.store, HostStore):
+            self.store.swap_in(self.key(unit), out).wait()
+            return
+        host = torch.empty(out.numel(), dtype=out.dtype)
+        self.store.swap_in(self.key(unit), host).wait()
+        out.copy_(host)
+
+    def close(self) -> None:
+        """Release the store (for NVMe: delete this rank's swap directory)."""
+        self.store.close()
+
+
+def needs_offloader(device: str, has_accelerator: bool) -> bool:
+    """Whether ``offload_param.device`` moves anything: "cpu" without an accelerator is where shards already are."""
+    return device == "nvme" or (device == "cpu" and has_accelerator)
+
+
+def check_param_offload(device: str, stage: int, mixed_precision: bool, has_accelerator: bool) -> None:
+    """The combinations ``offload_param`` runs with (see the module docstring); the rest are ``ConfigError``s."""
+    if device == "none":
+        return
+    if stage != 3:
+        raise ConfigError(
+            f'zero_optimization.offload_param.device = "{device}" needs ZeRO stage 3 (only stage 3 shards '
+            f"parameters), but zero_optimization.stage is {stage}; set the stage to 3 or the device to none"
+        )
+    if needs_offloader(device, has_accelerator) and not mixed_precision:
+        raise ConfigError(
+            f'zero_optimization.offload_param.device = "{device}" needs bf16 or fp16 training: in fp32 the '
+            "optimizer steps the parameter shards themselves, which must then stay in memory (shardspeed keeps "
+            "fp32 master shards in memory and offloads the 16-bit shards). Enable bf16/fp16, or set "
+            'offload_param.device to "none"'
+        )
+
+
+def build_param_offloader(
+    units: Sequence[ParamUnit],
+    device: str,
+    *,
+    nvme_path: str | None,
+    pin_memory: bool,
+    settings: AioSettings,
+    rank: int,
+    agree: Callable[[object], list[object]],
+) -> ParamOffloader:
+    """The store for ``units``' shards; collective over the data-parallel ranks (``agree`` all-gathers a small
+    object), so an ``nvme_path`` unusable on one rank fails every rank at once and leaves no directories."""
+    if device == "cpu":
+        return ParamOffloader(HostStore(pin_memory), device)
+    if device != "nvme":
+        raise ValueError(f"offload_param.device = {device!r}; valid: none, cpu, nvme")
+    if not nvme_path:
+        raise ConfigError('zero_optimization.offload_param.device = "nvme" needs "nvme_path": a writable directory')
+    job = agree(f"shardspeed-params-{uuid.uuid4().hex[:12]}")[0]
+    sizes = [unit.shard_numel * unit.shard.element_size() for unit in units]
+    swapper: TensorSwapper | None = None
+    problem: str | None = None
+    try:
+        capacity = max(TensorSwapper.bytes_needed(sizes, settings), 1)
+        swapper = TensorSwapper(nvme_path, capacity, settings, job_id=f"{job}-rank{rank}")
+    except (SwapSetupError, OSError) as error:
+        problem = str(error)
+    problems = [(r, p) for r, p in enumerate(agree(problem)) if p is not None]
+    if problems:
+        if swapper is not None:
+            swapper.abort()
+        where, first = problems[0]
+        raise SwapSetupError(
+            f"zero_optimization.offload_param.nvme_path = {nvme_path!r} is unusable on data-parallel rank "
+            f"{where}: {first}"
+        )
+    assert swapper is not None
+    return ParamOffloader(swapper, device)
