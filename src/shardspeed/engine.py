@@ -238,7 +238,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
 
         zero = self.config.zero_optimization
         device = zero.offload_param.device if zero.offload_param is not None else "none"
-        check_param_offload(device, zero.stage, self.config.compute_dtype != torch.float32, self.device.type != "cpu")
+        optimizer_device = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+        check_param_offload(
+            device, zero.stage, self.config.compute_dtype != torch.float32, self.device.type != "cpu", optimizer_device
+        )
 
     def _offload_params(self) -> None:
         """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses."""
@@ -277,6 +280,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             chunk_numel=zero.sub_group_size,
             rank=axis.rank,
             agree=lambda obj: collectives.all_gather_object(obj, axis),
+            access=getattr(self.states, "stepped_access", None),  # ZeRO-3 fp32 offload_param: stand-in tensors
         )
 
     # --- training loop API ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,13 @@ def _all_pieces(engine: ShardSpeedEngine) -> list[Piece]:
         if name not in covered and p.numel() > 0:
             pieces.append(Piece(name, tuple(p.shape), 0, p.numel(), p.data.view(-1), None, 0, first_rank))
     return pieces
+
+
+def _resident(engine: ShardSpeedEngine, pieces: list[Piece], writing: bool) -> Iterable[Piece]:
+    """``pieces`` with their values in memory while each is used: a stage that keeps values off memory between
+    uses (ZeRO-3 fp32 with offload_param) brings them in one unit at a time (``writing``: and writes them back)."""
+    resident = getattr(engine.states, "resident_pieces", None)
+    return pieces if resident is None else resident(pieces, writing)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -88,7 +96,7 @@ def save(
     writer = CheckpointWriter(tmp_dir, engine.topology.global_rank)
     scalars: dict[str, dict[str, Any]] = {}
     optimizer = engine.optimizer
-    for piece in _all_pieces(engine):
+    for piece in _resident(engine, _all_pieces(engine), writing=False):
         if not piece.write:
             continue
         writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
@@ -193,7 +201,7 @@ def load(
         name, _, key = entry.removeprefix("optim/").rpartition("/")
         optim_keys.setdefault(name, []).append(key)
     with torch.no_grad():
-        for piece in pieces:
+        for piece in _resident(engine, pieces, writing=True):
             entry = f"param/{piece.name}"
             if not reader.has(entry):
                 continue

@@ -7,6 +7,11 @@ values, ``exp_avg`` and ``exp_avg_sq``. A step streams the chunks through ``stre
 ‖ write previous) and copies each updated chunk back into the stepped tensor, so the ZeRO stage's own
 ``after_optimizer_step`` (copy to low precision, all-gather) runs unchanged.
 
+The stepped tensors' values are reached through a ``SteppedAccess`` (``open``/``close`` around every use). By
+default a stepped tensor holds its values itself; ZeRO-3 fp32 with ``offload_param`` passes one whose stepped
+tensors are stand-ins without storage and whose ``open`` reads the owning unit's shard from its store (``close``
+writes it back), so the optimizer step keeps one unit's shard in memory at a time (param_offload.py).
+
 Stores: a ``TensorSwapper`` (``device: "nvme"``: the states are in a swap file, host memory holds three chunks)
 or ``HostStore`` (``device: "cpu"`` with an accelerator: pinned host tensors; gradients are copied to the host
 and updated values back). On a CPU-only machine ``device: "cpu"`` needs no wrapper at all: the states already
@@ -19,7 +24,6 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from shardspeed.config.errors import ConfigError
 
 from .aio_config import AioSettings
 from .cpu_adam import STREAM_STATES, init_stream_state, state_key, stream_step
+from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
 from .swapper import SwapHandle, SwapSetupError, TensorSwapper
 
 
@@ -149,7 +154,14 @@ class _SwappedState:
 class StreamedAdam:
     """Adam/AdamW over chunks whose values and moments live in a ``StateStore`` (see the module docstring)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, store: StateStore, chunk_numel: int) -> None:
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        store: StateStore,
+        chunk_numel: int,
+        access: SteppedAccess | None = None,
+    ) -> None:
+        """``access``: how to reach the stepped tensors' values (default: the tensors themselves)."""
         check_streamable(inner)
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel = {chunk_numel}; valid: a positive number of elements")
@@ -158,6 +170,7 @@ class StreamedAdam:
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
         self.store = store
+        self.access: SteppedAccess = access if access is not None else DirectAccess()
         self.steps = [0 for _ in self.param_groups]
         self.group_chunks: list[list[_Chunk]] = []
         self.chunks_of: dict[int, list[_Chunk]] = {}
@@ -165,7 +178,8 @@ class StreamedAdam:
         for g, group in enumerate(self.param_groups):
             chunks = []
             for t, tensor in enumerate(group["params"]):
-                if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                # stand-ins reached through an access need not be contiguous: their values are elsewhere
+                if tensor.dtype != torch.float32 or (access is None and not tensor.is_contiguous()):
                     raise ValueError(f"offloaded optimizer tensor {t} of group {g}: valid: contiguous fp32")
                 mine = [
                     _Chunk(f"g{g}t{t}c{start}", tensor, start, min(start + chunk_numel, tensor.numel()))
@@ -176,10 +190,7 @@ class StreamedAdam:
                 self._group_of[id(tensor)] = g
             self.group_chunks.append(chunks)
         self.state = _SwappedState(self)
-        for chunks in self.group_chunks:
-            for chunk in chunks:  # one chunk at a time: host memory stays bounded by a chunk's zeros
-                for handle in init_stream_state(store, chunk.name, _host(chunk.of(chunk.tensor))):  # type: ignore[arg-type]
-                    handle.wait()
+        self._write_values(first=True)
 
     @staticmethod
     def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings) -> int:
@@ -197,26 +208,29 @@ class StreamedAdam:
             raise ValueError("StreamedAdam.step does not take a closure (ZeRO offload steps reduced gradients)")
         self.state.forget()
         for g, (group, chunks) in enumerate(zip(self.param_groups, self.group_chunks)):
+            writer = ChunkWriter(self.access, chunks)
             if not chunks:
                 continue
             self.steps[g] += 1
             # CPU tensors are used in place; device gradients are copied to the host first (cpu/nvme offload
             # with an accelerator), and updated values go back to the device tensor in on_chunk_done.
             grads = [_host(chunk.of(chunk.tensor.grad)) for chunk in chunks]
-            targets = [chunk.of(chunk.tensor) for chunk in chunks]
             beta1, beta2 = group["betas"]
-            stream_step(
-                self.store,  # type: ignore[arg-type]
-                [chunk.name for chunk in chunks],
-                grads,
-                step=self.steps[g],
-                lr=float(group["lr"]),
-                betas=(float(beta1), float(beta2)),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adam_w_mode=self.adam_w_mode,
-                on_chunk_done=functools.partial(_copy_back, targets),
-            )
+            try:
+                stream_step(
+                    self.store,  # type: ignore[arg-type]
+                    [chunk.name for chunk in chunks],
+                    grads,
+                    step=self.steps[g],
+                    lr=float(group["lr"]),
+                    betas=(float(beta1), float(beta2)),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adam_w_mode=self.adam_w_mode,
+                    on_chunk_done=writer.write,
+                )
+            finally:
+                writer.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients belong to the ZeRO stage's buffers, which the engine zeroes."""
@@ -242,19 +256,42 @@ class StreamedAdam:
                     if key in entry:
                         part = entry[key].view(-1)[chunk.start : chunk.end].to("cpu", torch.float32).contiguous()
                         self.store.swap_out(state_key(chunk.name, key), part).wait()
-        for chunks in self.group_chunks:
-            for chunk in chunks:
-                self.store.swap_out(state_key(chunk.name, "param"), _host(chunk.of(chunk.tensor))).wait()
+        self._write_values(first=False)
         self.state.forget()
+
+    def _write_values(self, first: bool) -> None:
+        """Every stepped tensor's values into the store, one tensor open at a time; ``first``: also its zero
+        moments (the state Adam starts from). Each chunk is written before the next: host memory stays bounded
+        by a chunk (plus what ``access.open`` brings in)."""
+        for chunks in self.group_chunks:
+            for tensor, mine in _by_tensor(chunks):
+                values = self.access.open(tensor, writing=False)
+                try:
+                    for chunk in mine:
+                        part = _host(values[chunk.start : chunk.end])
+                        if first:
+                            handles = init_stream_state(self.store, chunk.name, part)  # type: ignore[arg-type]
+                        else:
+                            handles = [self.store.swap_out(state_key(chunk.name, "param"), part)]
+                        for handle in handles:
+                            handle.wait()
+                finally:
+                    self.access.close(tensor)
 
     def close(self) -> None:
         """Release the store (deletes the swap directory)."""
         self.store.close()
 
 
-def _copy_back(targets: list[torch.Tensor], index: int, updated: torch.Tensor) -> None:
-    """Updated chunk ``index`` into its stepped tensor (a blocking copy: the host buffer is reused)."""
-    targets[index].copy_(updated)
+def _by_tensor(chunks: list[_Chunk]) -> list[tuple[torch.Tensor, list[_Chunk]]]:
+    """``chunks`` (tensor by tensor, in order) cut into runs of one stepped tensor each."""
+    runs: list[tuple[torch.Tensor, list[_Chunk]]] = []
+    for chunk in chunks:
+        if runs and runs[-1][0] is chunk.tensor:
+            runs[-1][1].append(chunk)
+        else:
+            runs.append((chunk.tensor, [chunk]))
+    return runs
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -288,17 +325,19 @@ def offload_optimizer(
     chunk_numel: int,
     rank: int,
     agree: Callable[[object], list[object]],
+    access: SteppedAccess | None = None,
 ) -> torch.optim.Optimizer | StreamedAdam:
     """Wrap ``inner`` for ``offload_optimizer.device``; collective over the data-parallel ranks (``agree`` is
     their all-gather of a small object), so a rank whose ``nvme_path`` is unusable fails every rank at once.
 
-    "cpu" on a CPU-only machine returns ``inner`` itself: its states are already in host memory.
+    "cpu" on a CPU-only machine returns ``inner`` itself: its states are already in host memory. ``access``:
+    how the stepped tensors' values are reached (``StreamedAdam``), for a stage whose tensors are stand-ins.
     """
     if device == "none" or (device == "cpu" and not _has_accelerator(inner)):
         return inner
     check_streamable(inner)
     if device == "cpu":
-        return StreamedAdam(inner, HostStore(pin_memory), chunk_numel)
+        return StreamedAdam(inner, HostStore(pin_memory), chunk_numel, access)
     if device != "nvme":
         raise ValueError(f"offload_optimizer.device = {device!r}; valid: none, cpu, nvme")
     assert nvme_path is not None
@@ -325,7 +364,7 @@ def offload_optimizer(
         )
     assert swapper is not None
     try:
-        return StreamedAdam(inner, swapper, chunk_numel)
+        return StreamedAdam(inner, swapper, chunk_numel, access)
     except BaseException:
         swapper.abort()
         raise

@@ -29,6 +29,7 @@ import errno
 import mmap
 import os
 import shutil
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
@@ -41,6 +42,9 @@ from types import TracebackType
 import torch
 
 from .aio_config import PAGE_SIZE, AioSettings
+from .aligned import PRIVATE_ANONYMOUS, round_up
+from .aligned import aligned_empty as aligned_empty  # re-exported: callers import it from here
+from .last_op import ForgetWhenDone
 
 SWAP_FILE_NAME = "swap.bin"
 _FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -48,11 +52,6 @@ _FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 class SwapSetupError(RuntimeError):
     """The swap directory or file could not be created: unwritable path or not enough free space."""
-
-
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is ≥ ``value``."""
-    return -(-value // multiple) * multiple
 
 
 def probe_o_direct(directory: Path) -> bool:
@@ -113,7 +112,7 @@ class _Staging:
     """
 
     def __init__(self, size: int) -> None:
-        self.memory = mmap.mmap(-1, size)
+        self.memory = mmap.mmap(-1, size, flags=PRIVATE_ANONYMOUS)
         self.view = memoryview(self.memory)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
 
@@ -213,7 +212,10 @@ class TensorSwapper:
             self._free_buffers.put(_Staging(self.settings.block_size))
         self._slots: dict[str, SwapSlot] = {}
         self._next_offset = 0
+        # name → its latest operation while that is in flight (or failed: flush re-raises it). A finished one is
+        # dropped, since its handle holds the tensor: keeping it would keep every swapped-out tensor in memory.
         self._last_op: dict[str, SwapHandle] = {}
+        self._last_op_lock = threading.Lock()
         self._closed = False
 
     @staticmethod
@@ -276,7 +278,9 @@ class TensorSwapper:
 
     def flush(self) -> None:
         """Wait for every operation submitted so far; re-raise the first I/O error."""
-        for handle in list(self._last_op.values()):
+        with self._last_op_lock:
+            pending = list(self._last_op.values())
+        for handle in pending:
             handle.wait()
 
     def close(self) -> None:
@@ -322,15 +326,19 @@ class TensorSwapper:
         return tensor.view(torch.uint8)
 
     def _submit(self, name: str, tensor: torch.Tensor, data: torch.Tensor, piece_io: _PieceIO) -> SwapHandle:
-        prior = self._last_op.get(name)
         slot = self._slots[name]
         starts = list(range(0, data.numel(), self.settings.block_size))
-        if self.settings.single_submit:
-            futures = [self._executor.submit(self._run_pieces, piece_io, prior, slot, data, starts)]
-        else:
-            futures = [self._executor.submit(self._run_pieces, piece_io, prior, slot, data, [s]) for s in starts]
-        handle = SwapHandle(name, futures, tensor)
-        self._last_op[name] = handle
+        with self._last_op_lock:  # same-name operations run in submission order: each waits for the prior one
+            prior = self._last_op.get(name)
+            if self.settings.single_submit:
+                futures = [self._executor.submit(self._run_pieces, piece_io, prior, slot, data, starts)]
+            else:
+                futures = [self._executor.submit(self._run_pieces, piece_io, prior, slot, data, [s]) for s in starts]
+            handle = SwapHandle(name, futures, tensor)
+            self._last_op[name] = handle
+        forget = ForgetWhenDone(self._last_op, self._last_op_lock, name, weakref.ref(handle), len(futures))
+        for future in futures:
+            future.add_done_callback(forget)  # outside the lock: runs at once if the future already finished
         if not self.settings.overlap_events:
             handle.wait()
         return handle
@@ -385,15 +393,3 @@ class TensorSwapper:
 def _memory_at(address: int, length: int) -> memoryview:
     """A writable memoryview of ``length`` bytes at ``address`` (memory owned by a tensor the handle keeps alive)."""
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
-
-
-def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised 1-D tensor in page-aligned memory (anonymous mmap), padded to whole pages.
-
-    With O_DIRECT the swapper reads and writes such tensors in place (no staging copy) as long as each block
-    of the transfer is whole pages; other tensors go through the staging buffers. Use it for long-lived swap
-    buffers (``stream_step`` does).
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, max(round_up(numel * itemsize, PAGE_SIZE), PAGE_SIZE))
-    return torch.frombuffer(memory, dtype=torch.uint8)[: numel * itemsize].view(dtype)

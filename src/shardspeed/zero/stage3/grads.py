@@ -12,17 +12,18 @@ from __future__ import annotations
 import torch
 
 from shardspeed.comm import Work
+from shardspeed.offload.aligned import aligned_empty
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.stage3.unit import ParamUnit
+
+_MAPPED_MIN_NUMEL = 1 << 18  # 1 MiB of fp32
 
 
 class UnitGrads:
     def __init__(self, unit: ParamUnit, ctx: CommContext) -> None:
         self.unit, self.ctx = unit, ctx
         self.trainable = {i for i, p in enumerate(unit.params) if p.requires_grad}
-        self.grad_shard = torch.zeros(
-            unit.shard_numel if self.trainable else 0, dtype=torch.float32, device=unit.device
-        )
+        self.grad_shard = _zeros(unit.shard_numel if self.trainable else 0, unit.device)
         self.arrived: set[int] = set()
         self.launched = False
         self._staging: torch.Tensor | None = None
@@ -86,3 +87,13 @@ class UnitGrads:
     def zero(self) -> None:
         self.grad_shard.zero_()
         self._staging = None
+
+
+def _zeros(numel: int, device: torch.device) -> torch.Tensor:
+    """fp32 zeros. On the CPU from a fresh anonymous mapping, whose pages the kernel zero-fills on first touch:
+    a gradient shard costs no resident memory until a backward writes it, so building the model (which holds
+    every parameter shard for a moment when parameters are offloaded) does not also hold every gradient shard.
+    Small shards use the allocator: a mapping each would cost a page and count against the kernel's map limit."""
+    if device.type != "cpu" or numel < _MAPPED_MIN_NUMEL:
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+    return aligned_empty(numel, torch.float32)

@@ -9,11 +9,15 @@ the previous unit's compute) and ``wait()`` drops it again once the all-gather h
 Supported combinations (``check_param_offload``), chosen as the simplest that stay exactly correct:
 
 - ``device: "cpu"`` on a machine without an accelerator is a no-op: the shards already live in host memory.
-- ``device: "nvme"`` (and ``"cpu"`` with an accelerator) needs bf16 or fp16. In mixed precision the optimizer
-  steps the fp32 *master* shards, which stay in memory, and checkpoints read the masters too; the low-precision
-  shard is only the all-gather's source, so it can live in the store between uses. In fp32 the optimizer's
-  tensors *are* slices of the shard, so offloading them would need every shard swapped in around each step and
-  each checkpoint; that is not implemented and is a clear ``ConfigError``.
+- bf16/fp16: the optimizer steps the fp32 *master* shards, which stay in memory, and checkpoints read the masters
+  too; the low-precision shard is only the all-gather's source, so it can live in the store between uses.
+- fp32: the optimizer's tensors *are* slices of the shard, so the shard can only leave memory if the optimizer
+  can reach it elsewhere: this needs ``offload_optimizer`` with a streamed optimizer (``device: "nvme"``, or
+  ``"cpu"`` with an accelerator), else it is a clear ``ConfigError``. The optimizer's stepped tensors become
+  storage-less stand-ins (``stand_in``) and ``ShardSlices`` tells ``StreamedAdam`` where their values are: it
+  reads the owning unit's shard just before the tensor's first chunk is written and writes it back right after
+  its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the fp32 values (it
+  steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
 
 ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` are accepted for DeepSpeed compatibility and have no effect:
 one shard at a time is read into a freshly allocated (page-aligned, so O_DIRECT needs no staging copy) buffer.
@@ -73,13 +77,51 @@ class ParamOffloader:
         self.store.close()
 
 
+def stand_in(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A storage-less 1-D tensor of ``numel`` elements of ``like``'s dtype and device (one element, stride 0): an
+    optimizer key and ``.grad`` holder whose values live elsewhere. Writing to it raises, so a missed
+    ``ShardSlices.open`` fails loudly instead of updating nothing."""
+    return torch.zeros(1, dtype=like.dtype, device=like.device).expand(numel)
+
+
+class ShardSlices:
+    """``SteppedAccess`` (offload/stepped_access.py) for fp32 ZeRO-3 with offloaded shards: stand-in → (unit, range
+    of its shard). Tensors it does not know (those of units that stay in memory) hold their values themselves."""
+
+    def __init__(self) -> None:
+        self._where: dict[int, tuple[ParamUnit, int, int]] = {}
+
+    def add(self, tensor: torch.Tensor, unit: ParamUnit, start: int, end: int) -> None:
+        self._where[id(tensor)] = (unit, start, end)
+
+    def open(self, tensor: torch.Tensor, writing: bool) -> torch.Tensor:
+        where = self._where.get(id(tensor))
+        if where is None:
+            return tensor.view(-1)
+        unit, start, end = where
+        if writing:
+            shard = unit.writable_shard(keep_values=True)  # a tensor may cover only part of the shard
+        else:
+            unit.fetch_shard()
+            shard = unit.shard
+        return shard[start:end]
+
+    def close(self, tensor: torch.Tensor) -> None:
+        where = self._where.get(id(tensor))
+        if where is not None:
+            where[0].evict_shard()  # writes it back if it was opened for writing
+
+
 def needs_offloader(device: str, has_accelerator: bool) -> bool:
     """Whether ``offload_param.device`` moves anything: "cpu" without an accelerator is where shards already are."""
     return device == "nvme" or (device == "cpu" and has_accelerator)
 
 
-def check_param_offload(device: str, stage: int, mixed_precision: bool, has_accelerator: bool) -> None:
-    """The combinations ``offload_param`` runs with (see the module docstring); the rest are ``ConfigError``s."""
+def check_param_offload(
+    device: str, stage: int, mixed_precision: bool, has_accelerator: bool, optimizer_device: str = "none"
+) -> None:
+    """The combinations ``offload_param`` runs with (see the module docstring); the rest are ``ConfigError``s.
+    ``optimizer_device``: ``offload_optimizer.device``."""
     if device == "none":
         return
     if stage != 3:
@@ -87,12 +129,15 @@ def check_param_offload(device: str, stage: int, mixed_precision: bool, has_acce
             f'zero_optimization.offload_param.device = "{device}" needs ZeRO stage 3 (only stage 3 shards '
             f"parameters), but zero_optimization.stage is {stage}; set the stage to 3 or the device to none"
         )
-    if needs_offloader(device, has_accelerator) and not mixed_precision:
+    streamed_optimizer = needs_offloader(optimizer_device, has_accelerator)  # StreamedAdam reaches the shards
+    if needs_offloader(device, has_accelerator) and not mixed_precision and not streamed_optimizer:
         raise ConfigError(
-            f'zero_optimization.offload_param.device = "{device}" needs bf16 or fp16 training: in fp32 the '
-            "optimizer steps the parameter shards themselves, which must then stay in memory (shardspeed keeps "
-            "fp32 master shards in memory and offloads the 16-bit shards). Enable bf16/fp16, or set "
-            'offload_param.device to "none"'
+            f'zero_optimization.offload_param.device = "{device}" in fp32 needs the optimizer offloaded too '
+            f'(zero_optimization.offload_optimizer.device is "{optimizer_device}"): in fp32 the optimizer steps '
+            "the parameter shards themselves, and only the streamed optimizer of offload_optimizer can step them "
+            'while they are off memory. Set offload_optimizer.device to "nvme"'
+            + (' or "cpu"' if has_accelerator else "")
+            + ', train in bf16 or fp16, or set offload_param.device to "none"'
         )
 
 

@@ -6,8 +6,9 @@ recorded in the previous pass) · post-forward → release (unless reused soon) 
 identity autograd function whose backward re-gathers the unit before its gradients are computed.
 Per backward:      pre-backward (from that function) → gather again, prefetch along the recorded backward
 order · every trainable parameter's gradient hook → stage it; when a unit's gradients are all in → launch its
-reduce-scatter and release its parameters · after autograd returns → reduce leftover units (unused parameters:
-zero gradients) in unit order, wait, release everything not persistent.
+reduce-scatter (waiting for all but the newest REDUCE_SCATTERS_IN_FLIGHT, whose staging buffers would otherwise
+add up to the whole model) and release its parameters · after autograd returns → reduce leftover units (unused
+parameters: zero gradients) in unit order, wait, release everything not persistent.
 Evaluation (``torch.no_grad()``) uses only the forward half: nothing waits for a backward that never comes.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from shardspeed.zero.stage3.grads import UnitGrads
+from shardspeed.zero.stage3.saved_views import SavedViewHooks
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 
 
@@ -35,6 +37,9 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.runtime.pre_backward(ctx.unit_ids)
         return (None, None, *grads)
+
+
+REDUCE_SCATTERS_IN_FLIGHT = 2  # overlap a reduce-scatter with the next units' backward, without holding them all
 
 
 class Stage3Runtime:
@@ -63,9 +68,11 @@ class Stage3Runtime:
         self._communicate = True
         self._reduced = False
         self._launched: list[int] = []
+        self._finished_count = 0
         self._arrived_since_zero: set[str] = set()
         self._handles: list[Any] = []
         self.peak_live_numel = 0
+        self._saved_views = SavedViewHooks(self.units)
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
@@ -96,8 +103,10 @@ class Stage3Runtime:
     # --- forward -----------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._fwd_now = []
+        self._saved_views.enter()  # see [Note: saved views]
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._saved_views.leave()
         if self._fwd_now:
             self._fwd_order = self._fwd_now
         # Units kept for reuse or prefetched but never used this pass are released now: nothing leaks.
@@ -187,6 +196,11 @@ class Stage3Runtime:
         if self._communicate and grads.complete:
             grads.launch()
             self._launched.append(u)
+            # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
+            # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
+            while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
+                self.grads[self._launched[self._finished_count]].finish()
+                self._finished_count += 1
             unit = self.units[u]
             frozen_inside = len(grads.trainable) < len(unit.params)
             if not unit.persistent and not frozen_inside:
@@ -196,6 +210,7 @@ class Stage3Runtime:
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._reduced = True, communicate, False
         self._bwd_now, self._launched = [], []
+        self._finished_count = 0  # _launched[:_finished_count] have been finished already
         for g in self.grads:
             g.reset_backward()
 

@@ -4,11 +4,17 @@ Per rank (fp32 Adam): parameter shards 4Ψ/N + gradient shards 4Ψ/N + Adam 8Ψ/
 small parameters kept whole. bf16/fp16: 2Ψ/N parameter shards + fp32 master shards 4Ψ/N + fp32 gradient
 shards 4Ψ/N + 8Ψ/N. The optimizer steps one tensor per (unit, parameter group): a contiguous slice of the unit's
 shard, because a unit's parameters are packed group by group.
+
+With ``offload_param`` in fp32 (param_offload.py) those slices are replaced by stand-ins that the streamed
+optimizer reaches through ``stepped_access``, and checkpoint pieces of offloaded units carry stand-in values
+until ``resident_pieces`` brings their unit's shard in, one unit at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +26,7 @@ from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
-from shardspeed.zero.stage3.param_offload import ParamOffloader
+from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices, stand_in
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
@@ -130,7 +136,11 @@ class Stage3States:
                         pieces.append((self._flat_index[(u, i)], piece[0] - owned[0], piece[1] - owned[0]))
                 self._segments[id(tensor)] = pieces
         self.num_params = param_index
+        self._home = {
+            name: (u, unit.offsets[i]) for u, unit in enumerate(self.units) for i, name in enumerate(unit.names)
+        }
         self.param_offloader: ParamOffloader | None = None
+        self.stepped_access: ShardSlices | None = None  # fp32 offload_param: where the stand-ins' values are
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
 
     # --- ModelStates interface -----------------------------------------------------------------------------
@@ -159,14 +169,46 @@ class Stage3States:
                         opt_tensor, opt_offset = tensor, owned[0] - t_lo
                 a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
                 # mixed precision: the fp32 master covers the whole shard (frozen parts too) and is what gets
-                # copied back into the low-precision shard after a step or a load
-                value = values[a:b]
+                # copied back into the low-precision shard after a step or a load. An offloaded fp32 shard is not
+                # in memory: a stand-in until resident_pieces swaps the unit in.
+                value = stand_in(b - a, values) if self._values_offloaded(unit) else values[a:b]
                 pieces.append(
                     Piece(
                         name, tuple(unit.shapes[i]), owned[0] - lo, owned[1] - lo, value, opt_tensor, opt_offset, True
                     )
                 )
         return pieces
+
+    def resident_pieces(self, pieces: Iterable[Piece], writing: bool) -> Iterator[Piece]:
+        """``pieces`` with every value in memory: an offloaded fp32 unit's shard is read in before its first
+        piece and evicted (written back when ``writing``: a checkpoint load fills the values) after its last,
+        so checkpoints hold one unit's shard at a time. Pieces must come unit by unit (checkpoint_pieces' order);
+        other pieces pass through unchanged."""
+        current: ParamUnit | None = None
+        try:
+            for piece in pieces:
+                home = self._home.get(piece.name)
+                unit = self.units[home[0]] if home is not None else None
+                if home is None or unit is None or not self._values_offloaded(unit):
+                    yield piece
+                    continue
+                if unit is not current:
+                    if current is not None:
+                        current.evict_shard()
+                    current = unit
+                    if writing:
+                        unit.writable_shard(keep_values=True)
+                    else:
+                        unit.fetch_shard()
+                a = home[1] + piece.start - unit.rank_start
+                yield dataclasses.replace(piece, value=unit.shard[a : a + piece.numel])
+        finally:
+            if current is not None:
+                current.evict_shard()
+
+    def _values_offloaded(self, unit: ParamUnit) -> bool:
+        """Whether ``unit``'s fp32 values live in its offload store (fp32 with offload_param, non-persistent)."""
+        return unit.offloader is not None and self.masters[unit.index] is None
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         return self._segments
@@ -193,13 +235,36 @@ class Stage3States:
 
     def offload_params(self, offloader: ParamOffloader) -> None:
         """``offload_param``: every non-persistent unit's shard moves to ``offloader``'s store (param_offload.py).
-        Only valid in mixed precision: the optimizer and checkpoints use the fp32 masters, never the shards."""
-        if any(m is None for m in self.masters):
-            raise ValueError("offload_params needs fp32 master shards (bf16/fp16 training); see param_offload.py")
+        Mixed precision: the optimizer and checkpoints use the fp32 masters, never the shards. fp32: call before
+        the optimizer is built; its tensors become stand-ins and only an optimizer that goes through
+        ``stepped_access`` (offload_optimizer's ``StreamedAdam``) can step them."""
         self.param_offloader = offloader
-        for unit in self.units:
-            if not unit.persistent:
-                unit.start_offload(offloader)
+        fp32 = any(m is None for m in self.masters)
+        if fp32:
+            self.stepped_access = ShardSlices()
+        for u, unit in enumerate(self.units):
+            if unit.persistent:
+                continue
+            if fp32:
+                self._replace_with_stand_ins(u)
+            unit.start_offload(offloader)
+
+    def _replace_with_stand_ins(self, u: int) -> None:
+        """Swap unit ``u``'s stepped slices for stand-ins everywhere they are listed, so no reference keeps its
+        shard's memory alive once the shard is evicted."""
+        assert self.stepped_access is not None
+        unit, replaced = self.units[u], {}
+        entries = []
+        for tensor, lo, hi in self._unit_tensors.get(u, []):
+            new = stand_in(tensor.numel(), tensor)
+            new.grad = tensor.grad
+            self.stepped_access.add(new, unit, lo - unit.rank_start, hi - unit.rank_start)
+            self._segments[id(new)] = self._segments.pop(id(tensor))
+            replaced[id(tensor)] = new
+            entries.append((new, lo, hi))
+        self._unit_tensors[u] = entries
+        for group, tensors in self.group_tensors.items():
+            self.group_tensors[group] = [replaced.get(id(t), t) for t in tensors]
 
     def close(self) -> None:
         """Release offload storage (the parameter swap directory); the engine calls it from ``destroy``."""

@@ -1,0 +1,68 @@
+"""Keep autograd from pinning gathered parameters between forward and backward.
+
+[Note: saved views] Autograd saves what backward needs. ``F.linear`` saves ``weight.t()`` — a *view* of the unit's
+gathered buffer — so after the unit is released (its parameters pointed back at empty placeholders) that view
+would keep the whole gathered buffer alive until backward: with plain ``nn.Linear`` every unit would stay in
+memory for the whole step and ZeRO-3 would save nothing between forward and backward. DeepSpeed swaps in its own
+linear function for this. Here, during the root module's forward, a ``saved_tensors_hooks`` pair replaces any
+saved tensor that lives in a gathered (non-persistent) unit's buffer by a small reference (unit, offset, size,
+stride); in backward the reference is resolved against the unit's buffer as re-gathered by its pre-backward hook.
+No torch function is patched: this is the public saved-tensor hook API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed.zero.stage3.unit import ParamUnit, UnitState
+
+
+@dataclass(frozen=True)
+class UnitRef:
+    unit: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class SavedViewHooks:
+    """The pack/unpack pair, and entering/leaving it around one forward pass."""
+
+    def __init__(self, units: Sequence[ParamUnit]) -> None:
+        self.units = list(units)
+        self._active: Any = None
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.layout is not torch.strided or tensor.device.type == "meta":
+            return tensor
+        ptr = tensor.untyped_storage().data_ptr()
+        for index, unit in enumerate(self.units):
+            full = unit.full
+            if unit.persistent or full is None or unit.state is not UnitState.UNSHARDED:
+                continue
+            if full.untyped_storage().data_ptr() == ptr:
+                return UnitRef(index, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+        return tensor
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, UnitRef):
+            return packed
+        unit = self.units[packed.unit]
+        unit.ensure_unsharded()  # normally done already by the unit's pre-backward hook
+        assert unit.full is not None
+        return unit.full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def enter(self) -> None:
+        self.leave()  # a forward that raised never reached its post-hook: drop the stale context first
+        if torch.is_grad_enabled():
+            self._active = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self._active.__enter__()
+
+    def leave(self) -> None:
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.__exit__(None, None, None)

@@ -1,0 +1,161 @@
+"""fp32 ZeRO-3 with ``offload_param: nvme`` and ``offload_optimizer: nvme`` equals stage 3 without offload: the
+streamed optimizer writes each unit's shard through its store (stand-in stepped tensors), offloaded shards are
+not in memory between steps, and checkpoints round-trip to and from engines without offload."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import global_batches, make_model, rank_slice
+
+import shardspeed
+
+STEPS, MB, GAS, LR = 5, 2, 2, 0.05
+
+
+def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_groups: bool = False):
+    model = make_model(frozen=frozen)
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold, "sub_group_size": 37}
+    if tmp is not None:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "params")}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")}
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "gradient_clipping": 0.5,
+        "zero_optimization": zero,
+        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
+        "steps_per_print": 1000,
+    }
+    params: list = [p for p in model.parameters() if p.requires_grad]
+    if two_groups:  # biases without weight decay: a unit then holds two stepped tensors
+        params = [
+            {"params": [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]},
+            {
+                "params": [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("bias")],
+                "weight_decay": 0.0,
+            },
+        ]
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
+    return engine
+
+
+def _steps(engine, rank: int, world: int, batches: list) -> list[float]:
+    losses = []
+    for x, y in batches:
+        for m in range(GAS):
+            loss = F.mse_loss(engine(rank_slice(x, m, rank, world, MB)), rank_slice(y, m, rank, world, MB))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    full = engine.module_state_dict()
+    return {n: full[n].float().clone() for n, _ in engine.module.named_parameters()}
+
+
+def _parity(rank: int, world: int, tmp: str, threshold: int, frozen: bool, two_groups: bool) -> dict:
+    batches = global_batches(STEPS, MB * GAS * world)
+    plain = _engine(None, threshold=threshold, frozen=frozen, two_groups=two_groups)
+    plain_losses = _steps(plain, rank, world, batches)
+    offloaded = _engine(tmp, threshold=threshold, frozen=frozen, two_groups=two_groups)
+    offloaded_losses = _steps(offloaded, rank, world, batches)
+    units = offloaded.states.units
+    out = {
+        "plain": _params(plain),
+        "offloaded": _params(offloaded),
+        "losses": (plain_losses, offloaded_losses),
+        "resident": [u.shard_resident for u in units if not u.persistent],
+        "param_shard_bytes": offloaded.memory_breakdown()["param_shards"],
+        "persistent_bytes": sum(u.shard_numel * 4 for u in units if u.persistent),
+        "persistent": sum(1 for u in units if u.persistent),
+    }
+    offloaded.destroy()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("threshold", "frozen", "two_groups"), [(0, False, False), (20, True, True)], ids=["plain", "mixed-units"]
+)
+def test_fp32_param_and_optimizer_nvme_equal_no_offload(
+    dist_run, tmp_path: Path, threshold: int, frozen: bool, two_groups: bool
+) -> None:
+    initial = dict(make_model().named_parameters())
+    for r in dist_run(_parity, 2, str(tmp_path), threshold, frozen, two_groups):
+        assert max((r["plain"][n] - initial[n]).abs().max().item() for n in initial) > 1e-3  # training moved them
+        for name, p in r["plain"].items():
+            assert (r["offloaded"][name] - p).abs().max().item() <= 1e-6, name
+        if frozen:
+            assert torch.equal(r["offloaded"]["inp.bias"], initial["inp.bias"])  # frozen part of a shard kept
+        assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-6)
+        assert len(r["resident"]) >= 2 and not any(r["resident"])  # no offloaded shard in memory between steps
+        assert r["param_shard_bytes"] == r["persistent_bytes"]  # only persistent units hold shard memory
+        assert r["persistent"] == (1 if threshold else 0)
+
+
+def _resume(rank: int, world: int, tmp: str) -> dict:
+    batches = global_batches(STEPS, MB * GAS * world)
+    first = _engine(tmp)
+    _steps(first, rank, world, batches[:3])
+    first.save_checkpoint(os.path.join(tmp, "ckpt"))
+    saved_resident = [u.shard_resident for u in first.states.units]
+    _steps(first, rank, world, batches[3:])
+    out = {"continued": _params(first), "saved_resident": saved_resident}
+    first.destroy()
+    resumed = _engine(tmp)
+    resumed.load_checkpoint(os.path.join(tmp, "ckpt"))
+    out["loaded_resident"] = [u.shard_resident for u in resumed.states.units]
+    _steps(resumed, rank, world, batches[3:])
+    out["resumed"] = _params(resumed)
+    resumed.destroy()
+    plain = _engine(None)  # the offloaded engine's checkpoint loads without offload ...
+    plain.load_checkpoint(os.path.join(tmp, "ckpt"))
+    _steps(plain, rank, world, batches[3:])
+    out["plain"] = _params(plain)
+    reference = _engine(None)  # ... and a checkpoint written without offload loads into an offloaded engine
+    _steps(reference, rank, world, batches[:3])
+    reference.save_checkpoint(os.path.join(tmp, "plain_ckpt"))
+    _steps(reference, rank, world, batches[3:])
+    out["reference"] = _params(reference)
+    from_plain = _engine(tmp)
+    from_plain.load_checkpoint(os.path.join(tmp, "plain_ckpt"))
+    _steps(from_plain, rank, world, batches[3:])
+    out["from_plain"] = _params(from_plain)
+    from_plain.destroy()
+    return out
+
+
+def test_fp32_offloaded_checkpoint_round_trip(dist_run, tmp_path: Path) -> None:
+    for r in dist_run(_resume, 2, str(tmp_path)):
+        assert not any(r["saved_resident"]) and not any(r["loaded_resident"])  # one unit at a time, then evicted
+        for name, p in r["continued"].items():
+            assert (r["resumed"][name] - p).abs().max().item() <= 1e-6, name
+            assert (r["plain"][name] - p).abs().max().item() <= 1e-6, name
+            assert (r["from_plain"][name] - r["reference"][name]).abs().max().item() <= 1e-6, name
+
+
+def _without_optimizer_offload(rank: int, world: int, tmp: str) -> str:
+    model = make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": tmp}},
+    }
+    try:
+        shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_fp32_param_nvme_without_optimizer_nvme_is_a_clear_error(dist_run, tmp_path: Path) -> None:
+    for message in dist_run(_without_optimizer_offload, 2, str(tmp_path)):
+        assert message.startswith("ConfigError"), message
+        assert "offload_optimizer.device" in message and '"none"' in message and "bf16 or fp16" in message
