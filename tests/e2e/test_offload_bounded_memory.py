@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
-WORKER = Path(__file__).resolve().parent / "bounded_memory_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "offload_worker.py"
 HIDDEN, LAYERS, STEPS, WORLD = 1024, 64, 3, 2
 MIB = 1 << 20
 

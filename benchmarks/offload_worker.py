@@ -1,4 +1,5 @@
-"""One rank of tests/e2e/test_offload_bounded_memory.py (run under torchrun): trains an fp32 model built under
+"""One rank of an NVMe-offload run (tests/e2e/test_offload_bounded_memory.py, benchmarks/bench_scale.py; run under
+torchrun): trains an fp32 model built under
 ``shardspeed.zero.Init`` with ZeRO-3 + NVMe parameter and optimizer offload while a thread samples this process's
 RssAnon, and writes its baseline (right after imports), peak, losses and step times to ``<out_dir>/rank<r>.json``.
 
@@ -14,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,34 +56,12 @@ class PeakSampler(threading.Thread):
         self._sample()
 
 
-class _LinearKeepingParameters(torch.autograd.Function):
-    """``x Wᵀ + b`` whose backward reads the parameters themselves, not the forward's views of their data.
-
-    ``F.linear`` saves ``W.t()``, a view of the gathered buffer, so under ZeRO-3 every unit gathered in forward
-    would stay alive until its backward (the whole model). Saving the parameters lets each gathered buffer go at
-    release; the runtime gathers the unit again before this backward runs.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.t() @ x, grad.sum(0)
-
-
-class Linear(torch.nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearKeepingParameters.apply(x, self.weight, self.bias)
-
-
 def build_model(hidden: int, layers: int) -> torch.nn.Module:
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
-        blocks += [Linear(hidden, hidden), torch.nn.Tanh()]
+        # plain nn.Linear: F.linear saves a view of the gathered weight; the ZeRO-3 runtime's saved-tensor hooks
+        # keep that view from pinning released units (see [Note: saved views])
+        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
     return torch.nn.Sequential(*blocks)
 
 
