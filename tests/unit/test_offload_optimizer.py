@@ -142,7 +142,8 @@ def test_aio_section_is_typed_and_builds_swapper_settings() -> None:
     cfg = _config({"stage": 1}, aio={"block_size": 8192, "queue_depth": 2, "thread_count": 3, "overlap_events": False})
     assert cfg.warnings == []  # no longer an ignored key
     assert cfg.aio.settings() == AioSettings(block_size=8192, queue_depth=2, thread_count=3, overlap_events=False)
-    assert _config({"stage": 1}).aio.settings() == AioSettings()  # DeepSpeed's defaults
+    # shardspeed's defaults: DeepSpeed's, except 4 MiB requests from 2 threads (see config/aio.py)
+    assert _config({"stage": 1}).aio.settings() == AioSettings(block_size=4 << 20, thread_count=2)
 
 
 def test_aio_bad_key_and_value_are_named() -> None:

@@ -1,6 +1,12 @@
 """``aio``: DeepSpeed's asynchronous NVMe I/O settings, used by NVMe offload (``offload_optimizer.device: nvme``).
 
-The keys and defaults are DeepSpeed's. What each one means for shardspeed's thread-pool swapper is documented on
+The keys are DeepSpeed's. Two defaults differ on purpose: ``block_size`` 4 MiB (DeepSpeed: 1 MiB) and
+``thread_count`` 2 (DeepSpeed: 1). DeepSpeed's defaults suit libaio's kernel queue; shardspeed's swapper issues
+positional reads/writes from a thread pool, and on this project's machines 1 MiB requests from one thread reached
+only 0.57x (write) / 0.27x (read) of the disk's sequential bandwidth, while 4 MiB from two threads reached
+1.13x / 0.93x (benchmarks/bench_offload.py). Performance only: numerics never depend on them.
+
+What each key means for shardspeed's thread-pool swapper is documented on
 ``shardspeed.offload.AioSettings``, which ``AioConfig.settings()`` builds (and which checks the page alignment of
 ``block_size``).
 """
@@ -18,14 +24,15 @@ if TYPE_CHECKING:
 class AioConfig(ConfigModel):
     """``aio``: how NVMe swap files are read and written."""
 
-    block_size: PositiveInt = 1_048_576
-    """Bytes per I/O request (and per staging buffer); a multiple of the page size. DeepSpeed default: 1048576."""
+    block_size: PositiveInt = 4 * 1_048_576
+    """Bytes per I/O request (and per staging buffer); a multiple of the page size. Default 4 MiB (DeepSpeed:
+    1048576; see the module docstring)."""
 
     queue_depth: PositiveInt = 8
     """Requests in flight at once. DeepSpeed default: 8."""
 
-    thread_count: PositiveInt = 1
-    """Threads issuing reads and writes. DeepSpeed default: 1."""
+    thread_count: PositiveInt = 2
+    """Threads issuing reads and writes. Default 2 (DeepSpeed: 1; see the module docstring)."""
 
     single_submit: bool = False
     """Submit a tensor's requests one after another instead of spreading them. DeepSpeed default: false."""
