@@ -24,7 +24,6 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,8 +34,9 @@ from shardspeed.config.errors import ConfigError
 
 from .aio_config import AioSettings
 from .cpu_adam import STREAM_STATES, init_stream_state, state_key, stream_step
+from .setup import open_swapper_on_every_rank
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
-from .swapper import SwapHandle, SwapSetupError, TensorSwapper
+from .swapper import SwapHandle, TensorSwapper
 
 
 class StateStore(Protocol):
@@ -341,28 +341,15 @@ def offload_optimizer(
     if device != "nvme":
         raise ValueError(f"offload_optimizer.device = {device!r}; valid: none, cpu, nvme")
     assert nvme_path is not None
-    job = agree(f"shardspeed-{uuid.uuid4().hex[:12]}")[0]
-    swapper: TensorSwapper | None = None
-    problem: str | None = None
-    try:
-        swapper = TensorSwapper(
-            nvme_path,
-            StreamedAdam.bytes_needed(inner, chunk_numel, settings),
-            settings,
-            job_id=f"{job}-rank{rank}",
-        )
-    except (SwapSetupError, OSError) as error:
-        problem = str(error)
-    problems = [(r, p) for r, p in enumerate(agree(problem)) if p is not None]
-    if problems:
-        if swapper is not None:
-            swapper.abort()
-        where, first = problems[0]
-        raise SwapSetupError(
-            f"zero_optimization.offload_optimizer.nvme_path = {nvme_path!r} is unusable on data-parallel rank "
-            f"{where}: {first}"
-        )
-    assert swapper is not None
+    swapper = open_swapper_on_every_rank(
+        nvme_path,
+        lambda: StreamedAdam.bytes_needed(inner, chunk_numel, settings),
+        settings,
+        key="zero_optimization.offload_optimizer.nvme_path",
+        job_prefix="shardspeed",
+        rank=rank,
+        agree=agree,
+    )
     try:
         return StreamedAdam(inner, swapper, chunk_numel, access)
     except BaseException:

@@ -25,7 +25,6 @@ one shard at a time is read into a freshly allocated (page-aligned, so O_DIRECT 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,8 @@ import torch
 from shardspeed.config.errors import ConfigError
 from shardspeed.offload.aio_config import AioSettings
 from shardspeed.offload.optimizer import HostStore, StateStore
-from shardspeed.offload.swapper import SwapSetupError, TensorSwapper, aligned_empty
+from shardspeed.offload.setup import open_swapper_on_every_rank
+from shardspeed.offload.swapper import TensorSwapper, aligned_empty
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
@@ -159,23 +159,14 @@ def build_param_offloader(
         raise ValueError(f"offload_param.device = {device!r}; valid: none, cpu, nvme")
     if not nvme_path:
         raise ConfigError('zero_optimization.offload_param.device = "nvme" needs "nvme_path": a writable directory')
-    job = agree(f"shardspeed-params-{uuid.uuid4().hex[:12]}")[0]
     sizes = [unit.shard_numel * unit.shard.element_size() for unit in units]
-    swapper: TensorSwapper | None = None
-    problem: str | None = None
-    try:
-        capacity = max(TensorSwapper.bytes_needed(sizes, settings), 1)
-        swapper = TensorSwapper(nvme_path, capacity, settings, job_id=f"{job}-rank{rank}")
-    except (SwapSetupError, OSError) as error:
-        problem = str(error)
-    problems = [(r, p) for r, p in enumerate(agree(problem)) if p is not None]
-    if problems:
-        if swapper is not None:
-            swapper.abort()
-        where, first = problems[0]
-        raise SwapSetupError(
-            f"zero_optimization.offload_param.nvme_path = {nvme_path!r} is unusable on data-parallel rank "
-            f"{where}: {first}"
-        )
-    assert swapper is not None
+    swapper = open_swapper_on_every_rank(
+        nvme_path,
+        lambda: max(TensorSwapper.bytes_needed(sizes, settings), 1),
+        settings,
+        key="zero_optimization.offload_param.nvme_path",
+        job_prefix="shardspeed-params",
+        rank=rank,
+        agree=agree,
+    )
     return ParamOffloader(swapper, device)

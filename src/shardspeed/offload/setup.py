@@ -1,0 +1,39 @@
+"""Opening a swap file on every data-parallel rank at once: a path unusable on one rank fails all of them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from shardspeed.offload.aio_config import AioSettings
+from shardspeed.offload.swapper import SwapSetupError, TensorSwapper
+
+
+def open_swapper_on_every_rank(
+    nvme_path: str,
+    capacity: Callable[[], int],
+    settings: AioSettings,
+    *,
+    key: str,
+    job_prefix: str,
+    rank: int,
+    agree: Callable[[object], list[object]],
+) -> TensorSwapper:
+    """A swapper under ``nvme_path/<job>-rank<r>``. Collective: ``agree`` all-gathers a small object over the
+    data-parallel ranks; they share one job id, and every rank learns whether any rank failed (so all raise the
+    same SwapSetupError naming ``key`` and the first failing rank, and nobody is left with a directory)."""
+    job = agree(f"{job_prefix}-{uuid.uuid4().hex[:12]}")[0]
+    swapper: TensorSwapper | None = None
+    problem: str | None = None
+    try:
+        swapper = TensorSwapper(nvme_path, capacity(), settings, job_id=f"{job}-rank{rank}")
+    except (SwapSetupError, OSError) as error:
+        problem = str(error)
+    problems = [(r, p) for r, p in enumerate(agree(problem)) if p is not None]
+    if problems:
+        if swapper is not None:
+            swapper.abort()
+        where, first = problems[0]
+        raise SwapSetupError(f"{key} = {nvme_path!r} is unusable on data-parallel rank {where}: {first}")
+    assert swapper is not None
+    return swapper
