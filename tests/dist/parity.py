@@ -105,3 +105,23 @@ def reference_run(
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def train_engine(engine: Any, rank: int, world: int, batches: list, mb: int, gas: int) -> list[float]:
+    """Run whole global batches through an engine (inputs cast to its dtype); the per-micro-step losses."""
+    dtype = next(iter(engine.module.parameters())).dtype
+    losses = []
+    for x, y in batches:
+        for m in range(gas):
+            out = engine(rank_slice(x, m, rank, world, mb).to(dtype)).float()
+            loss = F.mse_loss(out, rank_slice(y, m, rank, world, mb))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    """The engine's whole parameters by name, fp32 (gathered under ZeRO-3)."""
+    full = engine.module_state_dict()
+    return {n: full[n].float().clone() for n, _ in engine.module.named_parameters()}

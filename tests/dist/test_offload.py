@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import global_batches, make_model, rank_slice
+from parity import full_params, train_engine, global_batches, make_model, rank_slice
 
 import shardspeed
 
@@ -40,18 +40,8 @@ def _engine(stage: int, offload: dict | None, bf16: bool = False, optimizer: str
     return engine
 
 
-def _steps(engine, rank: int, world: int, batches: list) -> None:
-    dtype = next(iter(engine.module.parameters())).dtype
-    for x, y in batches:
-        for m in range(GAS):
-            out = engine(rank_slice(x, m, rank, world, MB).to(dtype)).float()
-            engine.backward(F.mse_loss(out, rank_slice(y, m, rank, world, MB)))
-            engine.step()
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
-    full = engine.module_state_dict()
-    return {n: full[n].float() for n, _ in engine.module.named_parameters()}
 
 
 def _offload_config(device: str, tmp: str) -> dict:
@@ -61,11 +51,11 @@ def _offload_config(device: str, tmp: str) -> dict:
 def _parity(rank: int, world: int, stage: int, device: str, tmp: str, bf16: bool) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     plain = _engine(stage, None, bf16)
-    _steps(plain, rank, world, batches)
+    train_engine(plain, rank, world, batches, MB, GAS)
     offloaded = _engine(stage, _offload_config(device, tmp), bf16)
     swap_dirs = sorted(os.listdir(os.path.join(tmp, "swap"))) if device == "nvme" else []
-    _steps(offloaded, rank, world, batches)
-    result = {"plain": _params(plain), "offloaded": _params(offloaded), "swap_dirs": swap_dirs}
+    train_engine(offloaded, rank, world, batches, MB, GAS)
+    result = {"plain": full_params(plain), "offloaded": full_params(offloaded), "swap_dirs": swap_dirs}
     result["state_bytes"] = (
         plain.memory_breakdown()["optimizer_states"],
         offloaded.memory_breakdown()["optimizer_states"],
@@ -170,18 +160,18 @@ def _resume(rank: int, world: int, stage: int, tmp: str) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     offload = _offload_config("nvme", tmp)
     first = _engine(stage, offload)
-    _steps(first, rank, world, batches[:3])
+    train_engine(first, rank, world, batches[:3], MB, GAS)
     first.save_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(first, rank, world, batches[3:])
-    continued = _params(first)
+    train_engine(first, rank, world, batches[3:], MB, GAS)
+    continued = full_params(first)
     first.destroy()
     resumed = _engine(stage, offload)
     resumed.load_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(resumed, rank, world, batches[3:])
+    train_engine(resumed, rank, world, batches[3:], MB, GAS)
     plain = _engine(stage, None)  # the same checkpoint loads into an engine without offload
     plain.load_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(plain, rank, world, batches[3:])
-    return {"continued": continued, "resumed": _params(resumed), "plain": _params(plain)}
+    train_engine(plain, rank, world, batches[3:], MB, GAS)
+    return {"continued": continued, "resumed": full_params(resumed), "plain": full_params(plain)}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -194,7 +184,7 @@ def test_nvme_checkpoint_round_trip(dist_run, tmp_path: Path, stage: int) -> Non
 
 def _save_after_three(rank: int, world: int, tmp: str) -> None:
     engine = _engine(2, _offload_config("nvme", tmp))
-    _steps(engine, rank, world, global_batches(3, MB * GAS * world))
+    train_engine(engine, rank, world, global_batches(3, MB * GAS * world), MB, GAS)
     engine.save_checkpoint(os.path.join(tmp, "ckpt"))
     engine.destroy()
 
@@ -205,8 +195,8 @@ def _load_and_train(rank: int, world: int, tmp: str) -> dict:
     for label, offload in (("nvme", _offload_config("nvme", tmp)), ("plain", None)):
         engine = _engine(3, offload)
         engine.load_checkpoint(os.path.join(tmp, "ckpt"))
-        _steps(engine, rank, world, batches)
-        out[label] = _params(engine)
+        train_engine(engine, rank, world, batches, MB, GAS)
+        out[label] = full_params(engine)
         engine.destroy()
     return out
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import global_batches, make_model, rank_slice
+from parity import full_params, train_engine, global_batches, make_model, rank_slice
 
 import shardspeed
 
@@ -38,18 +38,8 @@ def _engine(param: dict | None, *, bf16: bool = True, optimizer_offload: dict | 
     return engine
 
 
-def _steps(engine, rank: int, world: int, batches: list) -> None:
-    dtype = next(iter(engine.module.parameters())).dtype
-    for x, y in batches:
-        for m in range(GAS):
-            out = engine(rank_slice(x, m, rank, world, MB).to(dtype)).float()
-            engine.backward(F.mse_loss(out, rank_slice(y, m, rank, world, MB)))
-            engine.step()
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
-    full = engine.module_state_dict()
-    return {n: full[n].float() for n, _ in engine.module.named_parameters()}
 
 
 def _nvme(tmp: str) -> dict:
@@ -63,16 +53,16 @@ def _swap_dirs(tmp: str) -> list[str]:
 def _parity(rank: int, world: int, tmp: str, device: str, bf16: bool, with_optimizer_offload: bool) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     plain = _engine(None, bf16=bf16)
-    _steps(plain, rank, world, batches)
+    train_engine(plain, rank, world, batches, MB, GAS)
     param = _nvme(tmp) if device == "nvme" else {"device": device}
     optimizer_offload = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")} if with_optimizer_offload else None
     offloaded = _engine(param, bf16=bf16, optimizer_offload=optimizer_offload)
     swap_dirs = _swap_dirs(tmp) if device == "nvme" else []
-    _steps(offloaded, rank, world, batches)
+    train_engine(offloaded, rank, world, batches, MB, GAS)
     units = offloaded.states.units
     result = {
-        "plain": _params(plain),
-        "offloaded": _params(offloaded),
+        "plain": full_params(plain),
+        "offloaded": full_params(offloaded),
         "swap_dirs": swap_dirs,
         "param_shard_bytes": (plain.memory_breakdown()["param_shards"], offloaded.memory_breakdown()["param_shards"]),
         "shard_numel_bytes": sum(u.shard_numel * 2 for u in units if not u.persistent),  # bf16 shards
@@ -120,7 +110,7 @@ def test_persistent_params_stay_in_memory(dist_run, tmp_path: Path) -> None:
 
     def run(rank: int, world: int, tmp: str) -> tuple[int, int, list[bool]]:
         engine = _engine(_nvme(tmp), threshold=20)
-        _steps(engine, rank, world, global_batches(1, MB * GAS * world))
+        train_engine(engine, rank, world, global_batches(1, MB * GAS * world), MB, GAS)
         persistent = [u for u in engine.states.units if u.persistent]
         out = (len(persistent), engine.memory_breakdown()["param_shards"], [u.shard_resident for u in persistent])
         engine.destroy()
@@ -147,21 +137,21 @@ def test_nvme_param_offload_in_fp32_is_a_clear_error(dist_run, tmp_path: Path) -
 def _resume(rank: int, world: int, tmp: str) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     first = _engine(_nvme(tmp))
-    _steps(first, rank, world, batches[:3])
+    train_engine(first, rank, world, batches[:3], MB, GAS)
     first.save_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(first, rank, world, batches[3:])
-    continued = _params(first)
+    train_engine(first, rank, world, batches[3:], MB, GAS)
+    continued = full_params(first)
     first.destroy()
     resumed = _engine(_nvme(tmp))
     resumed.load_checkpoint(os.path.join(tmp, "ckpt"))
     loaded_resident = [u.shard_resident for u in resumed.states.units if not u.persistent]
-    _steps(resumed, rank, world, batches[3:])
-    out = {"continued": continued, "resumed": _params(resumed), "loaded_resident": loaded_resident}
+    train_engine(resumed, rank, world, batches[3:], MB, GAS)
+    out = {"continued": continued, "resumed": full_params(resumed), "loaded_resident": loaded_resident}
     resumed.destroy()
     plain = _engine(None)  # the same checkpoint loads into an engine without offload
     plain.load_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(plain, rank, world, batches[3:])
-    out["plain"] = _params(plain)
+    train_engine(plain, rank, world, batches[3:], MB, GAS)
+    out["plain"] = full_params(plain)
     return out
 
 
@@ -204,15 +194,15 @@ def _host_store_parity(rank: int, world: int, tmp: str) -> dict:
 
     batches = global_batches(STEPS, MB * GAS * world)
     plain = _engine(None)
-    _steps(plain, rank, world, batches)
+    train_engine(plain, rank, world, batches, MB, GAS)
     hosted = _engine(None)
     units = [u for u in hosted.states.units if not u.persistent]
     offloader = build_param_offloader(
         units, "cpu", nvme_path=None, pin_memory=True, settings=AioSettings(), rank=rank, agree=lambda o: [o]
     )
     hosted.states.offload_params(offloader)
-    _steps(hosted, rank, world, batches)
-    out = {"plain": _params(plain), "offloaded": _params(hosted), "resident": [u.shard_resident for u in units]}
+    train_engine(hosted, rank, world, batches, MB, GAS)
+    out = {"plain": full_params(plain), "offloaded": full_params(hosted), "resident": [u.shard_resident for u in units]}
     hosted.destroy()
     return out
 

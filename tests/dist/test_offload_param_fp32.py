@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import global_batches, make_model, rank_slice
+from parity import full_params, train_engine, global_batches, make_model, rank_slice
 
 import shardspeed
 
@@ -45,32 +45,20 @@ def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_gr
     return engine
 
 
-def _steps(engine, rank: int, world: int, batches: list) -> list[float]:
-    losses = []
-    for x, y in batches:
-        for m in range(GAS):
-            loss = F.mse_loss(engine(rank_slice(x, m, rank, world, MB)), rank_slice(y, m, rank, world, MB))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
-    full = engine.module_state_dict()
-    return {n: full[n].float().clone() for n, _ in engine.module.named_parameters()}
 
 
 def _parity(rank: int, world: int, tmp: str, threshold: int, frozen: bool, two_groups: bool) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     plain = _engine(None, threshold=threshold, frozen=frozen, two_groups=two_groups)
-    plain_losses = _steps(plain, rank, world, batches)
+    plain_losses = train_engine(plain, rank, world, batches, MB, GAS)
     offloaded = _engine(tmp, threshold=threshold, frozen=frozen, two_groups=two_groups)
-    offloaded_losses = _steps(offloaded, rank, world, batches)
+    offloaded_losses = train_engine(offloaded, rank, world, batches, MB, GAS)
     units = offloaded.states.units
     out = {
-        "plain": _params(plain),
-        "offloaded": _params(offloaded),
+        "plain": full_params(plain),
+        "offloaded": full_params(offloaded),
         "losses": (plain_losses, offloaded_losses),
         "resident": [u.shard_resident for u in units if not u.persistent],
         "param_shard_bytes": offloaded.memory_breakdown()["param_shards"],
@@ -103,31 +91,31 @@ def test_fp32_param_and_optimizer_nvme_equal_no_offload(
 def _resume(rank: int, world: int, tmp: str) -> dict:
     batches = global_batches(STEPS, MB * GAS * world)
     first = _engine(tmp)
-    _steps(first, rank, world, batches[:3])
+    train_engine(first, rank, world, batches[:3], MB, GAS)
     first.save_checkpoint(os.path.join(tmp, "ckpt"))
     saved_resident = [u.shard_resident for u in first.states.units]
-    _steps(first, rank, world, batches[3:])
-    out = {"continued": _params(first), "saved_resident": saved_resident}
+    train_engine(first, rank, world, batches[3:], MB, GAS)
+    out = {"continued": full_params(first), "saved_resident": saved_resident}
     first.destroy()
     resumed = _engine(tmp)
     resumed.load_checkpoint(os.path.join(tmp, "ckpt"))
     out["loaded_resident"] = [u.shard_resident for u in resumed.states.units]
-    _steps(resumed, rank, world, batches[3:])
-    out["resumed"] = _params(resumed)
+    train_engine(resumed, rank, world, batches[3:], MB, GAS)
+    out["resumed"] = full_params(resumed)
     resumed.destroy()
     plain = _engine(None)  # the offloaded engine's checkpoint loads without offload ...
     plain.load_checkpoint(os.path.join(tmp, "ckpt"))
-    _steps(plain, rank, world, batches[3:])
-    out["plain"] = _params(plain)
+    train_engine(plain, rank, world, batches[3:], MB, GAS)
+    out["plain"] = full_params(plain)
     reference = _engine(None)  # ... and a checkpoint written without offload loads into an offloaded engine
-    _steps(reference, rank, world, batches[:3])
+    train_engine(reference, rank, world, batches[:3], MB, GAS)
     reference.save_checkpoint(os.path.join(tmp, "plain_ckpt"))
-    _steps(reference, rank, world, batches[3:])
-    out["reference"] = _params(reference)
+    train_engine(reference, rank, world, batches[3:], MB, GAS)
+    out["reference"] = full_params(reference)
     from_plain = _engine(tmp)
     from_plain.load_checkpoint(os.path.join(tmp, "plain_ckpt"))
-    _steps(from_plain, rank, world, batches[3:])
-    out["from_plain"] = _params(from_plain)
+    train_engine(from_plain, rank, world, batches[3:], MB, GAS)
+    out["from_plain"] = full_params(from_plain)
     from_plain.destroy()
     return out
 

@@ -189,44 +189,19 @@ class ZeroConfig(Stage3Options):
 
     @model_validator(mode="after")
     def _only_implemented_features(self) -> ZeroConfig:
-        param_offload = self.offload_param
-        if param_offload is not None and param_offload.device != "none":
-            if param_offload.device not in IMPLEMENTED_OFFLOAD_DEVICES:
-                raise InvalidValue(
-                    "offload_param",
-                    f'"{{path}}" with device "{param_offload.device}" {_NOT_SUPPORTED}; valid devices: '
-                    f"{', '.join(sorted(IMPLEMENTED_OFFLOAD_DEVICES))}",
-                )
-            if self.stage != 3:
-                raise InvalidValue(
-                    "offload_param",
-                    f'"{{path}}" with device "{param_offload.device}" needs ZeRO stage 3 (only stage 3 shards the '
-                    "parameters); set zero_optimization.stage to 3 or remove the section",
-                )
-            if param_offload.device == "nvme" and not param_offload.nvme_path:
-                raise InvalidValue(
-                    "offload_param",
-                    '"{path}" with device "nvme" needs "nvme_path": a writable directory on a local disk',
-                )
-        optimizer_offload = self.offload_optimizer
-        if optimizer_offload is not None and optimizer_offload.device != "none":
-            if optimizer_offload.device not in IMPLEMENTED_OFFLOAD_DEVICES:
-                raise InvalidValue(
-                    "offload_optimizer",
-                    f'"{{path}}" with device "{optimizer_offload.device}" {_NOT_SUPPORTED}; valid devices: '
-                    f"{', '.join(sorted(IMPLEMENTED_OFFLOAD_DEVICES))}",
-                )
-            if self.stage == 0:
-                raise InvalidValue(
-                    "offload_optimizer",
-                    f'"{{path}}" with device "{optimizer_offload.device}" needs ZeRO stage 1, 2 or 3 (the offloaded '
-                    "optimizer steps this rank's shard); set zero_optimization.stage or remove the section",
-                )
-            if optimizer_offload.device == "nvme" and not optimizer_offload.nvme_path:
-                raise InvalidValue(
-                    "offload_optimizer",
-                    '"{path}" with device "nvme" needs "nvme_path": a writable directory on a local disk',
-                )
+        _check_offload(
+            "offload_param",
+            self.offload_param,
+            stage_ok=self.stage == 3,
+            stage_need="needs ZeRO stage 3 (only stage 3 shards the parameters); set zero_optimization.stage to 3",
+        )
+        _check_offload(
+            "offload_optimizer",
+            self.offload_optimizer,
+            stage_ok=self.stage > 0,
+            stage_need="needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this rank's shard); set "
+            "zero_optimization.stage",
+        )
         for key, replacement in (
             ("cpu_offload", "offload_optimizer"),
             ("cpu_offload_param", "offload_param"),
@@ -245,3 +220,19 @@ class ZeroConfig(Stage3Options):
                     f'"{{path}}" = {show(value)} {_NOT_SUPPORTED} ({feature}); remove it to use the default',
                 )
         return self
+
+
+def _check_offload(key: str, section: Any, *, stage_ok: bool, stage_need: str) -> None:
+    """The rules both offload sections share: an implemented device, the right stage, a path for nvme."""
+    if section is None or section.device == "none":
+        return
+    if section.device not in IMPLEMENTED_OFFLOAD_DEVICES:
+        raise InvalidValue(
+            key,
+            f'"{{path}}" with device "{section.device}" {_NOT_SUPPORTED}; valid devices: '
+            f"{', '.join(sorted(IMPLEMENTED_OFFLOAD_DEVICES))}",
+        )
+    if not stage_ok:
+        raise InvalidValue(key, f'"{{path}}" with device "{section.device}" {stage_need} or remove the section')
+    if section.device == "nvme" and not section.nvme_path:
+        raise InvalidValue(key, '"{path}" with device "nvme" needs "nvme_path": a writable directory on a local disk')
