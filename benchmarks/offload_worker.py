@@ -91,7 +91,7 @@ def main() -> None:
             "stage3_param_persistence_threshold": 0,
             "stage3_max_reuse_distance": 0,
             "sub_group_size": 1 << 20,
-            "offload_param": {"device": "nvme", "nvme_path": swap_dir},
+            "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},  # every shard to NVMe
             "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},

@@ -112,3 +112,18 @@ def run_ranks(
     if errors:
         raise RankFailure(errors)
     return results
+
+
+def deleted_files_held(under: str | os.PathLike[str], pid: int | str = "self") -> dict[str, str]:
+    """``/proc/<pid>/fd/<n>`` → target for each descriptor of ``pid`` on an unlinked file that was under ``under``:
+    the NVMe swap files (they are unlinked as soon as they are created, so only open descriptors show them)."""
+    held = {}
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        link = f"/proc/{pid}/fd/{entry}"
+        try:
+            target = os.readlink(link)
+        except FileNotFoundError:  # closed while we looked (the descriptor listdir itself used)
+            continue
+        if target.startswith(str(under)) and target.endswith(" (deleted)"):
+            held[link] = target
+    return held

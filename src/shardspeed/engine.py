@@ -203,6 +203,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def _build_optimizer(self, user_optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups."""
         cfg = self.config.optimizer
+        masters_access = self._hand_masters_to_optimizer()
         stepped = self.states.optimizer_groups(groups)
         if isinstance(user_optimizer, torch.optim.Optimizer):
             if cfg is not None:
@@ -231,7 +232,18 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 f"{type(optimizer).__name__} is not known to be element-wise. Set "
                 '"zero_allow_untested_optimizer": true to run it anyway.'
             )
-        return self._offload(optimizer)
+        return self._offload(optimizer, masters_access)
+
+    def _hand_masters_to_optimizer(self) -> Any:
+        """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
+        or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
+        from shardspeed.zero.stage3.param_offload import needs_offloader
+
+        offload = self.config.zero_optimization.offload_optimizer
+        hand_over = getattr(self.states, "hand_masters_to_optimizer", None)
+        if offload is None or hand_over is None or not needs_offloader(offload.device, self.device.type != "cpu"):
+            return None
+        return hand_over()
 
     def _check_param_offload(self) -> None:
         from shardspeed.zero.stage3.param_offload import check_param_offload
@@ -244,10 +256,13 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         )
 
     def _offload_params(self) -> None:
-        """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses."""
+        """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses
+        (``max_in_cpu`` of them stay in host memory; ``buffer_count`` × ``buffer_size`` bound the host buffers
+        shards are read from NVMe into)."""
         from shardspeed.zero.stage3.param_offload import build_param_offloader, needs_offloader
 
-        offload = self.config.zero_optimization.offload_param
+        zero = self.config.zero_optimization
+        offload = zero.offload_param
         if offload is None or not needs_offloader(offload.device, self.device.type != "cpu"):
             return
         axis, collectives = self.topology.data, self.collectives
@@ -259,29 +274,38 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             settings=self.config.aio.settings(),
             rank=axis.rank,
             agree=lambda obj: collectives.all_gather_object(obj, axis),
+            buffer_count=offload.buffer_count,
+            buffer_size=offload.buffer_size,
+            max_in_cpu=offload.max_in_cpu,
+            prefetch_numel=zero.prefetch_bucket_size,
+            max_live_numel=zero.max_live_parameters,
         )
         self.states.offload_params(offloader)
 
-    def _offload(self, optimizer: torch.optim.Optimizer) -> Any:
-        """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme)."""
+    def _offload(self, optimizer: torch.optim.Optimizer, masters: Any) -> Any:
+        """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme). ``masters``:
+        the access to stand-ins for masters the stage handed over (``_hand_masters_to_optimizer``), or None."""
         zero = self.config.zero_optimization
         offload = zero.offload_optimizer
         if offload is None or offload.device == "none":
             return optimizer
-        from shardspeed.offload.optimizer import offload_optimizer
+        from shardspeed.offload.wrap import offload_optimizer
 
         axis, collectives = self.topology.data, self.collectives
-        return offload_optimizer(
+        streamed = offload_optimizer(
             optimizer,
-            offload.device,
-            nvme_path=offload.nvme_path,
-            pin_memory=offload.pin_memory,
+            offload,
             settings=self.config.aio.settings(),
             chunk_numel=zero.sub_group_size,
             rank=axis.rank,
             agree=lambda obj: collectives.all_gather_object(obj, axis),
-            access=getattr(self.states, "stepped_access", None),  # ZeRO-3 fp32 offload_param: stand-in tensors
+            # stand-in tensors: ZeRO-3 fp32 offload_param, or mixed precision whose masters the optimizer holds
+            access=masters if masters is not None else getattr(self.states, "stepped_access", None),
+            values_in_store=masters is not None,
         )
+        if masters is not None and hasattr(self.states, "master_store"):
+            self.states.master_store = streamed  # GatheredParameters edits reach the masters through it
+        return streamed
 
     # --- training loop API ---------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -503,7 +527,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 tensors = tensors if isinstance(tensors, list) else [tensors]
                 out[role] = sum(t.numel() * t.element_size() for t in tensors)
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        out["optimizer_states"] = _unique_storage_bytes(states)
+        # a streamed (offloaded) optimizer's state lives in its store; what it keeps on the device it reports
+        out["optimizer_states"] = _unique_storage_bytes(states) + getattr(self.optimizer, "resident_state_bytes", 0)
         out["peak_bucket_bytes"] = self.states.peak_bucket_bytes
         return out
 

@@ -1,5 +1,6 @@
-"""ZeRO optimizer offload (cpu / nvme) equals the same stage without offload; NVMe swap directories are per rank,
-cleaned up, checked at init on every rank; checkpoints round-trip through the swapped state."""
+"""ZeRO optimizer offload (cpu / nvme) equals the same stage without offload; NVMe swap files are per rank,
+unlinked at once (nothing under nvme_path even while training), closed on destroy, checked at init on every rank;
+checkpoints round-trip through the swapped state."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from parity import full_params, train_engine, global_batches, make_model, rank_slice
+from harness import deleted_files_held
+from parity import full_params, global_batches, make_model, train_engine
 
 import shardspeed
 
@@ -40,10 +40,6 @@ def _engine(stage: int, offload: dict | None, bf16: bool = False, optimizer: str
     return engine
 
 
-
-
-
-
 def _offload_config(device: str, tmp: str) -> dict:
     return {"device": device, "nvme_path": os.path.join(tmp, "swap")} if device == "nvme" else {"device": device}
 
@@ -53,15 +49,17 @@ def _parity(rank: int, world: int, stage: int, device: str, tmp: str, bf16: bool
     plain = _engine(stage, None, bf16)
     train_engine(plain, rank, world, batches, MB, GAS)
     offloaded = _engine(stage, _offload_config(device, tmp), bf16)
-    swap_dirs = sorted(os.listdir(os.path.join(tmp, "swap"))) if device == "nvme" else []
+    swap = os.path.join(tmp, "swap")
     train_engine(offloaded, rank, world, batches, MB, GAS)
-    result = {"plain": full_params(plain), "offloaded": full_params(offloaded), "swap_dirs": swap_dirs}
+    result = {"plain": full_params(plain), "offloaded": full_params(offloaded)}
+    result["named"] = sorted(os.listdir(swap)) if device == "nvme" else []
+    result["held"] = sorted(deleted_files_held(swap).values()) if device == "nvme" else []
     result["state_bytes"] = (
         plain.memory_breakdown()["optimizer_states"],
         offloaded.memory_breakdown()["optimizer_states"],
     )
     offloaded.destroy()
-    result["after_destroy"] = sorted(os.listdir(os.path.join(tmp, "swap"))) if device == "nvme" else []
+    result["held_after_destroy"] = sorted(deleted_files_held(swap).values()) if device == "nvme" else []
     return result
 
 
@@ -79,9 +77,9 @@ def test_offload_equals_no_offload(dist_run, tmp_path: Path, stage: int, device:
         assert plain_bytes > 0
         assert offloaded_bytes == (0 if device == "nvme" else plain_bytes)  # nvme: no Adam moments in memory
         if device == "nvme":
-            assert len(r["swap_dirs"]) == 2  # one directory per rank, under one job name
-            assert any(d.endswith(f"-rank{rank}") for d in r["swap_dirs"])
-            assert not any(d.endswith(f"-rank{rank}") for d in r["after_destroy"])  # destroy removed this rank's
+            assert r["named"] == []  # after a few steps, nothing under nvme_path by name
+            assert len(r["held"]) == 1 and r["held"][0].endswith(f"-rank{rank}/swap.bin (deleted)")  # this rank's
+            assert r["held_after_destroy"] == []  # destroy closed it: its space is free
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -100,7 +98,14 @@ config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "p
 engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 engine.backward(engine(torch.randn(2, 5)).sum())
 engine.step()
-print(len(os.listdir(sys.argv[1])))
+held = 0
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:  # the descriptor listdir itself used
+        continue
+    held += link.startswith(sys.argv[1]) and link.endswith(" (deleted)")
+print(len(os.listdir(sys.argv[1])), held)
 if sys.argv[2] == "raise":
     raise RuntimeError("training failed")
 """
@@ -108,8 +113,9 @@ if sys.argv[2] == "raise":
 
 @pytest.mark.parametrize("ending", ["return", "raise"])
 def test_swap_files_removed_at_process_exit(tmp_path: Path, ending: str) -> None:
-    """No destroy(): the swap directory goes when the process ends, normally or by an exception.
-    (A separate process: the dist harness leaves its ranks with os._exit, which skips exit handlers.)"""
+    """No destroy(): the swap file (unlinked from the start) is closed when the process ends, normally or by an
+    exception, and nothing is left under nvme_path. (A separate process: the dist harness leaves its ranks with
+    os._exit, which skips exit handlers.)"""
     import subprocess
     import sys
 
@@ -120,7 +126,7 @@ def test_swap_files_removed_at_process_exit(tmp_path: Path, ending: str) -> None
         [sys.executable, "-c", _EXIT_SCRIPT, str(swap), ending], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == (0 if ending == "return" else 1), done.stderr
-    assert done.stdout.strip() == "1"  # the swap directory existed while training
+    assert done.stdout.split() == ["0", "1"]  # while training: no name under nvme_path, one open swap file
     assert os.listdir(swap) == []
 
 

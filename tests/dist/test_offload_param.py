@@ -1,6 +1,6 @@
 """ZeRO-3 parameter offload (``offload_param``) equals stage 3 without it; offloaded shards are not in memory
-between uses; the swap directory is per rank and removed on destroy; checkpoints round-trip; unsupported
-combinations are clear errors."""
+between uses; the swap file is per rank, never visible under nvme_path and closed on destroy; checkpoints
+round-trip; unsupported combinations are clear errors."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from parity import full_params, train_engine, global_batches, make_model, rank_slice
+from harness import deleted_files_held
+from parity import full_params, global_batches, make_model, train_engine
 
 import shardspeed
 
@@ -38,16 +38,8 @@ def _engine(param: dict | None, *, bf16: bool = True, optimizer_offload: dict | 
     return engine
 
 
-
-
-
-
 def _nvme(tmp: str) -> dict:
-    return {"device": "nvme", "nvme_path": os.path.join(tmp, "swap")}
-
-
-def _swap_dirs(tmp: str) -> list[str]:
-    return sorted(os.listdir(os.path.join(tmp, "swap")))
+    return {"device": "nvme", "nvme_path": os.path.join(tmp, "swap"), "max_in_cpu": 0}  # every shard to NVMe
 
 
 def _parity(rank: int, world: int, tmp: str, device: str, bf16: bool, with_optimizer_offload: bool) -> dict:
@@ -57,13 +49,13 @@ def _parity(rank: int, world: int, tmp: str, device: str, bf16: bool, with_optim
     param = _nvme(tmp) if device == "nvme" else {"device": device}
     optimizer_offload = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")} if with_optimizer_offload else None
     offloaded = _engine(param, bf16=bf16, optimizer_offload=optimizer_offload)
-    swap_dirs = _swap_dirs(tmp) if device == "nvme" else []
     train_engine(offloaded, rank, world, batches, MB, GAS)
     units = offloaded.states.units
     result = {
         "plain": full_params(plain),
         "offloaded": full_params(offloaded),
-        "swap_dirs": swap_dirs,
+        "named": sorted(os.listdir(os.path.join(tmp, "swap"))) if device == "nvme" else [],
+        "held": sorted(deleted_files_held(os.path.join(tmp, "swap")).values()) if device == "nvme" else [],
         "param_shard_bytes": (plain.memory_breakdown()["param_shards"], offloaded.memory_breakdown()["param_shards"]),
         "shard_numel_bytes": sum(u.shard_numel * 2 for u in units if not u.persistent),  # bf16 shards
         "persistent_bytes": sum(u.shard_numel * u.shard.element_size() for u in units if u.persistent),
@@ -71,7 +63,7 @@ def _parity(rank: int, world: int, tmp: str, device: str, bf16: bool, with_optim
         "unit_count": sum(1 for u in units if not u.persistent),
     }
     offloaded.destroy()
-    result["after_destroy"] = _swap_dirs(tmp) if device == "nvme" else []
+    result["held_after_destroy"] = sorted(deleted_files_held(os.path.join(tmp, "swap")).values()) if device == "nvme" else []
     return result
 
 
@@ -94,8 +86,9 @@ def test_nvme_param_offload_equals_no_offload_bf16(dist_run, tmp_path: Path, wit
         plain_bytes, offloaded_bytes = r["param_shard_bytes"]
         assert plain_bytes == r["shard_numel_bytes"] + r["persistent_bytes"] > 0
         assert offloaded_bytes == r["persistent_bytes"]  # only the persistent (small) parameters stay
-        assert len(r["swap_dirs"]) == 2 and any(d.endswith(f"-rank{rank}") for d in r["swap_dirs"])
-        assert not any(d.endswith(f"-rank{rank}") for d in r["after_destroy"])  # destroy removed this rank's
+        assert r["named"] == []  # nothing under nvme_path by name, even while training
+        assert len(r["held"]) == 1 and r["held"][0].endswith(f"-rank{rank}/swap.bin (deleted)")  # this rank's
+        assert r["held_after_destroy"] == []  # destroy closed it: its space is free
 
 
 def test_cpu_param_offload_without_accelerator_is_a_no_op_fp32(dist_run, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_gr
     model = make_model(frozen=frozen)
     zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold, "sub_group_size": 37}
     if tmp is not None:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "params")}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "params"), "max_in_cpu": 0}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")}
     config = {
         "train_micro_batch_size_per_gpu": MB,
@@ -43,10 +43,6 @@ def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_gr
         ]
     engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
-
-
-
-
 
 
 def _parity(rank: int, world: int, tmp: str, threshold: int, frozen: bool, two_groups: bool) -> dict:

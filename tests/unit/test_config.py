@@ -417,10 +417,19 @@ def test_param_offload_nvme_needs_a_path() -> None:
     assert zero.offload_param is not None and zero.offload_param.device == "cpu"
 
 
+def test_offload_optimizer_buffer_count_below_one_sub_group_is_refused() -> None:
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2}}
+    message = error_of({**MICRO1, "zero_optimization": zero})
+    assert "zero_optimization.offload_optimizer.buffer_count" in message and ">= 3" in message, message
+    zero["offload_optimizer"]["buffer_count"] = 4  # DeepSpeed's default still parses (one sub-group in flight)
+    assert load({"zero_optimization": zero}).zero_optimization.offload_optimizer.buffer_count == 4
+
+
 def test_offload_section_with_device_none_parses_with_defaults() -> None:
     zero = load({"zero_optimization": {"offload_optimizer": {"device": "none"}, "offload_param": {}}}).zero_optimization
-    assert zero.offload_optimizer is not None and zero.offload_optimizer.buffer_count == 4
-    assert zero.offload_optimizer.ratio == 1.0
+    assert zero.offload_optimizer is not None and zero.offload_optimizer.buffer_count == 9  # deliberate: overlap
+    assert zero.offload_optimizer.pipeline_read and zero.offload_optimizer.pipeline_write
+    assert zero.offload_optimizer.ratio == 1.0 and not zero.offload_optimizer.fast_init
     assert zero.offload_param is not None and zero.offload_param.buffer_count == 5
     assert zero.offload_param.buffer_size == 100_000_000 and zero.offload_param.max_in_cpu == 1_000_000_000
 

@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from shardspeed.offload.aio_config import AioSettings
-from shardspeed.offload.cpu_adam import (
-    STREAM_STATES,
-    cpu_adamw_step,
-    has_fused_cpu_adam,
-    init_stream_state,
-    state_key,
-    stream_step,
-)
+from shardspeed.offload.cpu_adam import cpu_adamw_step, has_fused_cpu_adam
+from shardspeed.offload.stream import STREAM_STATES, init_stream_state, state_key, stream_step
 from shardspeed.offload.swapper import TensorSwapper
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}

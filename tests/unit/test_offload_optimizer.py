@@ -9,10 +9,16 @@ import pytest
 import torch
 
 from shardspeed.config import ConfigError, load_config
+from shardspeed.config.offload import OffloadOptimizerConfig
 from shardspeed.offload import AioSettings, TensorSwapper
-from shardspeed.offload.optimizer import HostStore, StreamedAdam, offload_optimizer
+from shardspeed.offload.optimizer import HostStore, StreamedAdam
+from shardspeed.offload.wrap import offload_optimizer
 
 SMALL_AIO = AioSettings(block_size=4096, queue_depth=4, thread_count=2)
+
+
+def _offload(device: str, **keys: object) -> OffloadOptimizerConfig:
+    return OffloadOptimizerConfig(device=device, **keys)
 
 
 def _tensors(seed: int = 0) -> list[torch.Tensor]:
@@ -108,9 +114,7 @@ def test_only_adam_and_adamw_can_be_offloaded(tmp_path: Path) -> None:
 
 def test_cpu_offload_without_accelerator_keeps_the_optimizer(tmp_path: Path) -> None:
     inner = torch.optim.AdamW([torch.zeros(4, requires_grad=True)])
-    out = offload_optimizer(
-        inner, "cpu", nvme_path=None, pin_memory=True, settings=SMALL_AIO, chunk_numel=8, rank=0, agree=lambda o: [o]
-    )
+    out = offload_optimizer(inner, _offload("cpu"), settings=SMALL_AIO, chunk_numel=8, rank=0, agree=lambda o: [o])
     assert out is inner
 
 
@@ -121,9 +125,7 @@ def test_unusable_nvme_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"nvme_path = '.*file/swap' is unusable on data-parallel rank 0"):
         offload_optimizer(
             inner,
-            "nvme",
-            nvme_path=str(blocker / "swap"),
-            pin_memory=False,
+            _offload("nvme", nvme_path=str(blocker / "swap")),
             settings=SMALL_AIO,
             chunk_numel=8,
             rank=0,

@@ -1,4 +1,6 @@
-"""TensorSwapper: round trips, concurrency and ordering, O_DIRECT fallback, setup errors, cleanup."""
+"""TensorSwapper: round trips, concurrency and ordering, O_DIRECT fallback, setup errors, and cleanup: the swap
+file is unlinked at setup, so nothing is ever left under nvme_path (not even after SIGKILL) and closing the
+descriptor frees the space."""
 
 from __future__ import annotations
 
@@ -6,16 +8,32 @@ import errno
 import fcntl
 import gc
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from harness import deleted_files_held
 from shardspeed.offload import swapper as swapper_module
 from shardspeed.offload.aio_config import AioSettings
 from shardspeed.offload.swapper import SwapSetupError, TensorSwapper, aligned_empty
 
 SMALL_BLOCKS = AioSettings(block_size=8192, queue_depth=2, thread_count=3)
+REPO_SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _fallocate_allocates(directory: Path) -> bool:
+    """Whether posix_fallocate in ``directory`` allocates blocks (where it does not, the swapper's file is sparse)."""
+    with tempfile.TemporaryFile(dir=directory) as probe:
+        try:
+            os.posix_fallocate(probe.fileno(), 0, 1 << 20)
+        except OSError:
+            return False
+        return os.fstat(probe.fileno()).st_blocks * 512 >= 1 << 20
 
 
 def _pattern(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -116,7 +134,22 @@ def test_full_disk_fails_at_start_with_sizes_and_path(tmp_path: Path, monkeypatc
     message = str(caught.value)
     assert str(tmp_path / "big" / "swap.bin") in message
     assert str(5 * 2**30) in message and "free" in message
-    assert not (tmp_path / "big").exists()  # the half-made job directory is gone
+    assert list(tmp_path.iterdir()) == []  # the half-made job directory is gone
+    assert deleted_files_held(tmp_path, "self") == {}  # and the unlinked file's descriptor is closed
+
+
+def test_failed_file_creation_removes_the_job_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def refuse_swap_file(path: object, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if str(path).endswith(swapper_module.SWAP_FILE_NAME):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)  # shutil.rmtree opens directories with dir_fd
+
+    monkeypatch.setattr(os, "open", refuse_swap_file)
+    with pytest.raises(SwapSetupError, match=r"cannot create the swap file .*job-x.*Permission denied"):
+        TensorSwapper(tmp_path, 1 << 20, job_id="job-x")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,27 +166,44 @@ def test_unwritable_path_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mo
         TensorSwapper(tmp_path / "ro", 1 << 20)
 
 
-def test_close_removes_job_directory_and_rejects_further_use(tmp_path: Path) -> None:
+def test_nothing_is_left_under_nvme_path_and_close_frees_the_space(tmp_path: Path) -> None:
     sw = TensorSwapper(tmp_path, 1 << 20, job_id="job-a")
-    assert (tmp_path / "job-a" / "swap.bin").stat().st_size == 1 << 20
-    sw.swap_out("a", torch.ones(10)).wait()
+    assert list(tmp_path.iterdir()) == []  # no file, no job directory: the open descriptor is all there is
+    assert not sw.path.exists() and not sw.directory.exists() and sw.path == tmp_path / "job-a" / "swap.bin"
+    status = os.fstat(sw._fd)
+    assert status.st_nlink == 0 and status.st_size == 1 << 20
+    if _fallocate_allocates(tmp_path):
+        assert status.st_blocks * 512 >= 1 << 20  # preallocated, although nameless
+    assert list(deleted_files_held(tmp_path, "self").values()) == [f"{sw.path} (deleted)"]
+    sw.swap_out("a", torch.arange(10, dtype=torch.float32)).wait()
+    back = torch.empty(10)
+    sw.swap_in("a", back).wait()
+    assert torch.equal(back, torch.arange(10, dtype=torch.float32))
+    again = TensorSwapper(tmp_path, 1 << 20, job_id="job-a")  # the job id's names are free again
     sw.close()
-    assert not (tmp_path / "job-a").exists()
+    assert list(deleted_files_held(tmp_path, "self").values()) == [f"{again.path} (deleted)"]  # only again's
     with pytest.raises(RuntimeError, match="closed"):
         sw.swap_out("a", torch.ones(10))
     sw.close()  # idempotent
+    sw.abort()
+    again.abort()
+    again.abort()
+    assert deleted_files_held(tmp_path, "self") == {}
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cleanup_on_exception_and_on_garbage_collection(tmp_path: Path) -> None:
     with pytest.raises(ZeroDivisionError), TensorSwapper(tmp_path, 1 << 20, job_id="boom") as sw:
         sw.swap_out("a", torch.ones(100_000))
+        assert len(deleted_files_held(tmp_path, "self")) == 1
         raise ZeroDivisionError
-    assert not (tmp_path / "boom").exists()
+    assert deleted_files_held(tmp_path, "self") == {}
     dropped = TensorSwapper(tmp_path, 1 << 20, job_id="dropped")
-    assert (tmp_path / "dropped").exists()
+    assert len(deleted_files_held(tmp_path, "self")) == 1
     del dropped
     gc.collect()
-    assert not (tmp_path / "dropped").exists()
+    assert deleted_files_held(tmp_path, "self") == {}
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_io_error_surfaces_in_wait_and_close_still_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,7 +218,48 @@ def test_io_error_surfaces_in_wait_and_close_still_cleans_up(tmp_path: Path, mon
         handle.wait()
     with pytest.raises(OSError, match="simulated device error"):
         sw.close()
-    assert not (tmp_path / "eio").exists()
+    assert deleted_files_held(tmp_path, "self") == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+_KILLED_CHILD = """
+import sys, time, torch
+from shardspeed.offload.aio_config import AioSettings
+from shardspeed.offload.swapper import TensorSwapper
+swapper = TensorSwapper(sys.argv[1], int(sys.argv[2]), AioSettings(block_size=1 << 16, queue_depth=2, thread_count=1))
+swapper.swap_out("x", torch.arange(300_000, dtype=torch.float32)).wait()
+print("ready", swapper.capacity_bytes, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_swap_space_does_not_outlive_a_sigkilled_process(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup code: only an unlinked file guarantees the space goes with the process."""
+    nvme_path, capacity = tmp_path / "nvme", 4 << 20
+    env = {**os.environ, "PYTHONPATH": str(REPO_SRC), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", _KILLED_CHILD, str(nvme_path), str(capacity)]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().split()
+        assert line[:1] == ["ready"], child.stderr.read() if child.stderr else ""
+        assert int(line[1]) == capacity
+        assert list(nvme_path.iterdir()) == []  # while it runs, nothing is there by name
+        held = deleted_files_held(nvme_path, child.pid)
+        assert len(held) == 1, held
+        (link,) = held
+        status = os.stat(link)  # the /proc link reaches the nameless file itself
+        assert status.st_nlink == 0 and status.st_size == capacity
+        if _fallocate_allocates(tmp_path):
+            assert status.st_blocks * 512 >= capacity  # the preallocation is real disk space, accounted
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert list(nvme_path.iterdir()) == []
 
 
 def test_synchronous_mode_and_bad_requests(tmp_path: Path) -> None:

@@ -43,9 +43,13 @@ def _all_pieces(engine: ShardSpeedEngine) -> list[Piece]:
 
 def _resident(engine: ShardSpeedEngine, pieces: list[Piece], writing: bool) -> Iterable[Piece]:
     """``pieces`` with their values in memory while each is used: a stage that keeps values off memory between
-    uses (ZeRO-3 fp32 with offload_param) brings them in one unit at a time (``writing``: and writes them back)."""
-    resident = getattr(engine.states, "resident_pieces", None)
-    return pieces if resident is None else resident(pieces, writing)
+    uses (ZeRO-3 fp32 with offload_param) brings them in one unit at a time, and a streamed optimizer holding the
+    fp32 masters (mixed precision with offload_optimizer) one stepped tensor at a time (``writing``: and each
+    writes them back)."""
+    from_states = getattr(engine.states, "resident_pieces", None)
+    out: Iterable[Piece] = pieces if from_states is None else from_states(pieces, writing)
+    from_optimizer = getattr(engine.optimizer, "resident_pieces", None)
+    return out if from_optimizer is None else from_optimizer(out, writing)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

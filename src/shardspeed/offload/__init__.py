@@ -6,7 +6,8 @@ Self-contained pieces; wiring them into the ZeRO stages (``offload_optimizer`` /
 from __future__ import annotations
 
 from .aio_config import AioSettings
-from .cpu_adam import cpu_adamw_step, stream_step
+from .cpu_adam import cpu_adamw_step
+from .stream import stream_step
 from .swapper import SwapHandle, SwapSetupError, TensorSwapper, aligned_empty, probe_o_direct
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""CPU Adam/AdamW over flat tensors, in memory (``cpu_adamw_step``) or streamed from NVMe (``stream_step``).
+"""CPU Adam/AdamW over flat tensors in memory (``cpu_adamw_step``); ``stream.py`` streams it from NVMe.
 
 Why torch's fused kernel: ``torch._fused_adam_`` / ``torch._fused_adamw_`` (CPU since torch 2.4) update
 parameter, both moments and read the gradient in one vectorised, multi-threaded pass over memory; the foreach
@@ -7,25 +7,19 @@ CPU is memory-bandwidth bound, so passes over memory are what costs. The foreach
 a torch without the fused CPU kernel; both give torch.optim.Adam/AdamW's update.
 
 Chunks: the flat tensors are cut into ``chunk_numel`` pieces. In memory that only bounds the fallback's
-temporaries; for NVMe it is the unit of streaming: ``stream_step`` reads chunk i+1 and writes chunk i-1 while
-the CPU steps chunk i, so host memory holds three chunks of state, not the whole model's.
+temporaries; for NVMe it is the unit of streaming (``stream.py``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from .swapper import SwapHandle, TensorSwapper, aligned_empty
-
 DEFAULT_CHUNK_NUMEL = 1 << 22
 """Elements per chunk: 16 MiB of fp32 per tensor, large enough that per-call overhead is noise."""
-
-STREAM_STATES: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")
-"""Per-chunk tensors ``stream_step`` keeps in the swapper (gradients arrive from memory)."""
 
 Kernel = Literal["auto", "fused", "foreach"]
 TensorOrList = torch.Tensor | Sequence[torch.Tensor]
@@ -34,11 +28,6 @@ TensorOrList = torch.Tensor | Sequence[torch.Tensor]
 def has_fused_cpu_adam() -> bool:
     """Whether this torch has the fused Adam/AdamW kernels (CPU support arrived in torch 2.4)."""
     return hasattr(torch, "_fused_adamw_") and hasattr(torch, "_fused_adam_")
-
-
-def state_key(chunk_name: str, state: str) -> str:
-    """Swapper name of one state tensor of one chunk, e.g. ``"layer0/exp_avg"``."""
-    return f"{chunk_name}/{state}"
 
 
 def _as_list(value: TensorOrList, argument: str) -> list[torch.Tensor]:
@@ -75,8 +64,8 @@ def _chunks(
                     f"{name}[{index}] is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} but params[{index}] "
                     f"is {tuple(reference.shape)} {reference.dtype} on {reference.device}; they must match"
                 )
-            if not tensor.is_contiguous() or not tensor.is_floating_point() or tensor.device.type != "cpu":
-                raise ValueError(f"{name}[{index}]: valid: a contiguous floating-point CPU tensor")
+            if not tensor.is_contiguous() or not tensor.is_floating_point():
+                raise ValueError(f"{name}[{index}]: valid: a contiguous floating-point tensor")
         flats = [tensor.view(-1) for tensor in members]
         for start in range(0, reference.numel(), chunk_numel):
             for target, flat in zip(out, flats):
@@ -131,7 +120,7 @@ def cpu_adamw_step(
 ) -> None:
     """One Adam (``adam_w_mode=False``, L2 decay) or AdamW (decoupled decay) step, in place, chunk by chunk.
 
-    Each argument is a tensor or a list of tensors (matching shapes and dtypes, contiguous, on the CPU);
+    Each argument is a tensor or a list of tensors (matching shapes, dtypes and device, contiguous);
     ``step`` is the step count including this update (1 on the first step), as torch's optimizers count.
     ``kernel``: "fused" (torch's fused CPU kernel), "foreach" (the fallback math) or "auto" (fused when present).
     """
@@ -140,7 +129,10 @@ def cpu_adamw_step(
         raise ValueError(f"chunk_numel = {chunk_numel!r}; valid: a positive number of elements")
     if kernel not in ("auto", "fused", "foreach"):
         raise ValueError(f"kernel = {kernel!r}; valid: 'auto', 'fused' or 'foreach'")
-    use_fused = kernel == "fused" or (kernel == "auto" and has_fused_cpu_adam())
+    on_cpu = all(t.device.type == "cpu" for t in _as_list(params, "params"))
+    # the fused kernel's CPU build is what this module targets; accelerator tensors (the part of the state
+    # offload_optimizer.ratio keeps on the device) take the device-agnostic foreach math
+    use_fused = kernel == "fused" or (kernel == "auto" and has_fused_cpu_adam() and on_cpu)
     if use_fused and not has_fused_cpu_adam():
         raise RuntimeError(f"kernel='fused' needs torch ≥ 2.4 (torch._fused_adamw_); this is torch {torch.__version__}")
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
@@ -169,89 +161,3 @@ def cpu_adamw_step(
             maximize=False,
             **hyper,
         )
-
-
-def init_stream_state(swapper: TensorSwapper, chunk_name: str, param_chunk: torch.Tensor) -> list[SwapHandle]:
-    """Swap out a chunk's starting state: its parameters and zero moments (what Adam starts from)."""
-    zeros = torch.zeros_like(param_chunk)
-    return [
-        swapper.swap_out(state_key(chunk_name, "param"), param_chunk),
-        swapper.swap_out(state_key(chunk_name, "exp_avg"), zeros),
-        swapper.swap_out(state_key(chunk_name, "exp_avg_sq"), zeros),
-    ]
-
-
-def stream_step(
-    swapper: TensorSwapper,
-    names: Sequence[str],
-    grads: Sequence[torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    adam_w_mode: bool = True,
-    on_chunk_done: Callable[[int, torch.Tensor], None] | None = None,
-    kernel: Kernel = "auto",
-) -> None:
-    """One optimizer step over chunks whose state lives in ``swapper``: read next ‖ step this ‖ write previous.
-
-    ``names[i]`` names chunk i (its state under ``state_key(names[i], s)`` for s in ``STREAM_STATES``, e.g. from
-    ``init_stream_state``); ``grads[i]`` is its gradient, in memory. ``on_chunk_done(i, param)`` runs right after
-    chunk i is updated, before it is written back (where updated parameters go back to the device).
-    Host memory: three rotating sets of three chunk-sized buffers, whatever the number of chunks.
-    """
-    if len(names) != len(grads):
-        raise ValueError(f"names has {len(names)} chunks but grads has {len(grads)}; one gradient per chunk")
-    if not names:
-        return
-    _check_hyperparameters(step, lr, betas, eps, weight_decay)
-    largest = max(grad.numel() for grad in grads)
-    dtype = grads[0].dtype
-    buffer_sets = [[aligned_empty(largest, dtype) for _ in STREAM_STATES] for _ in range(3)]  # zero-copy I/O
-    reads: list[list[SwapHandle]] = [[] for _ in names]
-    writes: list[list[SwapHandle]] = [[] for _ in names]
-
-    def start_read(index: int) -> None:
-        buffers = buffer_sets[index % 3]
-        if index >= 3:
-            for handle in writes[index - 3]:
-                handle.wait()  # this buffer set still holds chunk index-3 until its write-back ends
-        numel = grads[index].numel()
-        reads[index] = [
-            swapper.swap_in(state_key(names[index], state), buffer[:numel])
-            for state, buffer in zip(STREAM_STATES, buffers)
-        ]
-
-    start_read(0)
-    for index in range(len(names)):
-        for handle in reads[index]:
-            handle.wait()
-        if index + 1 < len(names):
-            start_read(index + 1)
-        numel = grads[index].numel()
-        param, exp_avg, exp_avg_sq = (buffer[:numel] for buffer in buffer_sets[index % 3])
-        cpu_adamw_step(
-            param,
-            grads[index].view(-1),
-            exp_avg,
-            exp_avg_sq,
-            step=step,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            adam_w_mode=adam_w_mode,
-            chunk_numel=max(numel, 1),
-            kernel=kernel,
-        )
-        if on_chunk_done is not None:
-            on_chunk_done(index, param)
-        writes[index] = [
-            swapper.swap_out(state_key(names[index], state), tensor)
-            for state, tensor in zip(STREAM_STATES, (param, exp_avg, exp_avg_sq))
-        ]
-    for handles in writes:
-        for handle in handles:
-            handle.wait()

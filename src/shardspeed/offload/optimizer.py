@@ -1,18 +1,27 @@
 """``StreamedAdam``: Adam/AdamW whose states live outside the training device, stepped chunk by chunk on the CPU.
 
 ZeRO offload (``zero_optimization.offload_optimizer``) wraps the torch Adam/AdamW the engine built over the
-stage's stepped tensors (fp32 parameter-buffer slices, or fp32 master slices under mixed precision). For every
-stepped tensor this rank owns, cut into ``sub_group_size`` chunks, the store holds three tensors: the fp32
-values, ``exp_avg`` and ``exp_avg_sq``. A step streams the chunks through ``stream_step`` (read next ‖ step this
-‖ write previous) and copies each updated chunk back into the stepped tensor, so the ZeRO stage's own
-``after_optimizer_step`` (copy to low precision, all-gather) runs unchanged.
+stage's stepped tensors. For every stepped tensor this rank owns, cut into ``sub_group_size`` chunks, the store
+holds three tensors: the fp32 values, ``exp_avg`` and ``exp_avg_sq``. A step streams the chunks through
+``stream_step`` (stream.py: overlap set by ``buffer_count`` and ``pipeline_read``/``pipeline_write``) and copies
+each updated chunk back into the stepped tensor's values, so the ZeRO stage's own ``after_optimizer_step``
+(all-gather) runs unchanged. ``ratio`` < 1 keeps the last chunks' state on the training device, stepped in place;
+``fast_init`` skips writing the zero moments at start.
 
 The stepped tensors' values are reached through a ``SteppedAccess`` (``open``/``close`` around every use). By
 default a stepped tensor holds its values itself; ZeRO-3 fp32 with ``offload_param`` passes one whose stepped
 tensors are stand-ins without storage and whose ``open`` reads the owning unit's shard from its store (``close``
 writes it back), so the optimizer step keeps one unit's shard in memory at a time (param_offload.py).
 
-Stores: a ``TensorSwapper`` (``device: "nvme"``: the states are in a swap file, host memory holds three chunks)
+[Note: masters in the store] Under bf16/fp16 the fp32 masters are the optimizer's "param" state, so keeping a
+master shard in memory as well would hold 4Ψ/N bytes the offload is meant to free (device memory, with an
+accelerator). The stage hands them over instead (``hand_masters_to_optimizer``): its stepped tensors become
+stand-ins whose ``access`` reaches the *low-precision* parameters, and ``values_in_store`` tells this optimizer
+that the store's values are the truth. Start-up seeds the store from the parameters (as a master is seeded);
+each updated chunk is written into the parameters with a cast; checkpoints read and load the fp32 values through
+``resident_pieces`` (one stepped tensor at a time); ``reseed`` follows a ``GatheredParameters`` edit.
+
+Stores: a ``TensorSwapper`` (``device: "nvme"``: the states are in a swap file, host memory holds a few chunks)
 or ``HostStore`` (``device: "cpu"`` with an accelerator: pinned host tensors; gradients are copied to the host
 and updated values back). On a CPU-only machine ``device: "cpu"`` needs no wrapper at all: the states already
 live in host memory.
@@ -24,72 +33,25 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.pieces import Piece
 from shardspeed.config.errors import ConfigError
+from shardspeed.config.offload import OffloadOptimizerConfig
 
 from .aio_config import AioSettings
-from .cpu_adam import STREAM_STATES, init_stream_state, state_key, stream_step
-from .setup import open_swapper_on_every_rank
+from .cpu_adam import cpu_adamw_step
+from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
+from .host_store import StateStore as StateStore
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
-from .swapper import SwapHandle, TensorSwapper
-
-
-class StateStore(Protocol):
-    """What ``stream_step`` needs of a store: named 1-D tensors written and read asynchronously."""
-
-    def swap_out(self, name: str, tensor: torch.Tensor) -> SwapHandle: ...
-
-    def swap_in(self, name: str, out: torch.Tensor) -> SwapHandle: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _DoneHandle:
-    """A finished operation (host copies are synchronous); ``wait`` returns the tensor like ``SwapHandle``."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return self._tensor
-
-    def done(self) -> bool:
-        return True
-
-
-class HostStore:
-    """States in (pinned, when an accelerator is present) host memory, with the swapper's interface."""
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory and torch.cuda.is_available()  # pinning needs an accelerator runtime
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def swap_out(self, name: str, tensor: torch.Tensor) -> SwapHandle:
-        held = self._tensors.get(name)
-        if held is None or held.numel() != tensor.numel():
-            held = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=self.pin_memory)
-            self._tensors[name] = held
-        held.copy_(tensor.view(-1))
-        return _DoneHandle(tensor)  # type: ignore[return-value]
-
-    def swap_in(self, name: str, out: torch.Tensor) -> SwapHandle:
-        if name not in self._tensors:
-            raise KeyError(f"swap_in({name!r}): nothing stored under that name")
-        out.view(-1).copy_(self._tensors[name])
-        return _DoneHandle(out)  # type: ignore[return-value]
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        self._tensors.clear()
+from .stream import STREAM_STATES, ZeroUntilWritten, init_stream_state, plan_pipeline, state_key, stream_step
+from .swapped_state import SwappedState
+from .swapper import TensorSwapper
 
 
 @dataclass
@@ -98,57 +60,20 @@ class _Chunk:
     tensor: torch.Tensor  # the stepped tensor it is a piece of
     start: int
     end: int
+    offloaded: bool = True  # False: kept on the training device by offload_optimizer.ratio
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(-1)[self.start : self.end]
 
 
-class _SwappedState:
-    """``optimizer.state`` for the checkpoint code: reading a tensor's entry swaps its moments in.
-
-    ``get`` (saving) keeps one tensor's state in memory at a time; ``[tensor]`` (loading) keeps every entry it
-    hands out until ``StreamedAdam.after_checkpoint_load`` writes them back to the store.
-    """
-
-    def __init__(self, owner: StreamedAdam) -> None:
-        self._owner = owner
-        self._last: tuple[int, dict[str, Any]] | None = None
-        self.loading: dict[int, dict[str, Any]] = {}
-
-    def get(self, tensor: torch.Tensor, default: Any = None) -> Any:
-        key = id(tensor)
-        if key in self.loading:
-            return self.loading[key]
-        if key not in self._owner.chunks_of:
-            return default
-        if self._last is None or self._last[0] != key:
-            self._last = (key, self._owner.read_state(tensor))
-        return self._last[1]
-
-    def __getitem__(self, tensor: torch.Tensor) -> dict[str, Any]:
-        key = id(tensor)
-        if key not in self._owner.chunks_of:
-            raise KeyError("not a tensor this optimizer steps")
-        if key not in self.loading:
-            self.loading[key] = self._owner.read_state(tensor)
-        return self.loading[key]
-
-    def __contains__(self, tensor: object) -> bool:
-        return id(tensor) in self._owner.chunks_of
-
-    def __len__(self) -> int:
-        return len(self._owner.chunks_of)
-
-    def values(self) -> list[dict[str, Any]]:
-        """Only the entries currently in memory (the rest are in the store, not host memory)."""
-        return list(self.loading.values())
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.loading)
-
-    def forget(self) -> None:
-        self._last = None
-        self.loading.clear()
+def offloaded_mask(sizes: Sequence[int], ratio: float) -> list[bool]:
+    """Which chunks (in order) ``offload_optimizer.ratio`` offloads: chunk i does iff the elements before it are
+    fewer than ``ratio`` × all elements (ratio 1: all, 0: none; whole chunks, so the split rounds up)."""
+    total, before, mask = sum(sizes), 0, []
+    for size in sizes:
+        mask.append(before < ratio * total)
+        before += size
+    return mask
 
 
 class StreamedAdam:
@@ -160,17 +85,24 @@ class StreamedAdam:
         store: StateStore,
         chunk_numel: int,
         access: SteppedAccess | None = None,
+        offload: OffloadOptimizerConfig | None = None,
+        values_in_store: bool = False,
     ) -> None:
-        """``access``: how to reach the stepped tensors' values (default: the tensors themselves)."""
+        """``access``: how to reach the stepped tensors' values (default: the tensors themselves). ``offload``:
+        the ``offload_optimizer`` section (``buffer_count``, ``pipeline_read``/``pipeline_write``, ``fast_init``,
+        ``ratio``); default: its defaults. ``values_in_store``: mixed precision whose fp32 masters this optimizer
+        holds (see [Note: masters in the store]); ``access`` then reaches the low-precision copies."""
         check_streamable(inner)
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel = {chunk_numel}; valid: a positive number of elements")
+        offload = offload if offload is not None else OffloadOptimizerConfig()
+        self.pipeline = plan_pipeline(offload.buffer_count, offload.pipeline_read, offload.pipeline_write)
         self.optimizer_class_name = type(inner).__name__  # what checkpoints record ("Adam" / "AdamW")
         self.adam_w_mode = type(inner) is torch.optim.AdamW
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
-        self.store = store
         self.access: SteppedAccess = access if access is not None else DirectAccess()
+        self.values_in_store = values_in_store
         self.steps = [0 for _ in self.param_groups]
         self.group_chunks: list[list[_Chunk]] = []
         self.chunks_of: dict[int, list[_Chunk]] = {}
@@ -189,18 +121,35 @@ class StreamedAdam:
                 self.chunks_of[id(tensor)] = mine
                 self._group_of[id(tensor)] = g
             self.group_chunks.append(chunks)
-        self.state = _SwappedState(self)
+        every = [chunk for chunks in self.group_chunks for chunk in chunks]
+        for chunk, offloaded in zip(every, offloaded_mask([c.end - c.start for c in every], offload.ratio)):
+            chunk.offloaded = offloaded
+        # chunks ratio keeps on the device: their moments (and, with values_in_store, fp32 values) stay there
+        self.resident: dict[str, list[torch.Tensor]] = {
+            c.name: [torch.zeros(c.end - c.start, device=c.tensor.device) for _ in range(2 + values_in_store)]
+            for c in every
+            if not c.offloaded
+        }
+        fresh = {state_key(c.name, key) for c in every if c.offloaded for key in ("exp_avg", "exp_avg_sq")}
+        self.store: StateStore = ZeroUntilWritten(store, fresh) if offload.fast_init else store  # type: ignore[assignment]
+        self.state = SwappedState(self)
         self._write_values(first=True)
 
     @staticmethod
-    def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings) -> int:
-        """Swap-file size for ``inner``'s tensors cut into chunks: three fp32 states per chunk."""
+    def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings, ratio: float = 1.0) -> int:
+        """Swap-file size for ``inner``'s tensors cut into chunks: three fp32 states per offloaded chunk."""
         sizes = []
         for group in inner.param_groups:
             for tensor in group["params"]:
                 for start in range(0, tensor.numel(), chunk_numel):
-                    sizes += [4 * (min(start + chunk_numel, tensor.numel()) - start)] * len(STREAM_STATES)
-        return max(TensorSwapper.bytes_needed(sizes, settings), 1)
+                    sizes.append(min(start + chunk_numel, tensor.numel()) - start)
+        offloaded = [4 * size for size, keep in zip(sizes, offloaded_mask(sizes, ratio)) if keep]
+        return max(TensorSwapper.bytes_needed([n for n in offloaded for _ in STREAM_STATES], settings), 1)
+
+    @property
+    def resident_state_bytes(self) -> int:
+        """Bytes of the moments ``ratio`` keeps on the training device."""
+        return sum(t.numel() * t.element_size() for held in self.resident.values() for t in held)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> None:
@@ -208,29 +157,44 @@ class StreamedAdam:
             raise ValueError("StreamedAdam.step does not take a closure (ZeRO offload steps reduced gradients)")
         self.state.forget()
         for g, (group, chunks) in enumerate(zip(self.param_groups, self.group_chunks)):
-            writer = ChunkWriter(self.access, chunks)
             if not chunks:
                 continue
             self.steps[g] += 1
-            # CPU tensors are used in place; device gradients are copied to the host first (cpu/nvme offload
-            # with an accelerator), and updated values go back to the device tensor in on_chunk_done.
-            grads = [_host(chunk.of(chunk.tensor.grad)) for chunk in chunks]
             beta1, beta2 = group["betas"]
+            hyper = {
+                "step": self.steps[g],
+                "lr": float(group["lr"]),
+                "betas": (float(beta1), float(beta2)),
+                "eps": float(group["eps"]),
+                "weight_decay": float(group["weight_decay"]),
+                "adam_w_mode": self.adam_w_mode,
+            }
+            offloaded = [chunk for chunk in chunks if chunk.offloaded]
+            writer = ChunkWriter(self.access, offloaded)
             try:
-                stream_step(
-                    self.store,  # type: ignore[arg-type]
-                    [chunk.name for chunk in chunks],
-                    grads,
-                    step=self.steps[g],
-                    lr=float(group["lr"]),
-                    betas=(float(beta1), float(beta2)),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    adam_w_mode=self.adam_w_mode,
-                    on_chunk_done=writer.write,
-                )
+                # CPU tensors are used in place; device gradients are copied to the host first (cpu/nvme offload
+                # with an accelerator), and updated values go back to the device tensor in the writer.
+                grads = [_host(chunk.of(chunk.tensor.grad)) for chunk in offloaded]
+                names = [chunk.name for chunk in offloaded]
+                stream_step(self.store, names, grads, on_chunk_done=writer.write, pipeline=self.pipeline, **hyper)  # type: ignore[arg-type]
             finally:
                 writer.finish()
+            self._step_resident([chunk for chunk in chunks if not chunk.offloaded], hyper)
+
+    def _step_resident(self, chunks: list[_Chunk], hyper: dict[str, Any]) -> None:
+        """Step the chunks ``ratio`` keeps on the device, in place, one stepped tensor open at a time."""
+        for tensor, mine in _by_tensor(chunks):
+            values = self.access.open(tensor, writing=True)
+            try:
+                for chunk in mine:
+                    exp_avg, exp_avg_sq, *master = self.resident[chunk.name]
+                    grad = chunk.of(chunk.tensor.grad)
+                    stepped = master[0] if master else chunk.of(values)
+                    cpu_adamw_step(stepped, grad, exp_avg, exp_avg_sq, chunk_numel=max(grad.numel(), 1), **hyper)
+                    if master:
+                        chunk.of(values).copy_(master[0])  # the low-precision copy follows its fp32 master
+            finally:
+                self.access.close(tensor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients belong to the ZeRO stage's buffers, which the engine zeroes."""
@@ -238,10 +202,13 @@ class StreamedAdam:
     def read_state(self, tensor: torch.Tensor) -> dict[str, Any]:
         """``tensor``'s state in torch Adam's layout (``step``, ``exp_avg``, ``exp_avg_sq``), read from the store."""
         out: dict[str, Any] = {"step": torch.tensor(float(self.steps[self._group_of[id(tensor)]]))}
-        for key in ("exp_avg", "exp_avg_sq"):
+        for m, key in enumerate(("exp_avg", "exp_avg_sq")):
             full = torch.empty(tensor.numel(), dtype=torch.float32)
             for chunk in self.chunks_of[id(tensor)]:
-                self.store.swap_in(state_key(chunk.name, key), full[chunk.start : chunk.end]).wait()
+                if chunk.offloaded:
+                    self.store.swap_in(state_key(chunk.name, key), full[chunk.start : chunk.end]).wait()
+                else:
+                    full[chunk.start : chunk.end].copy_(self.resident[chunk.name][m])
             out[key] = full
         return out
 
@@ -252,24 +219,40 @@ class StreamedAdam:
         for tensor_id, entry in self.state.loading.items():
             self.steps[self._group_of[tensor_id]] = int(float(entry.get("step", 0)))
             for chunk in self.chunks_of[tensor_id]:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in entry:
-                        part = entry[key].view(-1)[chunk.start : chunk.end].to("cpu", torch.float32).contiguous()
-                        self.store.swap_out(state_key(chunk.name, key), part).wait()
-        self._write_values(first=False)
+                for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+                    if key not in entry:
+                        continue
+                    part = entry[key].view(-1)[chunk.start : chunk.end]
+                    if chunk.offloaded:
+                        self.store.swap_out(
+                            state_key(chunk.name, key), part.to("cpu", torch.float32).contiguous()
+                        ).wait()
+                    else:
+                        self.resident[chunk.name][m].copy_(part)
+        if not self.values_in_store:  # else the checkpoint pieces wrote them (resident_pieces)
+            self._write_values(first=False)
         self.state.forget()
 
-    def _write_values(self, first: bool) -> None:
-        """Every stepped tensor's values into the store, one tensor open at a time; ``first``: also its zero
-        moments (the state Adam starts from). Each chunk is written before the next: host memory stays bounded
-        by a chunk (plus what ``access.open`` brings in)."""
+    def _write_values(self, first: bool, only: list[torch.Tensor] | None = None) -> None:
+        """Every offloaded chunk's values (fp32) into the store, one stepped tensor open at a time (``only``:
+        just these tensors); ``first``: also its zero moments, the state Adam starts from (unless ``fast_init``:
+        then they read as zeros until the first step writes them). With ``values_in_store`` the kept chunks'
+        masters are (re)set too. Each chunk is written before the next: host memory stays bounded by a chunk
+        (plus what ``access.open`` brings in)."""
+        wanted = None if only is None else {id(t) for t in only}
         for chunks in self.group_chunks:
             for tensor, mine in _by_tensor(chunks):
+                if wanted is not None and id(tensor) not in wanted:
+                    continue
                 values = self.access.open(tensor, writing=False)
                 try:
                     for chunk in mine:
-                        part = _host(values[chunk.start : chunk.end])
-                        if first:
+                        if not chunk.offloaded:
+                            if self.values_in_store:
+                                self.resident[chunk.name][2].copy_(chunk.of(values))
+                            continue
+                        part = _host(values[chunk.start : chunk.end]).to(torch.float32)
+                        if first and not isinstance(self.store, ZeroUntilWritten):
                             handles = init_stream_state(self.store, chunk.name, part)  # type: ignore[arg-type]
                         else:
                             handles = [self.store.swap_out(state_key(chunk.name, "param"), part)]
@@ -278,8 +261,68 @@ class StreamedAdam:
                 finally:
                     self.access.close(tensor)
 
+    # --- [Note: masters in the store] ---------------------------------------------------------------------------
+    def read_values(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s fp32 values as the optimizer holds them (a CPU copy), chunk by chunk from their homes."""
+        full = torch.empty(tensor.numel(), dtype=torch.float32)
+        for chunk in self.chunks_of[id(tensor)]:
+            if chunk.offloaded:
+                self.store.swap_in(state_key(chunk.name, "param"), full[chunk.start : chunk.end]).wait()
+            elif self.values_in_store:
+                full[chunk.start : chunk.end].copy_(self.resident[chunk.name][2])
+            else:
+                values = self.access.open(tensor, writing=False)
+                try:
+                    full[chunk.start : chunk.end].copy_(values[chunk.start : chunk.end])
+                finally:
+                    self.access.close(tensor)
+        return full
+
+    @torch.no_grad()
+    def write_values(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Make ``values`` (fp32, ``tensor``'s size) the values of ``tensor``: in the store, in kept masters and
+        in the copy reached through ``access``."""
+        for chunk in self.chunks_of[id(tensor)]:
+            part = values[chunk.start : chunk.end]
+            if chunk.offloaded:
+                self.store.swap_out(state_key(chunk.name, "param"), part.to("cpu").contiguous()).wait()
+            elif self.values_in_store:
+                self.resident[chunk.name][2].copy_(part)
+        target = self.access.open(tensor, writing=True)
+        try:
+            target.copy_(values)
+        finally:
+            self.access.close(tensor)
+
+    def reseed(self, tensors: list[torch.Tensor]) -> None:
+        """The copies behind ``access`` were edited (``GatheredParameters``): make them the values again."""
+        self._write_values(first=False, only=[t for t in tensors if id(t) in self.chunks_of])
+
+    def resident_pieces(self, pieces: Iterable[Piece], writing: bool) -> Iterator[Piece]:
+        """Checkpoint pieces with their fp32 values in memory when this optimizer holds them (``values_in_store``):
+        one stepped tensor's values at a time, written back after its last piece when ``writing`` (a load).
+        Pieces must come tensor by tensor (the stages' ``checkpoint_pieces`` order); others pass through."""
+        if not self.values_in_store:
+            yield from pieces
+            return
+        current: tuple[torch.Tensor, torch.Tensor] | None = None
+        try:
+            for piece in pieces:
+                tensor = piece.opt_tensor
+                if tensor is None or id(tensor) not in self.chunks_of:
+                    yield piece
+                    continue
+                if current is None or current[0] is not tensor:
+                    if current is not None and writing:
+                        self.write_values(*current)
+                    current = (tensor, self.read_values(tensor))
+                yield dataclasses.replace(piece, value=current[1][piece.opt_offset : piece.opt_offset + piece.numel])
+        finally:
+            if current is not None and writing:
+                self.write_values(*current)
+
     def close(self) -> None:
-        """Release the store (deletes the swap directory)."""
+        """Release the store (an NVMe swap file: its descriptor closes, which frees its disk space)."""
         self.store.close()
 
 
@@ -313,49 +356,3 @@ def check_streamable(optimizer: Any) -> None:
                     f"optimizer.params.{key} = true (param group {g}) is not supported with offload_optimizer; "
                     "valid: false"
                 )
-
-
-def offload_optimizer(
-    inner: torch.optim.Optimizer,
-    device: str,
-    *,
-    nvme_path: str | None,
-    pin_memory: bool,
-    settings: AioSettings,
-    chunk_numel: int,
-    rank: int,
-    agree: Callable[[object], list[object]],
-    access: SteppedAccess | None = None,
-) -> torch.optim.Optimizer | StreamedAdam:
-    """Wrap ``inner`` for ``offload_optimizer.device``; collective over the data-parallel ranks (``agree`` is
-    their all-gather of a small object), so a rank whose ``nvme_path`` is unusable fails every rank at once.
-
-    "cpu" on a CPU-only machine returns ``inner`` itself: its states are already in host memory. ``access``:
-    how the stepped tensors' values are reached (``StreamedAdam``), for a stage whose tensors are stand-ins.
-    """
-    if device == "none" or (device == "cpu" and not _has_accelerator(inner)):
-        return inner
-    check_streamable(inner)
-    if device == "cpu":
-        return StreamedAdam(inner, HostStore(pin_memory), chunk_numel, access)
-    if device != "nvme":
-        raise ValueError(f"offload_optimizer.device = {device!r}; valid: none, cpu, nvme")
-    assert nvme_path is not None
-    swapper = open_swapper_on_every_rank(
-        nvme_path,
-        lambda: StreamedAdam.bytes_needed(inner, chunk_numel, settings),
-        settings,
-        key="zero_optimization.offload_optimizer.nvme_path",
-        job_prefix="shardspeed",
-        rank=rank,
-        agree=agree,
-    )
-    try:
-        return StreamedAdam(inner, swapper, chunk_numel, access)
-    except BaseException:
-        swapper.abort()
-        raise
-
-
-def _has_accelerator(inner: torch.optim.Optimizer) -> bool:
-    return any(t.device.type != "cpu" for group in inner.param_groups for t in group["params"])

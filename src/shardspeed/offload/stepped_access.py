@@ -1,9 +1,11 @@
 """How the streamed optimizer reaches its stepped tensors' values (``SteppedAccess``), and the ``on_chunk_done``
 that writes updated chunks through it.
 
-Most stages' stepped tensors hold their values (``DirectAccess``). ZeRO-3 fp32 with ``offload_param`` steps
-storage-less stand-ins whose values are the owning unit's offloaded shard (zero/stage3/param_offload.py
-``ShardSlices``): ``open`` reads the shard in, ``close`` writes it back and frees it.
+Most stages' stepped tensors hold their values (``DirectAccess``). Others step storage-less stand-ins
+(``stand_in``) whose values are elsewhere: ZeRO-3 fp32 with ``offload_param`` in the owning unit's offloaded shard
+(zero/stage3/param_offload.py ``ShardSlices``: ``open`` reads the shard in, ``close`` writes it back and frees
+it); mixed precision whose fp32 masters the streamed optimizer holds in the low-precision parameters
+(``TargetSlices`` for ZeRO-1/2, ``ShardSlices`` for ZeRO-3), which the optimizer writes with a cast.
 """
 
 from __future__ import annotations
@@ -39,6 +41,30 @@ class DirectAccess:
 
     def close(self, tensor: torch.Tensor) -> None:
         return None
+
+
+class TargetSlices:
+    """``SteppedAccess`` for stand-ins whose values are another tensor (ZeRO-1/2 mixed precision whose fp32
+    masters the streamed optimizer holds: the stand-in's values are its low-precision parameter slice)."""
+
+    def __init__(self) -> None:
+        self._target: dict[int, torch.Tensor] = {}
+
+    def add(self, tensor: torch.Tensor, target: torch.Tensor) -> None:
+        self._target[id(tensor)] = target.view(-1)
+
+    def open(self, tensor: torch.Tensor, writing: bool) -> torch.Tensor:
+        return self._target.get(id(tensor), tensor.view(-1))
+
+    def close(self, tensor: torch.Tensor) -> None:
+        return None
+
+
+def stand_in(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A storage-less 1-D tensor of ``numel`` elements of ``like``'s dtype and device (one element, stride 0): an
+    optimizer key and ``.grad`` holder whose values live elsewhere. Writing to it raises, so a missed
+    ``SteppedAccess.open`` fails loudly instead of updating nothing."""
+    return torch.zeros(1, dtype=like.dtype, device=like.device).expand(numel)
 
 
 class ChunkWriter:

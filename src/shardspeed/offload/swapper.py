@@ -3,9 +3,15 @@
 NVMe offload keeps optimizer state (and ZeRO-3 parameter shards) in a file and streams it through host memory.
 This module is the storage half, in pure Python:
 
-- One file per job, ``<nvme_path>/<job_id>/swap.bin``, in a directory of its own so concurrent jobs (and ranks)
-  never share swap space. The file is preallocated with ``posix_fallocate`` so a full disk fails at start with
-  the sizes in the message, not in the middle of an optimizer step.
+- One file per job, created as ``<nvme_path>/<job_id>/swap.bin`` (a directory of its own, so concurrent jobs and
+  ranks never collide) and preallocated with ``posix_fallocate``, so a full disk fails at start with the sizes in
+  the message, not in the middle of an optimizer step.
+- Nothing stays on disk by name: right after creating the file the swapper unlinks it and removes the job
+  directory, keeping only the open file descriptor. Linux frees an unlinked file's blocks when its last
+  descriptor closes, and the kernel closes descriptors on any death, SIGKILL and the OOM killer included, so
+  swap space never outlives its process (a named file would hold gigabytes until someone deleted it by hand).
+  ``path`` and ``directory`` keep the names for messages; they no longer exist once the swapper is set up. (A
+  process forked while the swapper is open shares the descriptor, so the space lasts until it exits too.)
 - A bounded pool of threads (``aio.thread_count``) does ``pwrite``/``preadv`` at fixed offsets. Both calls release
   the GIL, as does the tensor copy into a staging buffer, so I/O overlaps the caller's compute.
 - Data passes through ``aio.queue_depth`` reusable staging buffers of ``aio.block_size`` bytes, allocated with
@@ -13,8 +19,8 @@ This module is the storage half, in pure Python:
   O_DIRECT, which keeps swap data out of the page cache, so swapping does not inflate host memory. Where the
   filesystem refuses O_DIRECT (tmpfs, some overlay filesystems) the swapper falls back to buffered I/O and
   advises the kernel (``POSIX_FADV_DONTNEED``) to drop the pages it has just written or read.
-- ``close()`` removes the job directory; so does leaving a ``with`` block by an exception, and a
-  ``weakref.finalize`` hook covers a swapper that is dropped or still open at interpreter exit.
+- ``close()`` closes the descriptor, which frees the space at once; so does leaving a ``with`` block by an
+  exception, and a ``weakref.finalize`` hook covers a swapper that is dropped or still open at interpreter exit.
 
 Ordering: operations on the same name run in submission order (each waits for the previous operation on that
 name), so ``swap_out(x)`` followed at once by ``swap_in(x)`` reads what was written. Operations on different
@@ -45,33 +51,7 @@ from .aio_config import PAGE_SIZE, AioSettings
 from .aligned import PRIVATE_ANONYMOUS, round_up
 from .aligned import aligned_empty as aligned_empty  # re-exported: callers import it from here
 from .last_op import ForgetWhenDone
-
-SWAP_FILE_NAME = "swap.bin"
-_FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-class SwapSetupError(RuntimeError):
-    """The swap directory or file could not be created: unwritable path or not enough free space."""
-
-
-def probe_o_direct(directory: Path) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT: open a probe file with it and write one aligned page."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / ".o_direct_probe"
-    page = mmap.mmap(-1, PAGE_SIZE)
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        return os.pwrite(fd, page, 0) == PAGE_SIZE
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
-        page.close()
+from .swap_file import SWAP_FILE_NAME, SwapSetupError, preallocate, probe_o_direct  # callers import these here
 
 
 @dataclass
@@ -124,47 +104,49 @@ _PieceIO = Callable[[memoryview, int, "_StageCopy | None"], None]
 
 
 class _Resources:
-    """What must be released when the swapper goes away; separate from it so ``weakref.finalize`` can hold it."""
+    """What must be released when the swapper goes away; separate from it so ``weakref.finalize`` can hold it.
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    ``directory`` and ``file`` are set only while they exist by name (during setup): release removes what is
+    left after a failed setup, and never touches a later swapper that reuses the job id."""
+
+    def __init__(self) -> None:
+        self.directory: Path | None = None
+        self.file: Path | None = None
         self.fd: int | None = None
         self.executor: ThreadPoolExecutor | None = None
+
+    def unlink_names(self) -> None:
+        """Remove the swap file's name and its job directory; the open descriptor keeps the file alive."""
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+            self.file = None
+        if self.directory is not None:
+            self.directory.rmdir()  # empty: created by this swapper, which put only the swap file in it
+            self.directory = None
 
     def release(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.executor = None
         if self.fd is not None:
-            os.close(self.fd)
+            os.close(self.fd)  # the last descriptor of an unlinked file: the kernel frees its blocks now
             self.fd = None
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _preallocate(fd: int, path: Path, nbytes: int) -> None:
-    """Reserve ``nbytes`` on disk now, so a full disk is reported here rather than mid-step."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as error:
-        if error.errno in _FULL_DISK_ERRNOS:
-            free = shutil.disk_usage(path.parent).free
-            raise SwapSetupError(
-                f"cannot preallocate the swap file {path}: it needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) but "
-                f"only {free} bytes ({free / 2**30:.2f} GiB) are free there ({error.strerror}); free space, point "
-                "nvme_path at a larger device, or swap fewer tensors"
-            ) from error
-        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            os.ftruncate(fd, nbytes)  # no fallocate on this filesystem: a sparse file is the best we can do
-            return
-        raise SwapSetupError(f"cannot preallocate {nbytes} bytes for the swap file {path}: {error}") from error
+        if self.file is not None:  # setup failed before the names were removed
+            self.file.unlink(missing_ok=True)
+            self.file = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
 
 class TensorSwapper:
-    """Swap named 1-D CPU tensors (any dtype) to and from one preallocated file under ``nvme_path/<job_id>/``.
+    """Swap named 1-D CPU tensors (any dtype) to and from one preallocated, unlinked file on ``nvme_path``.
 
     ``capacity_bytes`` is the file size to preallocate; each name takes a block-aligned slot, reserved with
     ``reserve`` or on its first ``swap_out``. ``TensorSwapper.bytes_needed`` sizes the file for a set of tensors.
     ``direct_io``: None probes whether the filesystem accepts O_DIRECT; True/False forces the choice.
+    ``directory`` (``nvme_path/<job_id>``) and ``path`` (``directory/swap.bin``) are where the file was created:
+    names for messages, both removed before the constructor returns (the file lives on through its descriptor).
     """
 
     def __init__(
@@ -191,7 +173,8 @@ class TensorSwapper:
                 f"nvme_path {str(root)!r} is not usable: cannot create the swap directory {self.directory} "
                 f"({error.strerror or error}); nvme_path must be a writable directory on a local disk"
             ) from error
-        self._resources = _Resources(self.directory)
+        self._resources = _Resources()
+        self._resources.directory = self.directory
         self._finalizer = weakref.finalize(self, self._resources.release)
         try:
             self.direct_io = probe_o_direct(self.directory) if direct_io is None else direct_io
@@ -201,7 +184,10 @@ class TensorSwapper:
             except OSError as error:
                 raise SwapSetupError(f"cannot create the swap file {self.path}: {error.strerror or error}") from error
             self._resources.fd = self._fd
-            _preallocate(self._fd, self.path, self.capacity_bytes)
+            self._resources.file = self.path
+            # Unlink before preallocating: a process killed during a long preallocation leaves nothing behind.
+            self._resources.unlink_names()
+            preallocate(self._fd, self.path, self.capacity_bytes)
         except BaseException:
             self._finalizer()
             raise
@@ -284,7 +270,7 @@ class TensorSwapper:
             handle.wait()
 
     def close(self) -> None:
-        """Finish outstanding I/O, stop the threads and delete the job directory (also if the I/O failed)."""
+        """Finish outstanding I/O, stop the threads and close the file, freeing its space (also if the I/O failed)."""
         if self._closed:
             return
         self._closed = True
@@ -294,7 +280,7 @@ class TensorSwapper:
             self._finalizer()
 
     def abort(self) -> None:
-        """Drop queued I/O, stop the threads and delete the job directory without waiting for results."""
+        """Drop queued I/O, stop the threads and close the file (freeing its space) without waiting for results."""
         self._closed = True
         self._finalizer()
 

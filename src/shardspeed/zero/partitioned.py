@@ -12,7 +12,9 @@ flat, padded buffer; this rank owns the same 1/N slice of every bucket. What liv
   optimizer states        K·Ψ/N (Adam: 8Ψ/N)
 
 The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
-step every bucket is all-gathered back into the parameter buffer in one equal-split collective.
+step every bucket is all-gathered back into the parameter buffer in one equal-split collective. With a streamed
+offload optimizer under mixed precision the master shard moves into the optimizer's store
+(``hand_masters_to_optimizer``): 0 bytes here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.comm import Work
+from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
 from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter
@@ -59,6 +62,7 @@ class PartitionedStates(FlatLayoutStates):
                 view.copy_(p)
                 p.data = view
         self.master_shard: torch.Tensor | None = None
+        self.masters_in_optimizer = False  # hand_masters_to_optimizer
         if mixed:
             self.master_shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
         self.grad_buffer: FlatGradBuffer | None = None
@@ -98,6 +102,23 @@ class PartitionedStates(FlatLayoutStates):
             self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
         self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync, overlap=overlap)
 
+    def hand_masters_to_optimizer(self) -> TargetSlices | None:
+        """Mixed precision with a streamed offload optimizer (which keeps fp32 values in its store): drop the
+        master shard; each bucket's stepped tensor becomes a stand-in whose values are reached, through the
+        returned access, as its low-precision parameter slice. Call before the optimizer is built."""
+        if self.master_shard is None:
+            return None
+        access, rank, replaced = TargetSlices(), self.ctx.axis.rank, {}
+        for k, tensor in enumerate(self.bucket_tensors):
+            new = stand_in(tensor.numel(), tensor)
+            new.grad = tensor.grad
+            access.add(new, self.param_flat[slice(*self.layout.rank_slice(k, rank))])
+            replaced[id(tensor)] = new
+        self.bucket_tensors = [replaced[id(t)] for t in self.bucket_tensors]
+        self.group_tensors = {g: [replaced[id(t)] for t in ts] for g, ts in self.group_tensors.items()}
+        self.master_shard, self.masters_in_optimizer = None, True
+        return access
+
     @property
     def managed_names(self) -> set[str]:
         """Parameters whose values and optimizer states this stage holds (the rest are saved whole)."""
@@ -107,7 +128,9 @@ class PartitionedStates(FlatLayoutStates):
         """This rank's slice of every bucket, cut at parameter boundaries (each rank writes what it owns)."""
         pieces = []
         rank = self.ctx.axis.rank
-        stepped = self.master_shard if self.master_shard is not None else None
+        # the stepped tensor's own slice when it holds the fp32 values (or stands in for them: the optimizer's
+        # resident_pieces swaps them in); fp32 training steps the parameter buffer itself
+        stepped = self.master_shard is not None or self.masters_in_optimizer
         for k, tensor in enumerate(self.bucket_tensors):
             start, end = self.layout.rank_slice(k, rank)
             for i in self.layout.buckets[k].members:
@@ -115,11 +138,7 @@ class PartitionedStates(FlatLayoutStates):
                 owned = intersect((lo, hi), (start, end))
                 if owned is None:
                     continue
-                view = (
-                    tensor[owned[0] - start : owned[1] - start]
-                    if stepped is not None
-                    else self.param_flat[owned[0] : owned[1]]
-                )
+                view = tensor[owned[0] - start : owned[1] - start] if stepped else self.param_flat[owned[0] : owned[1]]
                 p = self.packed.params[i]
                 shape = tuple(p.shape)
                 pieces.append(

@@ -103,7 +103,5 @@ class GatheredParameters:
                 if p.data_ptr() != full[offset:].data_ptr():  # ``p.data = new`` on some rank: back onto the buffer
                     p.data = full[offset : offset + numel].view(shape)
             states = record.states_ref()
-            masters = getattr(states, "masters", None)
-            master = masters[unit.index] if masters is not None else None
-            if master is not None:
-                master.copy_(unit.shard)
+            if states is not None:
+                states.after_shard_edit(unit)

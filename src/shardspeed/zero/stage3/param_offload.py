@@ -1,14 +1,15 @@
 """``zero_optimization.offload_param``: ZeRO-3 parameter shards kept off the training device between uses.
 
 A ``ParamOffloader`` owns a store (a ``TensorSwapper`` swap file for ``device: "nvme"``, pinned host tensors for
-``device: "cpu"`` with an accelerator) and is attached to every non-persistent ``ParamUnit``. The unit then keeps
-its shard *resident* only while it needs it (see unit.py, [Note: offloaded shard]): ``gather()`` reads the shard
-in before launching the all-gather (the runtime's prefetch calls ``gather()`` a unit ahead, so the read overlaps
-the previous unit's compute) and ``wait()`` drops it again once the all-gather has copied it.
+``device: "cpu"`` with an accelerator) and is attached to every non-persistent ``ParamUnit`` it moves. The unit
+then keeps its shard *resident* only while it needs it (see unit.py, [Note: offloaded shard]): ``gather()`` reads
+the shard in before launching the all-gather (the runtime's prefetch calls ``gather()`` a unit ahead, so the read
+overlaps the previous unit's compute) and ``wait()`` drops it again once the all-gather has copied it.
 
 Supported combinations (``check_param_offload``), chosen as the simplest that stay exactly correct:
 
-- ``device: "cpu"`` on a machine without an accelerator is a no-op: the shards already live in host memory.
+- ``device: "cpu"`` on a machine without an accelerator is a no-op: the shards already live in host memory (the
+  three keys below then have no effect either).
 - bf16/fp16: the optimizer steps the fp32 *master* shards, which stay in memory, and checkpoints read the masters
   too; the low-precision shard is only the all-gather's source, so it can live in the store between uses.
 - fp32: the optimizer's tensors *are* slices of the shard, so the shard can only leave memory if the optimizer
@@ -19,8 +20,19 @@ Supported combinations (``check_param_offload``), chosen as the simplest that st
   its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the fp32 values (it
   steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
 
-``buffer_count``, ``buffer_size`` and ``max_in_cpu`` are accepted for DeepSpeed compatibility and have no effect:
-one shard at a time is read into a freshly allocated (page-aligned, so O_DIRECT needs no staging copy) buffer.
+The DeepSpeed tuning keys apply to ``device: "nvme"`` (with ``"cpu"`` nothing is read from a file):
+
+- ``max_in_cpu`` (elements per rank): walking the units in order, the leading units whose shards add up to at
+  most ``max_in_cpu`` stay in host memory and never touch the swap file (``split_by_max_in_cpu``); the rest go
+  to NVMe. Without an accelerator those shards already are in host memory, so their units are simply not
+  offloaded; with one they move to pinned host memory. The swap file is sized for the NVMe units only, and not
+  opened at all when none go there. DeepSpeed's default (1e9) keeps every unit of a model below 1e9 elements per
+  rank in host memory: set it lower (0: everything) to put parameters on NVMe.
+- ``buffer_count`` / ``buffer_size``: shards read from the swap file go into ``ShardBufferPool``, at most
+  ``buffer_count`` reusable page-aligned buffers (O_DIRECT reads into them in place) of ``buffer_size`` elements,
+  so host memory for swapped shards stays bounded. A shard larger than ``buffer_size`` is a ``ConfigError``.
+  When more shards are in memory at once than there are buffers (prefetch depth, a ``GatheredParameters`` over
+  many units) the extra ones get a temporary buffer, counted in ``pool_overflows``, with one warning.
 """
 
 from __future__ import annotations
@@ -31,61 +43,220 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardspeed.config.errors import ConfigError
+from shardspeed.log import logger
 from shardspeed.offload.aio_config import AioSettings
-from shardspeed.offload.optimizer import HostStore, StateStore
+from shardspeed.offload.host_store import HostStore, StateStore
 from shardspeed.offload.setup import open_swapper_on_every_rank
 from shardspeed.offload.swapper import TensorSwapper, aligned_empty
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
 
+KEY = "zero_optimization.offload_param"
+
+
+def split_by_max_in_cpu(shard_numels: Sequence[int], max_in_cpu: int) -> list[bool]:
+    """For units in order (their shard sizes), whether each stays in host memory under ``max_in_cpu``.
+
+    The longest leading run whose sizes add up to at most ``max_in_cpu`` stays; from the first unit that does not
+    fit on, everything goes to NVMe (a later small unit is not squeezed into the leftover: placement stays one
+    contiguous block of the model, like DeepSpeed's flat CPU buffer filled in order). Sizes are per-rank shard
+    sizes, equal on every rank, so every rank splits identically."""
+    kept, total = [], 0
+    for numel in shard_numels:
+        total += numel  # counts the units that did not fit too, so once over the limit it stays over
+        kept.append(total <= max_in_cpu)
+    return kept
+
+
+def shards_in_flight(numels: Sequence[int], swapped: Sequence[bool], prefetch_numel: int, max_live_numel: int) -> int:
+    """How many swapped shards a pass holds at once, at least 1: after acquiring a unit the runtime has prefetched
+    (``gather``, which reads the shard) the following units within ``prefetch_numel`` elements and under
+    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors runtime.py's
+    ``_prefetch_after`` over the units in order (forward) and reversed (backward); a hint for ``buffer_count``."""
+    most = 1
+    for order in (list(range(len(numels))), list(reversed(range(len(numels))))):
+        for position, current in enumerate(order):
+            budget, live, count = prefetch_numel, numels[current], 0
+            for ahead in order[position + 1 :]:
+                if numels[ahead] > budget or live + numels[ahead] > max_live_numel:
+                    break
+                live, budget, count = live + numels[ahead], budget - numels[ahead], count + swapped[ahead]
+                if budget <= 0:
+                    break
+            most = max(most, count)
+    return most
+
+
+class ShardBufferPool:
+    """Up to ``buffer_count`` reusable page-aligned host buffers of ``buffer_bytes`` each, allocated on demand.
+
+    ``acquire`` hands out a free buffer (viewed as the asked dtype and length); ``release`` takes it back. When
+    all ``buffer_count`` are in use it does not block (the shards in use are waiting on collectives that only this
+    rank's progress completes) but returns a temporary buffer, counts it in ``overflows`` and warns once,
+    suggesting ``max(suggested_count, buffers in use + 1)`` buffers."""
+
+    def __init__(self, buffer_count: int, buffer_bytes: int, *, suggested_count: int = 0) -> None:
+        if buffer_count < 1 or buffer_bytes < 1:
+            raise ValueError(f"buffer_count = {buffer_count}, buffer_bytes = {buffer_bytes}; valid: both >= 1")
+        self.buffer_count, self.buffer_bytes = buffer_count, buffer_bytes
+        self.suggested_count = suggested_count
+        self._free: list[torch.Tensor] = []
+        self._in_use: dict[int, torch.Tensor] = {}  # data_ptr → the whole uint8 buffer handed out there
+        self.allocated = 0
+        self.peak_in_use = 0
+        self.overflows = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory the pool holds (temporary overflow buffers not included: they are freed when released)."""
+        return self.allocated * self.buffer_bytes
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A page-aligned 1-D tensor of ``numel`` elements of ``dtype`` (uninitialised)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.buffer_bytes:
+            raise ValueError(
+                f"{numel} elements of {dtype} ({nbytes} bytes) exceed the {self.buffer_bytes}-byte buffers"
+            )
+        if self._free:
+            buffer = self._free.pop()
+        elif self.allocated < self.buffer_count:
+            buffer = aligned_empty(self.buffer_bytes, torch.uint8)
+            self.allocated += 1
+        else:
+            self._overflow()
+            return aligned_empty(numel, dtype)
+        self._in_use[buffer.data_ptr()] = buffer
+        self.peak_in_use = max(self.peak_in_use, len(self._in_use))
+        return buffer[:nbytes].view(dtype)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Return ``tensor``'s buffer to the pool; a temporary (overflow) or foreign tensor is just dropped."""
+        buffer = self._in_use.pop(tensor.data_ptr(), None)
+        if buffer is not None:
+            self._free.append(buffer)
+
+    def _overflow(self) -> None:
+        self.overflows += 1
+        if self.overflows > 1:
+            return
+        needed = max(self.suggested_count, len(self._in_use) + 1)
+        logger.warning(
+            f"{KEY}.buffer_count = {self.buffer_count}: {len(self._in_use) + 1} parameter shards read from NVMe "
+            "were needed in memory at once (the unit being gathered, the units prefetched ahead within "
+            "stage3_prefetch_bucket_size, any held by GatheredParameters); the extra ones use temporary buffers "
+            f"(counted in pool_overflows). Set buffer_count to at least {needed}, or lower "
+            "stage3_prefetch_bucket_size, to keep them in the pool. Warned once."
+        )
+
 
 class ParamOffloader:
-    """Reads and writes unit shards to ``store`` under the name ``unit<index>``."""
+    """Reads and writes unit shards under the name ``unit<index>``: to ``store`` (swap file or host memory), or,
+    for units ``max_in_cpu`` keeps in host memory on a machine with an accelerator, to ``host_store``. Units in
+    ``in_cpu_units`` whose shard already lives in host memory are not moved at all (``moves``)."""
 
-    def __init__(self, store: StateStore, device_kind: str) -> None:
-        self.store = store
+    def __init__(
+        self,
+        store: StateStore | None,
+        device_kind: str,
+        *,
+        pool: ShardBufferPool | None = None,
+        host_store: StateStore | None = None,
+        in_cpu: Sequence[ParamUnit] = (),
+    ) -> None:
+        self.store = store  # None: no unit goes to NVMe (max_in_cpu covers all)
         self.device_kind = device_kind  # "cpu" or "nvme": what the config asked for
-        self.offloaded_bytes = 0  # bytes of shard data that live in the store
+        self.pool = pool
+        self.host_store = host_store
+        self.in_cpu_units = frozenset(u.index for u in in_cpu)  # kept in host memory by max_in_cpu
+        self.in_cpu_bytes = sum(u.shard_numel * u.dtype.itemsize for u in in_cpu)
+        self._stored: dict[str, int] = {}  # key → bytes last written to ``store``
 
     @staticmethod
     def key(unit: ParamUnit) -> str:
         return f"unit{unit.index}"
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Shard bytes held by ``store`` (for ``device: "nvme"``: on disk)."""
+        return sum(self._stored.values())
+
+    @property
+    def swap_file_bytes(self) -> int:
+        """Size of the swap file (block-rounded slots of the NVMe units); 0 without one."""
+        return self.store.capacity_bytes if isinstance(self.store, TensorSwapper) else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host memory allocated by the buffer pool for shards read from the swap file."""
+        return self.pool.allocated_bytes if self.pool is not None else 0
+
+    @property
+    def pool_overflows(self) -> int:
+        """Reads that found every pool buffer in use and took a temporary buffer."""
+        return self.pool.overflows if self.pool is not None else 0
+
+    def moves(self, unit: ParamUnit) -> bool:
+        """Whether ``unit``'s shard leaves where it is: not for a unit kept in host memory that already lives there."""
+        return unit.index not in self.in_cpu_units or unit.device.type != "cpu"
+
+    def _store_for(self, unit: ParamUnit) -> StateStore:
+        store = self.host_store if unit.index in self.in_cpu_units else self.store
+        assert store is not None, f"ZeRO-3 unit '{unit.name}' has no offload store"
+        return store
+
+    def _host_shard(self, unit: ParamUnit) -> torch.Tensor:
+        """Host memory for ``unit``'s shard: a pool buffer when the shard comes from the swap file."""
+        if self.pool is not None and unit.index not in self.in_cpu_units:
+            return self.pool.acquire(unit.shard_numel, unit.dtype)
+        return torch.empty(unit.shard_numel, dtype=unit.dtype)
+
     def empty_shard(self, unit: ParamUnit) -> torch.Tensor:
-        """A buffer for ``unit``'s shard; page-aligned host memory when the unit lives on the CPU."""
-        if unit.device.type == "cpu" and isinstance(self.store, TensorSwapper):
-            return aligned_empty(unit.shard_numel, unit.dtype)
+        """A buffer for ``unit``'s shard, on its device; hand it back with ``release_shard`` when done."""
+        if unit.device.type == "cpu":
+            return self._host_shard(unit)
         return torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+
+    def release_shard(self, shard: torch.Tensor) -> None:
+        """``shard`` (from ``empty_shard``) is no longer used: a pool buffer is free again (others are dropped)."""
+        if self.pool is not None and shard.device.type == "cpu":
+            self.pool.release(shard)
 
     def write(self, unit: ParamUnit, shard: torch.Tensor) -> None:
         """Store ``shard`` (blocking: the caller frees it right after)."""
-        host = shard if shard.device.type == "cpu" or isinstance(self.store, HostStore) else shard.to("cpu")
-        self.store.swap_out(self.key(unit), host).wait()
+        store, key = self._store_for(unit), self.key(unit)
+        if shard.device.type == "cpu" or isinstance(store, HostStore):
+            store.swap_out(key, shard).wait()
+        else:  # device → swap file through a host buffer
+            host = self._host_shard(unit)
+            host.copy_(shard)
+            store.swap_out(key, host).wait()
+            self.release_shard(host)
+        if store is self.store:
+            self._stored[key] = shard.numel() * shard.element_size()
 
     def read(self, unit: ParamUnit, out: torch.Tensor) -> None:
         """Fill ``out`` with ``unit``'s stored shard (blocking)."""
-        if out.device.type == "cpu" or isinstance(self.store, HostStore):
-            self.store.swap_in(self.key(unit), out).wait()
+        store, key = self._store_for(unit), self.key(unit)
+        if out.device.type == "cpu" or isinstance(store, HostStore):
+            store.swap_in(key, out).wait()
             return
-        host = torch.empty(out.numel(), dtype=out.dtype)
-        self.store.swap_in(self.key(unit), host).wait()
+        host = self._host_shard(unit)
+        store.swap_in(key, host).wait()
         out.copy_(host)
+        self.release_shard(host)
 
     def close(self) -> None:
-        """Release the store (for NVMe: delete this rank's swap directory)."""
-        self.store.close()
-
-
-def stand_in(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A storage-less 1-D tensor of ``numel`` elements of ``like``'s dtype and device (one element, stride 0): an
-    optimizer key and ``.grad`` holder whose values live elsewhere. Writing to it raises, so a missed
-    ``ShardSlices.open`` fails loudly instead of updating nothing."""
-    return torch.zeros(1, dtype=like.dtype, device=like.device).expand(numel)
+        """Release the stores (for NVMe: the swap file)."""
+        for store in (self.store, self.host_store):
+            if store is not None:
+                store.close()
 
 
 class ShardSlices:
-    """``SteppedAccess`` (offload/stepped_access.py) for fp32 ZeRO-3 with offloaded shards: stand-in → (unit, range
+    """``SteppedAccess`` (offload/stepped_access.py) for ZeRO-3 stand-ins (fp32 with offloaded shards, or mixed
+    precision whose masters the streamed optimizer holds): stand-in → (unit, range
     of its shard). Tensors it does not know (those of units that stay in memory) hold their values themselves."""
 
     def __init__(self) -> None:
@@ -150,23 +321,71 @@ def build_param_offloader(
     settings: AioSettings,
     rank: int,
     agree: Callable[[object], list[object]],
+    buffer_count: int = 5,
+    buffer_size: int = 100_000_000,
+    max_in_cpu: int = 0,
+    prefetch_numel: int = 0,
+    max_live_numel: int = 0,
 ) -> ParamOffloader:
-    """The store for ``units``' shards; collective over the data-parallel ranks (``agree`` all-gathers a small
-    object), so an ``nvme_path`` unusable on one rank fails every rank at once and leaves no directories."""
+    """The store for ``units``' shards (non-persistent, in unit order). ``"nvme"`` reads ``buffer_count``,
+    ``buffer_size``, ``max_in_cpu`` (module docstring; the engine passes the config's values, this default sends
+    every unit to NVMe); ``prefetch_numel`` / ``max_live_numel`` (stage 3's prefetch settings) only size the
+    buffer_count the pool's warning suggests. Collective for ``"nvme"`` (``agree`` all-gathers a small object):
+    every rank learns every rank's configuration problem and whether any has units for NVMe, so all raise the
+    same ``ConfigError`` or all open a swap file together (an ``nvme_path`` unusable on one rank fails all)."""
     if device == "cpu":
         return ParamOffloader(HostStore(pin_memory), device)
     if device != "nvme":
         raise ValueError(f"offload_param.device = {device!r}; valid: none, cpu, nvme")
     if not nvme_path:
-        raise ConfigError('zero_optimization.offload_param.device = "nvme" needs "nvme_path": a writable directory')
-    sizes = [unit.shard_numel * unit.shard.element_size() for unit in units]
-    swapper = open_swapper_on_every_rank(
-        nvme_path,
-        lambda: max(TensorSwapper.bytes_needed(sizes, settings), 1),
-        settings,
-        key="zero_optimization.offload_param.nvme_path",
-        job_prefix="shardspeed-params",
-        rank=rank,
-        agree=agree,
+        raise ConfigError(f'{KEY}.device = "nvme" needs "nvme_path": a writable directory')
+    in_cpu = split_by_max_in_cpu([u.shard_numel for u in units], max_in_cpu)
+    to_nvme = [u for u, kept in zip(units, in_cpu) if not kept]
+    verdicts: list = agree((_pool_problem(to_nvme, buffer_count, buffer_size), bool(to_nvme)))
+    problems = [problem for problem, _ in verdicts if problem is not None]
+    if problems:
+        raise ConfigError(problems[0])
+    kept = [u for u, kept in zip(units, in_cpu) if kept]
+    host_store = HostStore(pin_memory) if any(u.device.type != "cpu" for u in kept) else None
+    store: TensorSwapper | None = None
+    pool: ShardBufferPool | None = None
+    if any(has_nvme_units for _, has_nvme_units in verdicts):
+        sizes = [u.shard_numel * u.dtype.itemsize for u in to_nvme]
+        store = open_swapper_on_every_rank(
+            nvme_path,
+            lambda: max(TensorSwapper.bytes_needed(sizes, settings), 1),
+            settings,
+            key=f"{KEY}.nvme_path",
+            job_prefix="shardspeed-params",
+            rank=rank,
+            agree=agree,
+        )
+    if to_nvme:
+        # Buffers as large as the largest shard that goes through them (never more than buffer_size elements):
+        # a pool of buffer_size-element buffers would reserve far more than a small model's shards need.
+        largest = max(u.shard_numel for u in to_nvme)
+        itemsize = max(u.dtype.itemsize for u in to_nvme)
+        swapped = [not kept for kept in in_cpu]
+        suggested = shards_in_flight([u.numel for u in units], swapped, prefetch_numel, max_live_numel)
+        pool = ShardBufferPool(buffer_count, largest * itemsize, suggested_count=suggested)
+    return ParamOffloader(store, device, pool=pool, host_store=host_store, in_cpu=kept)
+
+
+def _pool_problem(to_nvme: Sequence[ParamUnit], buffer_count: int, buffer_size: int) -> str | None:
+    """Why ``buffer_count`` / ``buffer_size`` cannot serve the units that go to NVMe (None: they can)."""
+    if buffer_count < 1:
+        return (
+            f"{KEY}.buffer_count = {buffer_count}; valid: at least 1 (host buffers that parameter shards are read "
+            "into from NVMe)"
+        )
+    if not to_nvme:
+        return None
+    largest = max(to_nvme, key=lambda u: u.shard_numel)
+    if largest.shard_numel <= buffer_size:
+        return None
+    return (
+        f"{KEY}.buffer_size = {buffer_size} is smaller than the largest parameter shard that goes to NVMe: ZeRO-3 "
+        f"unit '{largest.name}' (first parameter '{largest.names[0]}') has {largest.shard_numel} elements per rank, "
+        f"and each buffer holds one whole shard. Set buffer_size to at least {largest.shard_numel}, or raise "
+        "max_in_cpu to keep that unit in host memory"
     )
-    return ParamOffloader(swapper, device)

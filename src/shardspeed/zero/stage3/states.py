@@ -7,7 +7,9 @@ shard, because a unit's parameters are packed group by group.
 
 With ``offload_param`` in fp32 (param_offload.py) those slices are replaced by stand-ins that the streamed
 optimizer reaches through ``stepped_access``, and checkpoint pieces of offloaded units carry stand-in values
-until ``resident_pieces`` brings their unit's shard in, one unit at a time.
+until ``resident_pieces`` brings their unit's shard in, one unit at a time. Mixed precision with a streamed offload
+optimizer hands the fp32 masters to it (``hand_masters_to_optimizer``): the stepped tensors become stand-ins for
+the low-precision shards, and frozen parts' checkpoint values are upcast copies of the shard.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from typing import Any
 import torch
 
 from shardspeed.checkpoint.pieces import Piece
+from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
-from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices, stand_in
+from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
@@ -99,7 +102,10 @@ class Stage3States:
         )
         self.reducer.attach(module, plan.roots, plan.foreign)
         mixed = any(u.dtype != torch.float32 for u in self.units)
-        self.masters = [u.shard.float() if mixed else None for u in self.units]
+        self.mixed = mixed
+        self.masters: list[torch.Tensor | None] = [u.shard.float() if mixed else None for u in self.units]
+        self.masters_in_optimizer = False  # hand_masters_to_optimizer
+        self.master_store: Any = None  # the optimizer holding the masters then (GatheredParameters reseeds it)
         # optimizer tensors: (group → tensors), and per tensor the (param index, start, end) pieces for Lamb
         self.group_tensors: dict[int, list[torch.Tensor]] = {}
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
@@ -171,7 +177,12 @@ class Stage3States:
                 # mixed precision: the fp32 master covers the whole shard (frozen parts too) and is what gets
                 # copied back into the low-precision shard after a step or a load. An offloaded fp32 shard is not
                 # in memory: a stand-in until resident_pieces swaps the unit in.
-                value = stand_in(b - a, values) if self._values_offloaded(unit) else values[a:b]
+                if self.masters_in_optimizer:  # fp32 values in the optimizer's store, or upcast from the shard
+                    value = stand_in(b - a, torch.empty(0, dtype=torch.float32, device=unit.device))
+                elif self._values_offloaded(unit):
+                    value = stand_in(b - a, values)
+                else:
+                    value = values[a:b]
                 pieces.append(
                     Piece(
                         name, tuple(unit.shapes[i]), owned[0] - lo, owned[1] - lo, value, opt_tensor, opt_offset, True
@@ -189,7 +200,9 @@ class Stage3States:
             for piece in pieces:
                 home = self._home.get(piece.name)
                 unit = self.units[home[0]] if home is not None else None
-                if home is None or unit is None or not self._values_offloaded(unit):
+                # masters in the optimizer: its resident_pieces serves stepped pieces; frozen ones are upcast here
+                upcast = self.masters_in_optimizer and piece.opt_tensor is None
+                if home is None or unit is None or not (upcast or self._values_offloaded(unit)):
                     yield piece
                     continue
                 if unit is not current:
@@ -201,14 +214,20 @@ class Stage3States:
                     else:
                         unit.fetch_shard()
                 a = home[1] + piece.start - unit.rank_start
-                yield dataclasses.replace(piece, value=unit.shard[a : a + piece.numel])
+                if not upcast:
+                    yield dataclasses.replace(piece, value=unit.shard[a : a + piece.numel])
+                    continue
+                value = unit.shard[a : a + piece.numel].float()
+                yield dataclasses.replace(piece, value=value)
+                if writing:  # the load filled the fp32 copy: into the shard it stands for
+                    unit.writable_shard(keep_values=True)[a : a + piece.numel].copy_(value)
         finally:
             if current is not None:
                 current.evict_shard()
 
     def _values_offloaded(self, unit: ParamUnit) -> bool:
         """Whether ``unit``'s fp32 values live in its offload store (fp32 with offload_param, non-persistent)."""
-        return unit.offloader is not None and self.masters[unit.index] is None
+        return unit.offloader is not None and not self.mixed
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         return self._segments
@@ -239,7 +258,7 @@ class Stage3States:
         the optimizer is built; its tensors become stand-ins and only an optimizer that goes through
         ``stepped_access`` (offload_optimizer's ``StreamedAdam``) can step them."""
         self.param_offloader = offloader
-        fp32 = any(m is None for m in self.masters)
+        fp32 = not self.mixed
         if fp32:
             self.stepped_access = ShardSlices()
         for u, unit in enumerate(self.units):
@@ -248,6 +267,30 @@ class Stage3States:
             if fp32:
                 self._replace_with_stand_ins(u)
             unit.start_offload(offloader)
+
+    def hand_masters_to_optimizer(self) -> ShardSlices | None:
+        """Mixed precision with a streamed offload optimizer (which keeps fp32 values in its store): drop the fp32
+        masters; the stepped tensors become stand-ins whose values are reached, through the returned access, as
+        the low-precision shards (offloaded or not). Call after ``offload_params``, before the optimizer is
+        built."""
+        if not self.mixed:
+            return None
+        self.stepped_access = ShardSlices()
+        for u in range(len(self.units)):
+            self._replace_with_stand_ins(u)
+        self.masters = [None for _ in self.units]
+        self.masters_in_optimizer = True
+        return self.stepped_access
+
+    @torch.no_grad()
+    def after_shard_edit(self, unit: ParamUnit) -> None:
+        """``unit``'s shard was edited in place (``GatheredParameters``): make the edit the fp32 values too, or the
+        next step would write the old masters back over it."""
+        master = self.masters[unit.index]
+        if master is not None:
+            master.copy_(unit.shard)
+        elif self.masters_in_optimizer and self.master_store is not None:
+            self.master_store.reseed([tensor for tensor, _, _ in self._unit_tensors.get(unit.index, [])])
 
     def _replace_with_stand_ins(self, u: int) -> None:
         """Swap unit ``u``'s stepped slices for stand-ins everywhere they are listed, so no reference keeps its
@@ -267,7 +310,7 @@ class Stage3States:
             self.group_tensors[group] = [replaced.get(id(t), t) for t in tensors]
 
     def close(self) -> None:
-        """Release offload storage (the parameter swap directory); the engine calls it from ``destroy``."""
+        """Release offload storage (the parameter swap file); the engine calls it from ``destroy``."""
         if self.param_offloader is not None:
             self.param_offloader.close()
             self.param_offloader = None

@@ -15,11 +15,13 @@ checks that all ranks named the same unit and otherwise raises — on every rank
 
 [Note: offloaded shard] With ``offload_param`` (param_offload.py) a unit has an ``offloader`` and its shard has
 a sub-state orthogonal to the one above: *resident* (``shard`` holds the values; memory is the truth) or not
-(``shard`` is an empty tensor; the store is the truth). ``fetch_shard`` makes it resident (reading the store),
-``evict_shard`` writes it back if it was changed since it was read (``_shard_dirty``) and frees it. ``gather``
-fetches and ``wait`` evicts (the all-gather has copied the shard by then), so between uses only the store holds
-it. Whoever writes the shard goes through ``writable_shard``, which marks it dirty. Without an offloader the
-shard is always resident and these calls do nothing.
+(``shard`` is an empty tensor; the store is the truth). ``fetch_shard`` makes it resident (reading the store
+into a buffer from ``offloader.empty_shard``: a reusable pool buffer for shards read from NVMe),
+``evict_shard`` writes it back if it was changed since it was read (``_shard_dirty``) and hands the buffer back
+(``release_shard``), so nothing may keep a view of an evicted shard. ``gather`` fetches and ``wait`` evicts (the
+all-gather has copied the shard by then), so between uses only the store holds it. Whoever writes the shard goes
+through ``writable_shard``, which marks it dirty. Without an offloader (also a unit ``max_in_cpu`` keeps where
+it is) the shard is always resident and these calls do nothing.
 """
 
 from __future__ import annotations
@@ -204,11 +206,15 @@ class ParamUnit:
             return
         if self._shard_dirty:
             self.offloader.write(self, self.shard)
+        self.offloader.release_shard(self.shard)
         self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
         self.shard_resident, self._shard_dirty = False, False
 
     def start_offload(self, offloader: ParamOffloader) -> None:
-        """Hand the shard to ``offloader``: written to its store now, and resident only while used from now on."""
+        """Hand the shard to ``offloader``: written to its store now, and resident only while used from now on
+        (unless the offloader leaves it where it is: ``max_in_cpu`` on a shard already in host memory)."""
+        if not offloader.moves(self):
+            return
         self.offloader = offloader
         self._shard_dirty = True
         if self.state is UnitState.SHARDED:

@@ -1,0 +1,71 @@
+"""``offload_optimizer(...)``: wrap the engine's torch Adam/AdamW for ``zero_optimization.offload_optimizer``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardspeed.config.offload import OffloadOptimizerConfig
+from shardspeed.log import logger
+
+from .aio_config import AioSettings
+from .host_store import HostStore
+from .optimizer import StreamedAdam, check_streamable
+from .setup import open_swapper_on_every_rank
+from .stepped_access import SteppedAccess
+from .stream import plan_pipeline
+
+
+def offload_optimizer(
+    inner: torch.optim.Optimizer,
+    offload: OffloadOptimizerConfig,
+    *,
+    settings: AioSettings,
+    chunk_numel: int,
+    rank: int,
+    agree: Callable[[object], list[object]],
+    access: SteppedAccess | None = None,
+    values_in_store: bool = False,
+) -> torch.optim.Optimizer | StreamedAdam:
+    """Wrap ``inner`` for the ``offload_optimizer`` section; collective over the data-parallel ranks (``agree``
+    is their all-gather of a small object), so a rank whose ``nvme_path`` is unusable fails every rank at once.
+
+    "cpu" on a CPU-only machine returns ``inner`` itself: its states are already in host memory (``ratio``,
+    ``buffer_count`` and the pipeline flags then have nothing to act on). ``access``: how the stepped tensors'
+    values are reached (``StreamedAdam``), for a stage whose tensors are stand-ins; ``values_in_store``: the
+    stage handed its fp32 masters over (``StreamedAdam``).
+    """
+    device = offload.device
+    if offload.super_offload and rank == 0:
+        logger.warning(
+            "zero_optimization.offload_optimizer.super_offload = true is ignored: shardspeed has no SuperOffload "
+            "(superchip) path; the standard offload runs (same numerics)"
+        )
+    if device == "none" or (device == "cpu" and not _has_accelerator(inner) and not values_in_store):
+        return inner
+    check_streamable(inner)
+    if device == "cpu":
+        return StreamedAdam(inner, HostStore(offload.pin_memory), chunk_numel, access, offload, values_in_store)
+    if device != "nvme":
+        raise ValueError(f"offload_optimizer.device = {device!r}; valid: none, cpu, nvme")
+    assert offload.nvme_path is not None
+    plan_pipeline(offload.buffer_count, offload.pipeline_read, offload.pipeline_write)  # before any collective
+    swapper = open_swapper_on_every_rank(
+        offload.nvme_path,
+        lambda: StreamedAdam.bytes_needed(inner, chunk_numel, settings, offload.ratio),
+        settings,
+        key="zero_optimization.offload_optimizer.nvme_path",
+        job_prefix="shardspeed",
+        rank=rank,
+        agree=agree,
+    )
+    try:
+        return StreamedAdam(inner, swapper, chunk_numel, access, offload, values_in_store)
+    except BaseException:
+        swapper.abort()
+        raise
+
+
+def _has_accelerator(inner: torch.optim.Optimizer) -> bool:
+    return any(t.device.type != "cpu" for group in inner.param_groups for t in group["params"])
