@@ -98,6 +98,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self._check_param_offload()  # before the stage attaches its hooks to the module
         self.states = build_model_states(zero, self.module, packed, comm, self.device)
         self._offload_params()
+        self._host_grads: Any = None  # offload's HostGradients, when gradients are copied to the host per bucket
         self.optimizer = self._build_optimizer(optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
@@ -305,6 +306,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         )
         if masters is not None and hasattr(self.states, "master_store"):
             self.states.master_store = streamed  # GatheredParameters edits reach the masters through it
+        self._host_grads = getattr(streamed, "host_grads", None)
+        if self._host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
+            self.states.set_final_grads_hook(streamed.stage_grads)
         return streamed
 
     # --- training loop API ---------------------------------------------------------------------------------------
@@ -327,7 +331,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         boundary = self.is_gradient_accumulation_boundary()
         communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
         reducer = self.states.reducer
-        reducer.before_backward(communicate)
+        reducer.before_backward(communicate, final=boundary)
         with self.timers.phase("backward"):
             try:
                 (loss.float() * scale).backward(retain_graph=retain_graph)
@@ -374,8 +378,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 self.logger.info("step %d: %s", self.global_steps, message)
         else:
             coef = clip_coefficient(norm, self.config.gradient_clipping) / loss_scale
-            if coef != 1.0:
-                self.states.scale_grads(coef)
+            if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
+                (self.states.scale_grads if self._host_grads is None else self.optimizer.scale_grads)(coef)
             self.optimizer.step()
             self.states.after_optimizer_step()
             if self.lr_scheduler is not None:
@@ -383,6 +387,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
         self.states.zero_grads()
+        if self._host_grads is not None:
+            self.optimizer.forget_grads()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         if self.global_steps % self.config.steps_per_print == 0:

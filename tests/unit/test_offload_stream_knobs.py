@@ -12,8 +12,9 @@ import torch
 from shardspeed.config import ConfigError
 from shardspeed.config.offload import OffloadOptimizerConfig
 from shardspeed.offload import AioSettings, TensorSwapper
+from shardspeed.offload.chunks import offloaded_mask
 from shardspeed.offload.host_store import HostStore
-from shardspeed.offload.optimizer import StreamedAdam, offloaded_mask
+from shardspeed.offload.optimizer import StreamedAdam
 from shardspeed.offload.stream import STREAM_STATES, StreamPipeline, plan_pipeline
 
 SMALL_AIO = AioSettings(block_size=4096, queue_depth=4, thread_count=2)

@@ -28,6 +28,10 @@ class Work:
             self._handle.wait()
             self._handle = None
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective has finished)."""
+        return self._handle is None or self._handle.is_completed()
+
 
 class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""

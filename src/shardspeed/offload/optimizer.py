@@ -21,6 +21,10 @@ that the store's values are the truth. Start-up seeds the store from the paramet
 each updated chunk is written into the parameters with a cast; checkpoints read and load the fp32 values through
 ``resident_pieces`` (one stepped tensor at a time); ``reseed`` follows a ``GatheredParameters`` edit.
 
+Gradients: on an accelerator each bucket's final reduced gradient is copied to pinned host memory as the stage
+reports it (``stage_grads``, host_grads.py), overlapping backward; later scaling (clipping, fp16 unscale) comes
+through ``scale_grads`` and is applied as each host chunk is read. On the CPU the gradients are read in place.
+
 Stores: a ``TensorSwapper`` (``device: "nvme"``: the states are in a swap file, host memory holds a few chunks)
 or ``HostStore`` (``device: "cpu"`` with an accelerator: pinned host tensors; gradients are copied to the host
 and updated values back). On a CPU-only machine ``device: "cpu"`` needs no wrapper at all: the states already
@@ -34,8 +38,7 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +48,9 @@ from shardspeed.config.errors import ConfigError
 from shardspeed.config.offload import OffloadOptimizerConfig
 
 from .aio_config import AioSettings
+from .chunks import Chunk, by_tensor, offloaded_mask, to_host
 from .cpu_adam import cpu_adamw_step
+from .host_grads import HostGradients
 from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
 from .host_store import StateStore as StateStore
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
@@ -54,30 +59,11 @@ from .swapped_state import SwappedState
 from .swapper import TensorSwapper
 
 
-@dataclass
-class _Chunk:
-    name: str  # store prefix of its three states
-    tensor: torch.Tensor  # the stepped tensor it is a piece of
-    start: int
-    end: int
-    offloaded: bool = True  # False: kept on the training device by offload_optimizer.ratio
-
-    def of(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.view(-1)[self.start : self.end]
-
-
-def offloaded_mask(sizes: Sequence[int], ratio: float) -> list[bool]:
-    """Which chunks (in order) ``offload_optimizer.ratio`` offloads: chunk i does iff the elements before it are
-    fewer than ``ratio`` × all elements (ratio 1: all, 0: none; whole chunks, so the split rounds up)."""
-    total, before, mask = sum(sizes), 0, []
-    for size in sizes:
-        mask.append(before < ratio * total)
-        before += size
-    return mask
-
-
 class StreamedAdam:
     """Adam/AdamW over chunks whose values and moments live in a ``StateStore`` (see the module docstring)."""
+
+    FORCE_HOST_GRADS = False
+    """Tests only: copy gradients to separate host buffers (``HostGradients``) even when they are on the CPU."""
 
     def __init__(
         self,
@@ -104,8 +90,8 @@ class StreamedAdam:
         self.access: SteppedAccess = access if access is not None else DirectAccess()
         self.values_in_store = values_in_store
         self.steps = [0 for _ in self.param_groups]
-        self.group_chunks: list[list[_Chunk]] = []
-        self.chunks_of: dict[int, list[_Chunk]] = {}
+        self.group_chunks: list[list[Chunk]] = []
+        self.chunks_of: dict[int, list[Chunk]] = {}
         self._group_of: dict[int, int] = {}
         for g, group in enumerate(self.param_groups):
             chunks = []
@@ -114,7 +100,7 @@ class StreamedAdam:
                 if tensor.dtype != torch.float32 or (access is None and not tensor.is_contiguous()):
                     raise ValueError(f"offloaded optimizer tensor {t} of group {g}: valid: contiguous fp32")
                 mine = [
-                    _Chunk(f"g{g}t{t}c{start}", tensor, start, min(start + chunk_numel, tensor.numel()))
+                    Chunk(f"g{g}t{t}c{start}", tensor, start, min(start + chunk_numel, tensor.numel()))
                     for start in range(0, tensor.numel(), chunk_numel)
                 ]
                 chunks.extend(mine)
@@ -130,6 +116,13 @@ class StreamedAdam:
             for c in every
             if not c.offloaded
         }
+        offloaded_tensors = list({id(c.tensor): c.tensor for c in every if c.offloaded}.values())
+        on_device = any(t.device.type != "cpu" for t in offloaded_tensors)
+        # device gradients cross to the host per bucket as they become final (host_grads.py); CPU ones are read
+        # where they are
+        self.host_grads = (
+            HostGradients(offloaded_tensors, pin=on_device) if on_device or self.FORCE_HOST_GRADS else None
+        )
         fresh = {state_key(c.name, key) for c in every if c.offloaded for key in ("exp_avg", "exp_avg_sq")}
         self.store: StateStore = ZeroUntilWritten(store, fresh) if offload.fast_init else store  # type: ignore[assignment]
         self.state = SwappedState(self)
@@ -174,16 +167,46 @@ class StreamedAdam:
             try:
                 # CPU tensors are used in place; device gradients are copied to the host first (cpu/nvme offload
                 # with an accelerator), and updated values go back to the device tensor in the writer.
-                grads = [_host(chunk.of(chunk.tensor.grad)) for chunk in offloaded]
+                grads = [self._host_grad(chunk) for chunk in offloaded]
                 names = [chunk.name for chunk in offloaded]
                 stream_step(self.store, names, grads, on_chunk_done=writer.write, pipeline=self.pipeline, **hyper)  # type: ignore[arg-type]
             finally:
                 writer.finish()
             self._step_resident([chunk for chunk in chunks if not chunk.offloaded], hyper)
 
-    def _step_resident(self, chunks: list[_Chunk], hyper: dict[str, Any]) -> None:
+    def _host_grad(self, chunk: Chunk) -> torch.Tensor:
+        """``chunk``'s gradient in host memory: its staged copy (scaled as the engine asked since), or in place."""
+        if self.host_grads is None:
+            return to_host(chunk.of(chunk.tensor.grad))
+        grad = self.host_grads.take(chunk.tensor)[chunk.start : chunk.end]
+        if self.host_grads.scale != 1.0:
+            grad.mul_(self.host_grads.scale)  # each chunk is read once per step
+        return grad
+
+    # --- gradients staged to the host ([host_grads.py]); the engine wires these when host_grads is set --------
+    def stage_grads(self, tensors: list[torch.Tensor]) -> None:
+        """The stage's reduced gradients of ``tensors`` are final for this step: start their host copies."""
+        assert self.host_grads is not None
+        self.host_grads.stage(tensors)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Scale this step's gradients: the host copies lazily, those ``ratio`` keeps on the device now."""
+        assert self.host_grads is not None
+        self.host_grads.scale_(factor)
+        for chunks in self.group_chunks:
+            for chunk in chunks:
+                if not chunk.offloaded:
+                    chunk.of(chunk.tensor.grad).mul_(factor)
+
+    def forget_grads(self) -> None:
+        """The step is over (taken or skipped): no host copy carries over to the next."""
+        if self.host_grads is not None:
+            self.host_grads.forget()
+
+    def _step_resident(self, chunks: list[Chunk], hyper: dict[str, Any]) -> None:
         """Step the chunks ``ratio`` keeps on the device, in place, one stepped tensor open at a time."""
-        for tensor, mine in _by_tensor(chunks):
+        for tensor, mine in by_tensor(chunks):
             values = self.access.open(tensor, writing=True)
             try:
                 for chunk in mine:
@@ -241,7 +264,7 @@ class StreamedAdam:
         (plus what ``access.open`` brings in)."""
         wanted = None if only is None else {id(t) for t in only}
         for chunks in self.group_chunks:
-            for tensor, mine in _by_tensor(chunks):
+            for tensor, mine in by_tensor(chunks):
                 if wanted is not None and id(tensor) not in wanted:
                     continue
                 values = self.access.open(tensor, writing=False)
@@ -251,7 +274,7 @@ class StreamedAdam:
                             if self.values_in_store:
                                 self.resident[chunk.name][2].copy_(chunk.of(values))
                             continue
-                        part = _host(values[chunk.start : chunk.end]).to(torch.float32)
+                        part = to_host(values[chunk.start : chunk.end]).to(torch.float32)
                         if first and not isinstance(self.store, ZeroUntilWritten):
                             handles = init_stream_state(self.store, chunk.name, part)  # type: ignore[arg-type]
                         else:
@@ -324,22 +347,6 @@ class StreamedAdam:
     def close(self) -> None:
         """Release the store (an NVMe swap file: its descriptor closes, which frees its disk space)."""
         self.store.close()
-
-
-def _by_tensor(chunks: list[_Chunk]) -> list[tuple[torch.Tensor, list[_Chunk]]]:
-    """``chunks`` (tensor by tensor, in order) cut into runs of one stepped tensor each."""
-    runs: list[tuple[torch.Tensor, list[_Chunk]]] = []
-    for chunk in chunks:
-        if runs and runs[-1][0] is chunk.tensor:
-            runs[-1][1].append(chunk)
-        else:
-            runs.append((chunk.tensor, [chunk]))
-    return runs
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of a device tensor; CPU tensors are returned as they are (no copy)."""
-    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
 def check_streamable(optimizer: Any) -> None:

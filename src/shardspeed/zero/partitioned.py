@@ -19,6 +19,7 @@ offload optimizer under mixed precision the master shard moves into the optimize
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,6 +119,10 @@ class PartitionedStates(FlatLayoutStates):
         self.group_tensors = {g: [replaced[id(t)] for t in ts] for g, ts in self.group_tensors.items()}
         self.master_shard, self.masters_in_optimizer = None, True
         return access
+
+    def set_final_grads_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """``hook(stepped tensors)`` as each bucket's reduced gradient of a step is final (offload's host copy)."""
+        self.reducer.on_final = lambda k: hook([self.bucket_tensors[k]])
 
     @property
     def managed_names(self) -> set[str]:

@@ -1,14 +1,18 @@
 """Gradient reduction driven by gradient-ready hooks: the bucket state machine shared by every ZeRO stage.
 
 Protocol for one backward:
-  before_backward(sync)  → buckets reset to ACCUMULATING, pending counts set
+  before_backward(sync, final)
+                         → buckets reset to ACCUMULATING, pending counts set; ``final``: this backward's
+                           reduction is the last before the optimizer step
   hook(param)            → the stage's GradSync absorbs the gradient; when this backward communicates, the
                            bucket's pending count drops and ready buckets launch *in bucket order*
                            (see [Note: launch order])
   after_backward()       → launch buckets whose parameters got no gradient (unused this step: zero gradient),
                            wait for all, let the GradSync finish each bucket (copy back, scale, accumulate).
 What a bucket launch *is* (all-reduce in place, reduce-scatter into a shard, …) is the GradSync's business
-(zero/grad_sync.py); this module only decides *when*.
+(zero/grad_sync.py); this module only decides *when*. ``on_final(k)`` runs as bucket k's reduced gradient of a
+final backward is in place (offload copies it to the host then); while it is set, buckets whose collective has
+already finished are completed during backward too, so that copy overlaps the rest of backward.
 
 [Note: launch order] gloo and NCCL match collectives by call order. Gradients become ready in an order that can
 differ between ranks (data-dependent control flow, unused parameters), so a bucket is launched only after every
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -69,7 +73,9 @@ class GradReducer:
         self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
         self._arrived_since_zero: set[int] = set()  # ... in any backward since gradients were last zeroed
         self._communicate = False
+        self._final = False
         self._in_backward = False
+        self.on_final: Callable[[int], None] | None = None
         self._next_launch = 0
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
@@ -80,9 +86,10 @@ class GradReducer:
         assert self.state[bucket] is expected, f"bucket {bucket} is {self.state[bucket]}, expected {expected}"
         self.state[bucket] = new
 
-    def before_backward(self, communicate: bool) -> None:
+    def before_backward(self, communicate: bool, final: bool = False) -> None:
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._next_launch = True, communicate, 0
+        self._final = final and communicate
         self._arrived.clear()
         for k, b in enumerate(self.layout.buckets):
             self.state[k], self._pending[k] = BucketState.ACCUMULATING, len(b.members)
@@ -117,6 +124,11 @@ class GradReducer:
             self._next_launch += 1
             if not self.overlap:
                 self._finish(k)
+        if self._final and self.on_final is not None:
+            for k in range(self._next_launch):  # finished collectives: complete them now, not after backward
+                work = self._work[k]
+                if self.state[k] is BucketState.REDUCING and work is not None and work.done():
+                    self._finish(k)
 
     def _finish(self, k: int) -> None:
         work = self._work[k]
@@ -125,6 +137,8 @@ class GradReducer:
         self._work[k] = None
         self.grad_sync.complete(k)
         self._to(k, BucketState.REDUCED, BucketState.REDUCING)
+        if self._final and self.on_final is not None:
+            self.on_final(k)
 
     def after_backward(self) -> None:
         """End of backward: launch what is left (unused parameters), wait, finish every bucket."""

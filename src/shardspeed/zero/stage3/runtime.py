@@ -15,7 +15,7 @@ Evaluation (``torch.no_grad()``) uses only the forward half: nothing waits for a
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,9 @@ class Stage3Runtime:
         self._in_backward = False
         self._communicate = True
         self._reduced = False
+        self._final = False  # before_backward(final=...)
+        self._announced: set[int] = set()  # units handed to on_final in this backward
+        self.on_final: Callable[[int], None] | None = None  # unit index → its reduced shard is final (offload)
         self._launched: list[int] = []
         self._finished_count = 0
         self._arrived_since_zero: set[str] = set()
@@ -199,16 +202,25 @@ class Stage3Runtime:
             # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
             # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
             while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
-                self.grads[self._launched[self._finished_count]].finish()
+                self._finish_grads(self._launched[self._finished_count])
                 self._finished_count += 1
             unit = self.units[u]
             frozen_inside = len(grads.trainable) < len(unit.params)
             if not unit.persistent and not frozen_inside:
                 unit.release()
 
-    def before_backward(self, communicate: bool) -> None:
+    def _finish_grads(self, u: int) -> None:
+        """Wait for unit ``u``'s reduce-scatter; in a final backward, hand its reduced shard to ``on_final``."""
+        self.grads[u].finish()
+        if self._final and self.on_final is not None and u not in self._announced:
+            self._announced.add(u)
+            self.on_final(u)
+
+    def before_backward(self, communicate: bool, final: bool = False) -> None:
+        """``final``: this backward's reduction is the last before the optimizer step (``on_final`` fires)."""
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._reduced = True, communicate, False
+        self._final, self._announced = final and communicate, set()
         self._bwd_now, self._launched = [], []
         self._finished_count = 0  # _launched[:_finished_count] have been finished already
         for g in self.grads:
@@ -223,8 +235,9 @@ class Stage3Runtime:
             for g in self.grads:  # leftovers (unused parameters) in a fixed order on every rank
                 if not g.launched and g.trainable:
                     g.launch()
-            for g in self.grads:
-                g.finish()
+            for u, g in enumerate(self.grads):
+                if g.trainable:
+                    self._finish_grads(u)
             self._reduced = True
         for unit in self.units:
             if not unit.persistent and unit.state is not UnitState.SHARDED:

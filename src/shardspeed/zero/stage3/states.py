@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -281,6 +281,10 @@ class Stage3States:
         self.masters = [None for _ in self.units]
         self.masters_in_optimizer = True
         return self.stepped_access
+
+    def set_final_grads_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """``hook(stepped tensors)`` as each unit's reduced gradient of a step is final (offload's host copy)."""
+        self.reducer.on_final = lambda u: hook([tensor for tensor, _, _ in self._unit_tensors.get(u, [])])
 
     @torch.no_grad()
     def after_shard_edit(self, unit: ParamUnit) -> None:

@@ -1,0 +1,93 @@
+"""Offload's per-bucket host gradient copies (``HostGradients``): on an accelerator each bucket's (ZeRO-1/2) or
+unit's (ZeRO-3) final reduced gradient starts its copy to the host as soon as it is in place, during backward.
+This machine has no accelerator, so the tests force the copies on the CPU (``StreamedAdam.FORCE_HOST_GRADS``) and
+check the bookkeeping: every offloaded tensor staged once per step and none copied late, copies issued before
+backward ends, clipping applied to the copies, and training equal to the same stage without offload."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch.nn.functional as F
+from parity import full_params, global_batches, make_model, rank_slice
+
+import shardspeed
+from shardspeed.offload.optimizer import StreamedAdam
+
+MB, GAS, STEPS = 2, 2, 4
+
+
+def _engine(stage: int, tmp: str | None, *, bf16: bool, overlap: bool):
+    model = make_model()
+    zero: dict = {
+        "stage": stage,
+        "reduce_bucket_size": 100,  # several buckets
+        "stage3_param_persistence_threshold": 0,
+        "sub_group_size": 37,
+        "overlap_comm": overlap,
+    }
+    if tmp is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")}
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
+        "gradient_clipping": 0.05,  # small enough that every step clips: the copies must be scaled
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero,
+        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _run(rank: int, world: int, stage: int, tmp: str, bf16: bool, overlap: bool) -> dict:
+    StreamedAdam.FORCE_HOST_GRADS = True  # this forked rank only
+    batches = global_batches(STEPS, MB * GAS * world)
+    out: dict = {"during_backward": [], "per_step": [], "norms": []}
+    engines = {
+        "plain": _engine(stage, None, bf16=bf16, overlap=overlap),
+        "offloaded": _engine(stage, tmp, bf16=bf16, overlap=overlap),
+    }
+    offloaded = engines["offloaded"]
+    host_grads = offloaded.optimizer.host_grads
+    stage_grads = offloaded.optimizer.stage_grads
+    reducer = offloaded.states.reducer
+
+    def recording_stage(tensors: list) -> None:
+        out["during_backward"].append(reducer._in_backward)
+        stage_grads(tensors)
+
+    offloaded.states.set_final_grads_hook(recording_stage)
+    for label, engine in engines.items():
+        dtype = next(iter(engine.module.parameters())).dtype
+        for x, y in batches:
+            for m in range(GAS):
+                loss = F.mse_loss(
+                    engine(rank_slice(x, m, rank, world, MB).to(dtype)).float(), rank_slice(y, m, rank, world, MB)
+                )
+                engine.backward(loss)
+                engine.step()
+            if label == "offloaded":
+                out["per_step"].append(host_grads.last_step)
+                out["norms"].append(engine.get_global_grad_norm())
+        out[label] = full_params(engine)
+    out["tensors"] = len({id(c.tensor) for chunks in offloaded.optimizer.group_chunks for c in chunks})
+    for engine in engines.values():
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize(("stage", "bf16", "overlap"), [(1, False, False), (2, False, False), (3, False, False),
+                                                        (2, True, True), (3, True, True)])  # fmt: skip
+def test_host_gradient_copies_per_bucket(dist_run, tmp_path: Path, stage: int, bf16: bool, overlap: bool) -> None:
+    for r in dist_run(_run, 2, stage, str(tmp_path), bf16, overlap):
+        for name, p in r["plain"].items():
+            assert (r["offloaded"][name] - p).abs().max().item() <= 1e-6, name
+        assert all(norm > 0.05 for norm in r["norms"])  # every step clipped
+        assert r["per_step"] == [(r["tensors"], 0)] * STEPS  # each tensor staged once per step, none late
+        if not overlap:  # each bucket completes as it is reduced: the first copies start inside backward
+            assert any(r["during_backward"]), r["during_backward"]
