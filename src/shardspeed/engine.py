@@ -96,6 +96,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         )
         trainable_numel = sum(p.numel() for p in packed.params)
         self._check_param_offload()  # before the stage attaches its hooks to the module
+        if zero.uses_nvme:  # before the model states are allocated: see offload/malloc.py
+            from shardspeed.offload.malloc import pin_mmap_threshold
+
+            pin_mmap_threshold()
         self.states = build_model_states(zero, self.module, packed, comm, self.device)
         self._offload_params()
         self._host_grads: Any = None  # offload's HostGradients, when gradients are copied to the host per bucket
@@ -304,8 +308,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             access=masters if masters is not None else getattr(self.states, "stepped_access", None),
             values_in_store=masters is not None,
         )
-        if masters is not None and hasattr(self.states, "master_store"):
-            self.states.master_store = streamed  # GatheredParameters edits reach the masters through it
+        if hasattr(self.states, "master_store") and hasattr(streamed, "reseed"):
+            self.states.master_store = streamed  # it holds the fp32 values: GatheredParameters edits must reach it
         self._host_grads = getattr(streamed, "host_grads", None)
         if self._host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
             self.states.set_final_grads_hook(streamed.stage_grads)
@@ -331,6 +335,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         boundary = self.is_gradient_accumulation_boundary()
         communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
         reducer = self.states.reducer
+        if self._host_grads is not None and boundary and communicate:
+            self.optimizer.forget_grads()  # a step that raised or was skipped leaves no copies or scale behind
         reducer.before_backward(communicate, final=boundary)
         with self.timers.phase("backward"):
             try:

@@ -17,7 +17,18 @@ from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_chec
 MB, GAS, LR = 2, 2, 0.05
 
 
-def _engine(stage: int, tmp: str | None, *, param_offload: bool = False, ratio: float = 1.0, frozen: bool = False):
+def _engine(
+    stage: int,
+    tmp: str | None,
+    *,
+    param_offload: bool = False,
+    ratio: float = 1.0,
+    frozen: bool = False,
+    bf16: bool = True,
+    only_out: bool = False,
+):
+    """``only_out``: only the ``out`` layer goes to the optimizer; the other layers still require grad (as in
+    DeepSpeed they are then never updated)."""
     model = make_model(frozen=frozen)
     zero: dict = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0}
     zero["sub_group_size"] = 37  # several chunks per stepped tensor
@@ -30,12 +41,12 @@ def _engine(stage: int, tmp: str | None, *, param_offload: bool = False, ratio: 
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "gradient_clipping": 0.5,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": bf16},
         "zero_optimization": zero,
         "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
         "steps_per_print": 1000,
     }
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = list(model.out.parameters()) if only_out else [p for p in model.parameters() if p.requires_grad]
     engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 
@@ -97,10 +108,10 @@ def test_masters_in_the_store(dist_run, tmp_path: Path, stage: int, param_offloa
     assert max((ours[n].view(-1) - bf16[n].view(-1)).abs().max().item() for n in ours) > 1e-5
 
 
-def _edit(rank: int, world: int, tmp: str, param_offload: bool) -> dict:
+def _edit(rank: int, world: int, tmp: str, param_offload: bool, bf16: bool) -> dict:
     out = {}
     for label in ("plain", "offloaded"):
-        engine = _engine(3, None if label == "plain" else tmp, param_offload=param_offload)
+        engine = _engine(3, None if label == "plain" else tmp, param_offload=param_offload, bf16=bf16)
         train_engine(engine, rank, world, global_batches(1, MB * GAS * world), MB, GAS)
         with shardspeed.zero.GatheredParameters([engine.module.mid.weight], modifier_rank=0):
             if rank == 0:
@@ -111,10 +122,45 @@ def _edit(rank: int, world: int, tmp: str, param_offload: bool) -> dict:
     return out
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-masters", "fp32-values"])
 @pytest.mark.parametrize("param_offload", [False, True])
-def test_gathered_parameters_edit_reaches_the_masters_in_the_store(dist_run, tmp_path: Path, param_offload: bool):
-    for r in dist_run(_edit, 2, str(tmp_path), param_offload):
+def test_gathered_parameters_edit_reaches_the_values_in_the_store(
+    dist_run, tmp_path: Path, param_offload: bool, bf16: bool
+):
+    """The streamed optimizer steps from the fp32 values in its store (bf16: the masters; fp32: the values
+    themselves), so an edit must reach the store, or the next step writes the old values back over it."""
+    for r in dist_run(_edit, 2, str(tmp_path), param_offload, bf16):
         weight = r["offloaded"]["mid.weight"]
         assert (weight - 0.25).abs().max().item() < 0.2  # one step from the edit, not from the old masters
         for name, p in r["plain"].items():
             assert (r["offloaded"][name] - p).abs().max().item() <= 1e-6, name
+
+
+def _partial(rank: int, world: int, stage: int, tmp: str) -> dict:
+    out: dict = {}
+    for label in ("plain", "offloaded"):
+        engine = _engine(stage, None if label == "plain" else tmp, only_out=True)
+        train_engine(engine, rank, world, global_batches(2, MB * GAS * world), MB, GAS)
+        engine.save_checkpoint(os.path.join(tmp, f"ckpt-{label}"))
+        out[label] = full_params(engine)
+        engine.destroy()
+    engine = _engine(stage, tmp, only_out=True)
+    engine.load_checkpoint(os.path.join(tmp, "ckpt-plain"))
+    out["loaded"] = full_params(engine)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_trainable_parameters_left_out_of_the_optimizer(dist_run, tmp_path: Path, stage: int) -> None:
+    """Parameters that require grad but were not passed to initialize() are never stepped; with the masters in
+    the store their checkpoint values are their (unchanged) parameters, and such checkpoints load."""
+    for r in dist_run(_partial, 2, stage, str(tmp_path)):
+        for name, p in r["plain"].items():
+            assert (r["offloaded"][name] - p).abs().max().item() <= 1e-6, name
+            assert (r["loaded"][name] - p).abs().max().item() <= 1e-6, name
+    ours = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt-offloaded")
+    theirs = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt-plain")
+    for name in theirs:
+        assert theirs[name].abs().max().item() > 0, name
+        assert (ours[name] - theirs[name]).abs().max().item() <= 1e-6, name

@@ -124,6 +124,28 @@ def test_probe_result_decides_the_open_flags(tmp_path: Path) -> None:
         assert sw.io_mode == ("O_DIRECT" if sw.direct_io else "buffered+fadvise")
 
 
+def test_filesystem_that_creates_then_refuses_o_direct_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems (tmpfs before Linux 6.6) create the file, then fail O_DIRECT with EINVAL: the probe file
+    must not be left behind (the swapper removes its emptied job directory) and the swapper runs buffered."""
+    real_open = os.open
+
+    def create_then_refuse(path: object, flags: int, *args: object) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", create_then_refuse)
+    with TensorSwapper(tmp_path, 1 << 16, SMALL_BLOCKS) as sw:
+        assert not sw.direct_io and sw.io_mode == "buffered+fadvise"
+        data = torch.arange(100, dtype=torch.float32)
+        sw.swap_out("x", data).wait()
+        assert torch.equal(sw.swap_in("x", torch.empty(100)).wait(), data)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_full_disk_fails_at_start_with_sizes_and_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

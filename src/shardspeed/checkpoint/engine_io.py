@@ -257,6 +257,8 @@ def _load_optimizer_piece(
     optimizer: torch.optim.Optimizer, reader: CheckpointReader, piece: Piece, keys: list[str], scalars: dict[str, Any]
 ) -> None:
     assert piece.opt_tensor is not None
+    if not keys and not scalars:  # no state saved for it (never stepped): nothing to load, nothing to create
+        return
     state = optimizer.state[piece.opt_tensor]
     for key in keys:
         entry = f"optim/{piece.name}/{key}"

@@ -221,6 +221,13 @@ class ZeroConfig(Stage3Options):
                 )
         return self
 
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether either offload section swaps to NVMe (where bounded host memory matters most)."""
+        return any(
+            section is not None and section.device == "nvme" for section in (self.offload_optimizer, self.offload_param)
+        )
+
 
 def _check_offload(key: str, section: Any, *, stage_ok: bool, stage_need: str) -> None:
     """The rules both offload sections share: an implemented device, the right stage, a path for nvme."""

@@ -78,5 +78,6 @@ class HostGradients:
     def forget(self) -> None:
         """The step consumed (or skipped) this step's copies: the next step starts with none."""
         self._copied.clear()
-        self.last_step = (self.staged, self.late_copies)
+        if self.staged or self.late_copies:  # a second forget (start of the next backward) keeps the record
+            self.last_step = (self.staged, self.late_copies)
         self.scale, self.staged, self.late_copies = 1.0, 0, 0

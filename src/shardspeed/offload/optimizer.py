@@ -286,7 +286,15 @@ class StreamedAdam:
 
     # --- [Note: masters in the store] ---------------------------------------------------------------------------
     def read_values(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``'s fp32 values as the optimizer holds them (a CPU copy), chunk by chunk from their homes."""
+        """``tensor``'s fp32 values as the optimizer holds them (a CPU copy), chunk by chunk from their homes. A
+        stand-in the optimizer does not step (a trainable parameter left out of ``model_parameters``) was never
+        changed, so its low-precision copy, upcast, is its value."""
+        if id(tensor) not in self.chunks_of:
+            values = self.access.open(tensor, writing=False)
+            try:
+                return values.to("cpu", torch.float32, copy=True)
+            finally:
+                self.access.close(tensor)
         full = torch.empty(tensor.numel(), dtype=torch.float32)
         for chunk in self.chunks_of[id(tensor)]:
             if chunk.offloaded:
@@ -305,7 +313,7 @@ class StreamedAdam:
     def write_values(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
         """Make ``values`` (fp32, ``tensor``'s size) the values of ``tensor``: in the store, in kept masters and
         in the copy reached through ``access``."""
-        for chunk in self.chunks_of[id(tensor)]:
+        for chunk in self.chunks_of.get(id(tensor), []):
             part = values[chunk.start : chunk.end]
             if chunk.offloaded:
                 self.store.swap_out(state_key(chunk.name, "param"), part.to("cpu").contiguous()).wait()
@@ -332,7 +340,7 @@ class StreamedAdam:
         try:
             for piece in pieces:
                 tensor = piece.opt_tensor
-                if tensor is None or id(tensor) not in self.chunks_of:
+                if tensor is None:  # frozen: the stage serves it
                     yield piece
                     continue
                 if current is None or current[0] is not tensor:

@@ -31,6 +31,7 @@ def probe_o_direct(directory: Path) -> bool:
         fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
     except OSError:
         page.close()
+        probe.unlink(missing_ok=True)  # some filesystems create the file, then refuse O_DIRECT
         return False
     probe.unlink(missing_ok=True)  # at once, like the swap file: the write below goes through the descriptor
     try:

@@ -85,6 +85,7 @@ class GatheredParameters:
             for unit in self._gathered:
                 if unit.state is not UnitState.SHARDED:
                     unit.release()
+                unit.evict_shard()  # offload_param: an edited shard goes back to its store (no-op otherwise)
             self._units, self._gathered = [], []
 
     @torch.no_grad()

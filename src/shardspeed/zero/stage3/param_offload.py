@@ -112,6 +112,11 @@ class ShardBufferPool:
         """Host memory the pool holds (temporary overflow buffers not included: they are freed when released)."""
         return self.allocated * self.buffer_bytes
 
+    @property
+    def in_use(self) -> int:
+        """Pool buffers handed out and not yet released."""
+        return len(self._in_use)
+
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned 1-D tensor of ``numel`` elements of ``dtype`` (uninitialised)."""
         nbytes = numel * dtype.itemsize

@@ -105,7 +105,9 @@ class Stage3States:
         self.mixed = mixed
         self.masters: list[torch.Tensor | None] = [u.shard.float() if mixed else None for u in self.units]
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
-        self.master_store: Any = None  # the optimizer holding the masters then (GatheredParameters reseeds it)
+        # a streamed offload optimizer: it keeps the fp32 values (the masters, or fp32 values themselves) in its
+        # store, so a GatheredParameters edit must be written there too (after_shard_edit)
+        self.master_store: Any = None
         # optimizer tensors: (group → tensors), and per tensor the (param index, start, end) pieces for Lamb
         self.group_tensors: dict[int, list[torch.Tensor]] = {}
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
@@ -293,7 +295,7 @@ class Stage3States:
         master = self.masters[unit.index]
         if master is not None:
             master.copy_(unit.shard)
-        elif self.masters_in_optimizer and self.master_store is not None:
+        elif self.master_store is not None:
             self.master_store.reseed([tensor for tensor, _, _ in self._unit_tensors.get(unit.index, [])])
 
     def _replace_with_stand_ins(self, u: int) -> None:

@@ -185,7 +185,11 @@ class ParamUnit:
             return
         assert self.offloader is not None
         shard = self.offloader.empty_shard(self)
-        self.offloader.read(self, shard)
+        try:
+            self.offloader.read(self, shard)
+        except BaseException:
+            self.offloader.release_shard(shard)  # a pool buffer must not leak with the failed read
+            raise
         self.shard, self.shard_resident, self._shard_dirty = shard, True, False
 
     def writable_shard(self, keep_values: bool = True) -> torch.Tensor:
