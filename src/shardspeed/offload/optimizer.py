@@ -238,23 +238,29 @@ class StreamedAdam:
     @torch.no_grad()
     def after_checkpoint_load(self) -> None:
         """Write what a checkpoint load put in memory back to the store: every tensor's (fp32) values, and the
-        moments and step count of the entries the loader filled."""
-        for tensor_id, entry in self.state.loading.items():
-            self.steps[self._group_of[tensor_id]] = int(float(entry.get("step", 0)))
-            for chunk in self.chunks_of[tensor_id]:
-                for m, key in enumerate(("exp_avg", "exp_avg_sq")):
-                    if key not in entry:
-                        continue
-                    part = entry[key].view(-1)[chunk.start : chunk.end]
-                    if chunk.offloaded:
-                        self.store.swap_out(
-                            state_key(chunk.name, key), part.to("cpu", torch.float32).contiguous()
-                        ).wait()
-                    else:
-                        self.resident[chunk.name][m].copy_(part)
+        moments and step count of the entries the loader filled (those ``resident_pieces`` has not already
+        written tensor by tensor)."""
+        for tensor_id in list(self.state.loading):
+            self._store_loaded(tensor_id)
         if not self.values_in_store:  # else the checkpoint pieces wrote them (resident_pieces)
             self._write_values(first=False)
         self.state.forget()
+
+    def _store_loaded(self, tensor_id: int) -> None:
+        """Move one tensor's loaded state (moments, step count) from memory to its homes."""
+        entry = self.state.loading.pop(tensor_id, None)
+        if entry is None:
+            return
+        self.steps[self._group_of[tensor_id]] = int(float(entry.get("step", 0)))
+        for chunk in self.chunks_of[tensor_id]:
+            for m, key in enumerate(("exp_avg", "exp_avg_sq")):
+                if key not in entry:
+                    continue
+                part = entry[key].view(-1)[chunk.start : chunk.end]
+                if chunk.offloaded:
+                    self.store.swap_out(state_key(chunk.name, key), part.to("cpu", torch.float32).contiguous()).wait()
+                else:
+                    self.resident[chunk.name][m].copy_(part)
 
     def _write_values(self, first: bool, only: list[torch.Tensor] | None = None) -> None:
         """Every offloaded chunk's values (fp32) into the store, one stepped tensor open at a time (``only``:
@@ -330,27 +336,36 @@ class StreamedAdam:
         self._write_values(first=False, only=[t for t in tensors if id(t) in self.chunks_of])
 
     def resident_pieces(self, pieces: Iterable[Piece], writing: bool) -> Iterator[Piece]:
-        """Checkpoint pieces with their fp32 values in memory when this optimizer holds them (``values_in_store``):
-        one stepped tensor's values at a time, written back after its last piece when ``writing`` (a load).
-        Pieces must come tensor by tensor (the stages' ``checkpoint_pieces`` order); others pass through."""
-        if not self.values_in_store:
-            yield from pieces
-            return
-        current: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Checkpoint pieces, one stepped tensor at a time: with ``values_in_store`` their fp32 values are read in
+        (and written back after the tensor's last piece when ``writing``); when ``writing`` (a load), each tensor's
+        loaded moments also go to the store after its last piece, so a load holds one tensor's state, not all of
+        it. Pieces come tensor by tensor (the stages' ``checkpoint_pieces`` order; a tensor met again is just
+        read again); frozen ones pass through."""
+        tensor: torch.Tensor | None = None
+        values: torch.Tensor | None = None
         try:
             for piece in pieces:
-                tensor = piece.opt_tensor
-                if tensor is None:  # frozen: the stage serves it
+                if piece.opt_tensor is None:  # frozen: the stage serves it
                     yield piece
                     continue
-                if current is None or current[0] is not tensor:
-                    if current is not None and writing:
-                        self.write_values(*current)
-                    current = (tensor, self.read_values(tensor))
-                yield dataclasses.replace(piece, value=current[1][piece.opt_offset : piece.opt_offset + piece.numel])
+                if piece.opt_tensor is not tensor:
+                    self._done_with(tensor, values, writing)
+                    tensor = piece.opt_tensor
+                    values = self.read_values(tensor) if self.values_in_store else None
+                if values is None:
+                    yield piece
+                else:
+                    yield dataclasses.replace(piece, value=values[piece.opt_offset : piece.opt_offset + piece.numel])
         finally:
-            if current is not None and writing:
-                self.write_values(*current)
+            self._done_with(tensor, values, writing)
+
+    def _done_with(self, tensor: torch.Tensor | None, values: torch.Tensor | None, writing: bool) -> None:
+        if tensor is None or not writing:
+            return
+        if values is not None:
+            self.write_values(tensor, values)
+        if id(tensor) in self.chunks_of:
+            self._store_loaded(id(tensor))
 
     def close(self) -> None:
         """Release the store (an NVMe swap file: its descriptor closes, which frees its disk space)."""
