@@ -10,6 +10,9 @@ Scaling after the copy (gradient clipping, fp16 unscaling) is recorded as a fact
 each host chunk as the step reads it, rather than copying again. A tensor the stage never reported (not expected,
 but not worth a wrong step) is copied synchronously when taken and counted in ``late_copies``.
 
+Host memory: one fp32 copy of this rank's offloaded gradient shards, pinned (4Ψ/N bytes, DeepSpeed's CPU gradient
+partition too; whole stepped tensors, including chunks ``ratio`` keeps on the device).
+
 On a machine without an accelerator the gradients already live in host memory and nothing is copied (the engine
 does not create this); tests force it on the CPU to check the bookkeeping.
 """
