@@ -127,3 +127,13 @@ def deleted_files_held(under: str | os.PathLike[str], pid: int | str = "self") -
         if target.startswith(str(under)) and target.endswith(" (deleted)"):
             held[link] = target
     return held
+
+
+def error_of(build: Callable[[], object]) -> str:
+    """``"<ExceptionType>: <message>"`` of what ``build()`` raised on this rank, or ``"no error"``: rank functions
+    return it so a test can check every rank failed with the same clear error (and none hung)."""
+    try:
+        build()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import shardspeed
+
 IN, HIDDEN, OUT = 7, 13, 3  # awkward sizes on purpose
 
 
@@ -125,3 +127,38 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
     """The engine's whole parameters by name, fp32 (gathered under ZeRO-3)."""
     full = engine.module_state_dict()
     return {n: full[n].float().clone() for n, _ in engine.module.named_parameters()}
+
+
+OFFLOAD_AIO = {"block_size": 4096, "queue_depth": 4, "thread_count": 2}  # small blocks: tiny tensors still stream
+
+
+def offload_engine(
+    zero: dict[str, Any],
+    *,
+    bf16: bool = False,
+    clip: float = 0.5,
+    optimizer: str = "AdamW",
+    model: TinyNet | None = None,
+    params: Any = None,
+    mb: int = 2,
+    gas: int = 2,
+) -> Any:
+    """The offload tests' engine: ``TinyNet`` (or ``model``), AdamW-style lr 0.05 / weight decay 0.01, clipping,
+    ``OFFLOAD_AIO``, and zero settings that exercise the streaming (``sub_group_size`` 37: several chunks per
+    stepped tensor; no persistent ZeRO-3 units) unless ``zero`` says otherwise. ``params``: what goes to the
+    optimizer (default: the trainable parameters)."""
+    model = model if model is not None else make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": optimizer, "params": {"lr": 0.05, "weight_decay": 0.01}},
+        "gradient_clipping": clip,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage3_param_persistence_threshold": 0, "sub_group_size": 37, **zero},
+        "aio": OFFLOAD_AIO,
+        "steps_per_print": 1000,
+    }
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
+    return engine

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from harness import RankFailure
 
 

@@ -8,36 +8,19 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import deleted_files_held
-from parity import full_params, global_batches, make_model, train_engine
+from parity import full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
+from harness import deleted_files_held, error_of
 
-STEPS, MB, GAS, LR, CLIP = 5, 2, 2, 0.05, 0.5
+STEPS, MB, GAS, CLIP = 5, 2, 2, 0.5
 
 
 def _engine(stage: int, offload: dict | None, bf16: bool = False, optimizer: str = "AdamW"):
-    model = make_model()
-    zero: dict = {
-        "stage": stage,
-        "reduce_bucket_size": 100,
-        "stage3_param_persistence_threshold": 0,
-        "sub_group_size": 37,  # several chunks per stepped tensor: exercises the streaming
-    }
+    zero: dict = {"stage": stage, "reduce_bucket_size": 100}
     if offload is not None:
         zero["offload_optimizer"] = offload
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": CLIP,
-        "bf16": {"enabled": bf16},
-        "zero_optimization": zero,
-        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
-        "steps_per_print": 1000,
-    }
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    return offload_engine(zero, bf16=bf16, clip=CLIP, optimizer=optimizer, mb=MB, gas=GAS)
 
 
 def _offload_config(device: str, tmp: str) -> dict:
@@ -134,11 +117,7 @@ def _bad_path(rank: int, world: int, tmp: str) -> str:
     blocker = Path(tmp) / "not-a-dir"
     blocker.touch()
     path = str(blocker / "swap") if rank == 1 else os.path.join(tmp, "swap")  # only rank 1's path is unusable
-    try:
-        _engine(1, {"device": "nvme", "nvme_path": path})
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    return error_of(lambda: _engine(1, {"device": "nvme", "nvme_path": path}))
 
 
 def test_unusable_nvme_path_fails_every_rank_at_init(dist_run, tmp_path: Path) -> None:
@@ -150,11 +129,7 @@ def test_unusable_nvme_path_fails_every_rank_at_init(dist_run, tmp_path: Path) -
 
 
 def _sgd(rank: int, world: int, tmp: str) -> str:
-    try:
-        _engine(1, _offload_config("nvme", tmp), optimizer="SGD")
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    return error_of(lambda: _engine(1, _offload_config("nvme", tmp), optimizer="SGD"))
 
 
 def test_non_adam_optimizer_is_a_clear_error(dist_run, tmp_path: Path) -> None:

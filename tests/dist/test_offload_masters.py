@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-from parity import full_params, global_batches, make_model, train_engine
+from parity import full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
 from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 
-MB, GAS, LR = 2, 2, 0.05
+MB, GAS = 2, 2
 
 
 def _engine(
@@ -30,25 +30,13 @@ def _engine(
     """``only_out``: only the ``out`` layer goes to the optimizer; the other layers still require grad (as in
     DeepSpeed they are then never updated)."""
     model = make_model(frozen=frozen)
-    zero: dict = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0}
-    zero["sub_group_size"] = 37  # several chunks per stepped tensor
+    zero: dict = {"stage": stage, "reduce_bucket_size": 100}
     if tmp is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt"), "ratio": ratio}
         if param_offload:
             zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "param"), "max_in_cpu": 0}
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": 0.5,
-        "bf16": {"enabled": bf16},
-        "zero_optimization": zero,
-        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
-        "steps_per_print": 1000,
-    }
-    params = list(model.out.parameters()) if only_out else [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
-    return engine
+    params = list(model.out.parameters()) if only_out else None
+    return offload_engine(zero, bf16=bf16, model=model, params=params, mb=MB, gas=GAS)
 
 
 def _masters_run(rank: int, world: int, stage: int, tmp: str, param_offload: bool, ratio: float, frozen: bool) -> dict:

@@ -9,33 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import deleted_files_held
-from parity import full_params, global_batches, make_model, train_engine
+from parity import full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
+from harness import deleted_files_held, error_of
 
-STEPS, MB, GAS, LR = 5, 2, 2, 0.05
+STEPS, MB, GAS = 5, 2, 2
 
 
 def _engine(param: dict | None, *, bf16: bool = True, optimizer_offload: dict | None = None, threshold: int = 0):
-    model = make_model()
-    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold, "sub_group_size": 37}
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold}
     if param is not None:
         zero["offload_param"] = param
     if optimizer_offload is not None:
         zero["offload_optimizer"] = optimizer_offload
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": 0.5,
-        "bf16": {"enabled": bf16},
-        "zero_optimization": zero,
-        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
-        "steps_per_print": 1000,
-    }
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    return offload_engine(zero, bf16=bf16, mb=MB, gas=GAS)
 
 
 def _nvme(tmp: str) -> dict:
@@ -63,7 +51,9 @@ def _parity(rank: int, world: int, tmp: str, device: str, bf16: bool, with_optim
         "unit_count": sum(1 for u in units if not u.persistent),
     }
     offloaded.destroy()
-    result["held_after_destroy"] = sorted(deleted_files_held(os.path.join(tmp, "swap")).values()) if device == "nvme" else []
+    result["held_after_destroy"] = (
+        sorted(deleted_files_held(os.path.join(tmp, "swap")).values()) if device == "nvme" else []
+    )
     return result
 
 
@@ -114,11 +104,7 @@ def test_persistent_params_stay_in_memory(dist_run, tmp_path: Path) -> None:
 
 
 def _fp32_nvme(rank: int, world: int, tmp: str) -> str:
-    try:
-        _engine(_nvme(tmp), bf16=False)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    return error_of(lambda: _engine(_nvme(tmp), bf16=False))
 
 
 def test_nvme_param_offload_in_fp32_is_a_clear_error(dist_run, tmp_path: Path) -> None:

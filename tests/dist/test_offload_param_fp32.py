@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from parity import full_params, train_engine, global_batches, make_model, rank_slice
+from harness import error_of
+from parity import full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
 
@@ -19,20 +19,11 @@ STEPS, MB, GAS, LR = 5, 2, 2, 0.05
 
 def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_groups: bool = False):
     model = make_model(frozen=frozen)
-    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold, "sub_group_size": 37}
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": threshold}
     if tmp is not None:
         zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "params"), "max_in_cpu": 0}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")}
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": 0.5,
-        "zero_optimization": zero,
-        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
-        "steps_per_print": 1000,
-    }
-    params: list = [p for p in model.parameters() if p.requires_grad]
+    params = None
     if two_groups:  # biases without weight decay: a unit then holds two stepped tensors
         params = [
             {"params": [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]},
@@ -41,8 +32,7 @@ def _engine(tmp: str | None, *, threshold: int = 0, frozen: bool = False, two_gr
                 "weight_decay": 0.0,
             },
         ]
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
-    return engine
+    return offload_engine(zero, model=model, params=params, mb=MB, gas=GAS)
 
 
 def _parity(rank: int, world: int, tmp: str, threshold: int, frozen: bool, two_groups: bool) -> dict:
@@ -132,11 +122,7 @@ def _without_optimizer_offload(rank: int, world: int, tmp: str) -> str:
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": tmp}},
     }
-    try:
-        shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    return error_of(lambda: shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config))
 
 
 def test_fp32_param_nvme_without_optimizer_nvme_is_a_clear_error(dist_run, tmp_path: Path) -> None:

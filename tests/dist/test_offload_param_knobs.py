@@ -14,36 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import deleted_files_held
-from parity import full_params, global_batches, make_model, train_engine
+from parity import OFFLOAD_AIO, full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
+from harness import deleted_files_held, error_of
 
-STEPS, MB, GAS, LR = 4, 2, 2, 0.05
-BLOCK = 4096  # aio.block_size below: the swapper gives each tensor whole blocks
+STEPS, MB, GAS = 4, 2, 2
+BLOCK = OFFLOAD_AIO["block_size"]  # the swapper gives each tensor whole blocks
 
 
 def _engine(tmp: str | None, *, bf16: bool = True, prefetch: int | None = None, **param_knobs: int):
-    model = make_model()
-    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 37}
+    zero: dict = {"stage": 3}
     if prefetch is not None:
         zero["stage3_prefetch_bucket_size"] = prefetch
     if tmp is not None:
         zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "params"), **param_knobs}
         if not bf16:  # fp32 shards leave memory only with the streamed optimizer
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "opt")}
-    config = {
-        "train_micro_batch_size_per_gpu": MB,
-        "gradient_accumulation_steps": GAS,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": 0.5,
-        "bf16": {"enabled": bf16},
-        "zero_optimization": zero,
-        "aio": {"block_size": BLOCK, "queue_depth": 4, "thread_count": 2},
-        "steps_per_print": 1000,
-    }
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    return offload_engine(zero, bf16=bf16, mb=MB, gas=GAS)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -147,11 +135,8 @@ def test_buffer_pool_stays_within_count_times_size(dist_run, tmp_path: Path) -> 
 
 # --- (c) buffer_size below a shard ---------------------------------------------------------------------------
 def _too_small(rank: int, world: int, tmp: str) -> tuple[str, int]:
-    try:
-        _engine(tmp, max_in_cpu=52, buffer_size=90)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}", len(deleted_files_held(tmp))  # no swap file left open
-    return "no error", 0
+    message = error_of(lambda: _engine(tmp, max_in_cpu=52, buffer_size=90))
+    return message, len(deleted_files_held(tmp))  # no swap file left open
 
 
 def test_buffer_size_below_a_shard_fails_every_rank(dist_run, tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from parity import (
     global_batches,
     make_model,
-    two_groups,
     optimizer_config,
     rank_slice,
     reference_run,
+    two_groups,
 )
 
 import shardspeed

@@ -21,6 +21,11 @@ class Chunk:
         return flat.view(-1)[self.start : self.end]
 
 
+def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """The (start, end) element ranges cutting a stepped tensor of ``numel`` elements into ``chunk_numel`` pieces."""
+    return [(start, min(start + chunk_numel, numel)) for start in range(0, numel, chunk_numel)]
+
+
 def offloaded_mask(sizes: Sequence[int], ratio: float) -> list[bool]:
     """Which chunks (in order) ``offload_optimizer.ratio`` offloads: chunk i does iff the elements before it are
     fewer than ``ratio`` × all elements (ratio 1: all, 0: none; whole chunks, so the split rounds up)."""

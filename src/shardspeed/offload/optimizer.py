@@ -48,7 +48,7 @@ from shardspeed.config.errors import ConfigError
 from shardspeed.config.offload import OffloadOptimizerConfig
 
 from .aio_config import AioSettings
-from .chunks import Chunk, by_tensor, offloaded_mask, to_host
+from .chunks import Chunk, by_tensor, chunk_bounds, offloaded_mask, to_host
 from .cpu_adam import cpu_adamw_step
 from .host_grads import HostGradients
 from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
@@ -100,8 +100,8 @@ class StreamedAdam:
                 if tensor.dtype != torch.float32 or (access is None and not tensor.is_contiguous()):
                     raise ValueError(f"offloaded optimizer tensor {t} of group {g}: valid: contiguous fp32")
                 mine = [
-                    Chunk(f"g{g}t{t}c{start}", tensor, start, min(start + chunk_numel, tensor.numel()))
-                    for start in range(0, tensor.numel(), chunk_numel)
+                    Chunk(f"g{g}t{t}c{start}", tensor, start, end)
+                    for start, end in chunk_bounds(tensor.numel(), chunk_numel)
                 ]
                 chunks.extend(mine)
                 self.chunks_of[id(tensor)] = mine
@@ -131,17 +131,19 @@ class StreamedAdam:
     @staticmethod
     def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings, ratio: float = 1.0) -> int:
         """Swap-file size for ``inner``'s tensors cut into chunks: three fp32 states per offloaded chunk."""
-        sizes = []
-        for group in inner.param_groups:
-            for tensor in group["params"]:
-                for start in range(0, tensor.numel(), chunk_numel):
-                    sizes.append(min(start + chunk_numel, tensor.numel()) - start)
+        sizes = [
+            end - start
+            for group in inner.param_groups
+            for tensor in group["params"]
+            for start, end in chunk_bounds(tensor.numel(), chunk_numel)
+        ]
         offloaded = [4 * size for size, keep in zip(sizes, offloaded_mask(sizes, ratio)) if keep]
         return max(TensorSwapper.bytes_needed([n for n in offloaded for _ in STREAM_STATES], settings), 1)
 
     @property
     def resident_state_bytes(self) -> int:
-        """Bytes of the moments ``ratio`` keeps on the training device."""
+        """Bytes of the state ``ratio`` keeps on the training device (moments; with ``values_in_store`` also the
+        fp32 values)."""
         return sum(t.numel() * t.element_size() for held in self.resident.values() for t in held)
 
     @torch.no_grad()

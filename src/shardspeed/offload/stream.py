@@ -30,6 +30,7 @@ from shardspeed.config.errors import ConfigError
 
 from .aligned import aligned_empty
 from .cpu_adam import Kernel, _check_hyperparameters, cpu_adamw_step
+from .host_store import DoneHandle
 
 STREAM_STATES: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")
 """Per-chunk tensors ``stream_step`` keeps in the store (gradients arrive from memory)."""
@@ -95,19 +96,6 @@ def init_stream_state(store: Store, chunk_name: str, param_chunk: torch.Tensor) 
     ]
 
 
-class _Zeros:
-    """A finished read of a never-written tensor: ``out`` was filled with zeros."""
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self._out = out
-
-    def wait(self) -> torch.Tensor:
-        return self._out
-
-    def done(self) -> bool:
-        return True
-
-
 class ZeroUntilWritten:
     """``fast_init``: ``names`` read as zeros (no I/O) until first written; everything else goes to ``store``.
 
@@ -124,7 +112,7 @@ class ZeroUntilWritten:
     def swap_in(self, name: str, out: torch.Tensor) -> Handle:
         if name in self.unwritten:
             out.zero_()
-            return _Zeros(out)
+            return DoneHandle(out)  # type: ignore[return-value]
         return self.store.swap_in(name, out)
 
     def __getattr__(self, attribute: str) -> object:  # flush, close, names, ... of the wrapped store

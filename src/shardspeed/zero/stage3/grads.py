@@ -67,9 +67,10 @@ class UnitGrads:
         self._pending = (id_work, work, ids, out)
         self._pending_input = staged
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Wait for the launched reduce-scatter and add it into the shard; False if none was pending."""
         if self._pending is None:
-            return
+            return False
         id_work, work, ids, out = self._pending
         id_work.wait()
         self.unit.check_same_unit(ids, "gradient reduce-scatter")
@@ -79,6 +80,7 @@ class UnitGrads:
         self.grad_shard.add_(out)
         self._pending = None
         self._pending_input = None
+        return True
 
     def reset_backward(self) -> None:
         self.arrived.clear()

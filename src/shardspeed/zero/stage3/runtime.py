@@ -68,7 +68,6 @@ class Stage3Runtime:
         self._communicate = True
         self._reduced = False
         self._final = False  # before_backward(final=...)
-        self._announced: set[int] = set()  # units handed to on_final in this backward
         self.on_final: Callable[[int], None] | None = None  # unit index → its reduced shard is final (offload)
         self._launched: list[int] = []
         self._finished_count = 0
@@ -210,17 +209,16 @@ class Stage3Runtime:
                 unit.release()
 
     def _finish_grads(self, u: int) -> None:
-        """Wait for unit ``u``'s reduce-scatter; in a final backward, hand its reduced shard to ``on_final``."""
-        self.grads[u].finish()
-        if self._final and self.on_final is not None and u not in self._announced:
-            self._announced.add(u)
+        """Wait for unit ``u``'s reduce-scatter; in a final backward, hand its reduced shard to ``on_final`` (once:
+        a unit's reduce-scatter is launched, so finished, once per backward)."""
+        if self.grads[u].finish() and self._final and self.on_final is not None:
             self.on_final(u)
 
     def before_backward(self, communicate: bool, final: bool = False) -> None:
         """``final``: this backward's reduction is the last before the optimizer step (``on_final`` fires)."""
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._reduced = True, communicate, False
-        self._final, self._announced = final and communicate, set()
+        self._final = final and communicate
         self._bwd_now, self._launched = [], []
         self._finished_count = 0  # _launched[:_finished_count] have been finished already
         for g in self.grads:
