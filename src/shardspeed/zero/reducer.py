@@ -92,7 +92,8 @@ class GradReducer:
         self.on_launch: Callable[[int], None] | None = None  # observer (tests measure overlap with it)
         # plan_layout(order): re-lays the buckets out from the first backward's arrival order (collective; calls
         # set_layout). None: the layout is fixed (offload, optimizer state already present, …).
-        self.plan_layout: Callable[[list[int]], None] | None = None
+        # Returns whether buckets now follow the agreed arrival order.
+        self.plan_layout: Callable[[list[int]], bool] | None = None
         self._recording = False
         self._order: list[int] = []  # arrival order of the recording backward
         self._last_bucket = -1  # highest bucket that got a gradient in this backward (order-change detection)
@@ -210,8 +211,7 @@ class GradReducer:
             self._recording = False
             plan, self.plan_layout = self.plan_layout, None
             assert plan is not None
-            plan(list(self._order))  # collective over the data axis; calls set_layout
-            self._planned = True
+            self._planned = plan(list(self._order))  # collective over the data axis; calls set_layout
             arrived = set(self._arrived)
             self._arrived.clear()
             for i in self.layout.placement:  # replay in the new bucket order: buckets fill and launch one by one

@@ -80,16 +80,17 @@ class FlatLayoutStates:
                 logger.info("gradient buckets keep the registration-order layout: %s", blocker)
             return
 
-        def plan(arrived: list[int]) -> None:
+        def plan(arrived: list[int]) -> bool:
             if optimizer.state:  # a checkpoint loaded before the first backward: states keyed by today's tensors
                 if self.ctx.axis.rank == 0:
                     logger.info("gradient buckets keep their layout: the optimizer already has state (loaded)")
-                return
+                return False
             order = agree_on_order(arrived, self.packed.names, self.layout, self.ctx.collectives, self.ctx.axis)
             layout = self.planner.build(order)
             if layout != self.layout:
                 self._relayout(layout)
                 swap_optimizer_tensors(optimizer, lambda: self.optimizer_groups(groups))
+            return True
 
         self.reducer.plan_layout = plan
 
