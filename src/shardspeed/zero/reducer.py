@@ -25,11 +25,11 @@ first backward's arrival order ([Note: arrival-order layout] in zero/arrival_ord
 
 [Note: bounded reductions] A launched bucket holds its staging memory until it is finished. Finishing every bucket
 only at the end of backward keeps all of them alive at once (a whole fp32 gradient copy at stage 2), so at most
-``max_in_flight`` buckets are in flight: launching one more finishes (waits for and completes) the oldest, during
-backward. With gradients arriving in bucket order the staging alive is then at most ``max_in_flight`` + 1 buckets
-(the one filling). ``REDUCTIONS_IN_FLIGHT`` = 2, as ZeRO-3's REDUCE_SCATTERS_IN_FLIGHT: one bucket's collective
-runs while the next is launched; more only buys memory. ``overlap_comm: false`` is a cap of 0: each bucket is
-finished as it launches.
+``max_in_flight`` buckets are in flight: before launching one more, the oldest is finished (waited for and
+completed), during backward. With gradients arriving in bucket order the staging alive is then at most
+``max_in_flight`` + 1 buckets (the one filling). ``REDUCTIONS_IN_FLIGHT`` = 2, as ZeRO-3's
+REDUCE_SCATTERS_IN_FLIGHT: one bucket's collective runs while the next is launched; more only buys memory.
+``overlap_comm: false`` is a cap of 0: each bucket is finished as it launches.
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ class GradReducer:
         self._final = False
         self._in_backward = False
         self.on_final: Callable[[int], None] | None = None
-        self.on_launch: Callable[[int], None] | None = None  # observer (tests measure overlap with it)
         # plan_layout(order): re-lays the buckets out from the first backward's arrival order (collective; calls
         # set_layout). None: the layout is fixed (offload, optimizer state already present, …).
         # Returns whether buckets now follow the agreed arrival order.
@@ -178,14 +177,14 @@ class GradReducer:
             k = self._next_launch
             if self._pending[k] and not force:
                 break
+            while self._inflight and len(self._inflight) >= self.max_in_flight:  # [Note: bounded reductions]
+                self._finish(self._inflight[0])
             self._to(k, BucketState.REDUCING, BucketState.ACCUMULATING)
-            if self.on_launch is not None:
-                self.on_launch(k)
             self._work[k] = self.grad_sync.launch(k)
             self._inflight.append(k)
             self._next_launch += 1
-            while len(self._inflight) > self.max_in_flight:  # [Note: bounded reductions]
-                self._finish(self._inflight[0])
+            if self.max_in_flight == 0:  # overlap_comm off
+                self._finish(k)
         if self._final and self.on_final is not None:
             for k in list(self._inflight):  # finished collectives: complete them now, not after backward
                 work = self._work[k]
