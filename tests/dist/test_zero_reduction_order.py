@@ -147,9 +147,11 @@ def _parity(rank: int, world: int, stage: int, other: int, kind: str, ckpt: str,
     first.destroy()
     for s in (stage, other):
         resumed = engine_for(s)
-        resumed.load_checkpoint(ckpt, tag="t")
+        initial = resumed.states.layout.placement
+        resumed.load_checkpoint(ckpt, tag="t")  # optimizer states exist before the re-layout: they are moved
         train_engine(resumed, rank, world, data[3:], MB, GAS)
         out[f"resumed{s}"] = params(resumed)
+        out[f"relaid{s}"] = resumed.states.layout.placement != initial
         resumed.destroy()
     return out
 
@@ -175,7 +177,8 @@ def _check_parity(dist_run, tmp_path: Path, stage: int, kind: str) -> None:
     lr, other = 0.05, (stage + 1) % 3
     after3, after5 = _reference(kind, lr, 2)
     for r in dist_run(_parity, 2, stage, other, kind, str(tmp_path / "ckpt"), lr):
-        assert r["relaid"]  # reversed registration: the arrival-order layout differs from the initial one
+        # reversed registration: the arrival-order layout differs from the initial one (resumed runs too)
+        assert r["relaid"] and r[f"relaid{stage}"] and r[f"relaid{other}"]
         assert _close(r["after3"], after3) <= 1e-5
         assert _close(r[f"resumed{stage}"], after5) <= 1e-5
         assert _close(r[f"resumed{other}"], after5) <= 1e-5
@@ -190,3 +193,46 @@ def test_parity_reversed_registration_two_groups_gas2_stage2_adam(dist_run, tmp_
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_parity_reversed_registration_two_groups_gas2(dist_run, tmp_path: Path, stage: int, kind: str) -> None:
     _check_parity(dist_run, tmp_path, stage, kind)
+
+
+def _resume_mixed(rank: int, world: int, stage: int, ckpt: str) -> dict:
+    """bf16: a run resumed from a checkpoint re-lays out with fp32 masters and Adam states loaded; it must step
+    exactly like the same resumed run kept in the initial layout."""
+    data = batches(3, MB * world)
+
+    def engine_for() -> Any:
+        model = make_stack(reverse=True)
+        config = {
+            "train_micro_batch_size_per_gpu": MB,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
+            "bf16": {"enabled": True},
+            "steps_per_print": 1000,
+        }
+        engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        return engine
+
+    first = engine_for()
+    train_engine(first, rank, world, data[:2], MB, 1)
+    first.save_checkpoint(ckpt, tag="t")
+    first.destroy()
+    out = {}
+    for relayout in (True, False):
+        resumed = engine_for()
+        initial = resumed.states.layout.placement
+        resumed.load_checkpoint(ckpt, tag="t")
+        if not relayout:
+            resumed.states.reducer.plan_layout = None  # keep the initial layout: the reference
+        train_engine(resumed, rank, world, data[2:], MB, 1)
+        out[relayout] = (resumed.states.layout.placement != initial, resumed.module_state_dict())
+        resumed.destroy()
+    return out
+
+
+def test_resumed_bf16_run_relays_out_with_masters_and_states(dist_run, tmp_path: Path) -> None:
+    for stage in (0, 1, 2):
+        for r in dist_run(_resume_mixed, 2, stage, str(tmp_path / f"ckpt{stage}")):
+            (relaid, moved), (kept, reference) = r[True], r[False]
+            assert relaid and not kept
+            for name, value in reference.items():
+                assert torch.equal(moved[name], value), (stage, name)

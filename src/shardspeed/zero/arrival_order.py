@@ -16,16 +16,16 @@ backward ends and, at stage 2, every bucket's staging is alive at once. So the f
    every no-decay bucket waiting at the end;
 3. the stage moves what already depends on the layout: parameter values (stages 1/2: parameters are views of the
    flat buffer), the fp32 gradient buffer's contents (earlier micro-steps under ``no_sync``/raw backward), fp32
-   masters, and swaps the optimizer's tensors (it has no state yet: this is before the first step);
+   masters and optimizer states (only a checkpoint loaded before the first backward has any: see
+   zero/relayout_state.py), and swaps the optimizer's tensors. This is before this run's first step;
 4. the recorded gradients are absorbed and reduced in the new bucket order, so even this backward's staging stays
    bounded. From the second backward on, buckets launch while backward runs.
 
-Later order changes (data-dependent control flow) are logged once and not re-laid out: the masters and optimizer
-states follow the layout by then. The re-layout is skipped (the initial layout stays; logged) when the optimizer's
-tensors cannot simply be swapped: an optimizer with state already (a checkpoint loaded before the first backward),
-a streamed offload optimizer (its stores are sized from the layout at construction), ZeRO-sharded Lamb (its
-per-parameter segments), or per-bucket host gradient copies. Checkpoints are by parameter name, so the layout
-never shows in them.
+Later order changes (data-dependent control flow) are logged once and not re-laid out: masters and optimizer
+states follow the layout by then, and moving them every step would cost a gather. The re-layout is skipped (the
+initial layout stays; logged) when the optimizer's tensors cannot simply be swapped: a streamed offload optimizer
+(its stores are sized from the layout at construction), ZeRO-sharded Lamb (its per-parameter segments), or
+per-bucket host gradient copies. Checkpoints are by parameter name, so the layout never shows in them.
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ def relayout_blocker(optimizer: object, reducer_has_final_hook: bool) -> str | N
 
 
 def swap_optimizer_tensors(optimizer: torch.optim.Optimizer, stepped_groups: Callable[[], list[dict]]) -> None:
-    """Point the optimizer's groups at the tensors of the new layout (it has no state: nothing else to move)."""
-    assert not optimizer.state, "re-layout after the optimizer has state"
+    """Point the optimizer's groups at the tensors of the new layout (their states were moved already)."""
     for group, new in zip(optimizer.param_groups, stepped_groups()):
         group["params"] = new["params"]

@@ -34,6 +34,7 @@ from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedRed
 from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.relayout_state import carry_shard_states, reshard
 from shardspeed.zero.states import FlatLayoutStates
 
 
@@ -111,13 +112,19 @@ class PartitionedStates(FlatLayoutStates):
                 packed.params, layout, self.shard_flat, self.grad_shards, self.ctx, self.meter
             )
 
-    def _relayout(self, layout: ShardLayout) -> None:
-        """Before the first step (no optimizer state, no reduced gradient yet): move parameter values (by
-        ``_build``) and what earlier micro-steps accumulated. Masters are re-copied from the parameters, which
-        they equal before any step."""
+    @torch.no_grad()
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        """Before this run's first reduction: move parameter values (by ``_build``), what earlier micro-steps
+        accumulated, the fp32 master shard and the optimizer's states (zero/relayout_state.py; collective)."""
         assert not self.masters_in_optimizer
+        old_layout, old_tensors, old_master = self.layout, self.bucket_tensors, self.master_shard
         old_buffer, old_sync = self.grad_buffer, self.grad_sync
         self._build(layout)
+        rank = self.ctx.axis.rank
+        if old_master is not None:  # loaded fp32 values may differ from the parameters: always carried
+            assert self.master_shard is not None
+            self.master_shard.copy_(reshard(old_master, old_layout, layout, rank, self._gather))
+        carry_shard_states(optimizer, old_tensors, self.bucket_tensors, old_layout, layout, rank, self._gather)
         if old_buffer is not None:
             assert self.grad_buffer is not None
             for new_view, old_view in zip(self.grad_buffer.views, old_buffer.views):
@@ -127,6 +134,11 @@ class PartitionedStates(FlatLayoutStates):
             assert old_sync.shard_flat.count_nonzero() == 0, "stage 2 re-layout after a reduction"
             self.grad_sync.adopt(old_sync)
         self.reducer.set_layout(layout, self.grad_sync)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.ctx.axis.size, dtype=shard.dtype, device=shard.device)
+        self.ctx.collectives.all_gather(out, shard, self.ctx.axis, tag="relayout")
+        return out
 
     def hand_masters_to_optimizer(self) -> TargetSlices | None:
         """Mixed precision with a streamed offload optimizer (which keeps fp32 values in its store): drop the

@@ -15,6 +15,7 @@ from shardspeed.zero.grad_sync import AllReduceGrads, CommContext, StagingMeter
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.relayout_state import carry_param_states
 from shardspeed.zero.states import FlatLayoutStates
 
 
@@ -40,11 +41,17 @@ class ReplicatedStates(FlatLayoutStates):
         # masters copy the model's parameters, which stage 0 never repacks: a re-layout only moves them
         self.master = MasterWeights(self.packed.params, self.grad_buffer) if self.mixed else None
 
-    def _relayout(self, layout: ShardLayout) -> None:
-        old = self.grad_buffer
+    @torch.no_grad()
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        old, old_master = self.grad_buffer, self.master
         self._build(layout)
         for new_view, old_view in zip(self.grad_buffer.views, old.views):  # gradients of earlier micro-steps
             new_view.copy_(old_view)
+        if old_master is not None:  # fp32 values (a loaded checkpoint's may differ from the parameters)
+            assert self.master is not None
+            for new_master, old_one in zip(self.master.masters, old_master.masters):
+                new_master.copy_(old_one)
+            carry_param_states(optimizer, list(zip(old_master.masters, self.master.masters)))
         self.reducer.set_layout(layout, self.grad_sync)
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

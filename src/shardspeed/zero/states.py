@@ -68,8 +68,9 @@ class FlatLayoutStates:
     ctx: CommContext
     planner: LayoutPlanner
 
-    def _relayout(self, layout: ShardLayout) -> None:
-        """Rebuild every layout-dependent buffer for ``layout``, moving parameter values and gradients."""
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild every layout-dependent buffer for ``layout``, moving parameter values, gradients, fp32 masters
+        and the optimizer's states (present when a checkpoint was loaded before the first backward)."""
         raise NotImplementedError
 
     def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
@@ -81,14 +82,10 @@ class FlatLayoutStates:
             return
 
         def plan(arrived: list[int]) -> bool:
-            if optimizer.state:  # a checkpoint loaded before the first backward: states keyed by today's tensors
-                if self.ctx.axis.rank == 0:
-                    logger.info("gradient buckets keep their layout: the optimizer already has state (loaded)")
-                return False
             order = agree_on_order(arrived, self.packed.names, self.layout, self.ctx.collectives, self.ctx.axis)
             layout = self.planner.build(order)
             if layout != self.layout:
-                self._relayout(layout)
+                self._relayout(layout, optimizer)
                 swap_optimizer_tensors(optimizer, lambda: self.optimizer_groups(groups))
             return True
 
