@@ -141,3 +141,29 @@ def test_recording_backward_relays_out_then_replays_in_the_new_bucket_order(capl
         model[::-1](torch.randn(2, 4)).sum().backward()
         reducer.after_backward()
     assert sum("arrival order changed" in r.getMessage() for r in caplog.records) == 1
+
+
+def _shards(values: list[torch.Tensor], layout: Any, world: int) -> list[torch.Tensor]:
+    """Every rank's bucket-major shard of per-parameter ``values`` under ``layout`` (padding zero)."""
+    flat = torch.zeros(layout.total)
+    for i, v in enumerate(values):
+        lo, hi = layout.span(i)
+        flat[lo:hi] = v
+    return [
+        torch.cat([flat[slice(*layout.rank_slice(k, r))] for k in range(len(layout.buckets))]) for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_reshard_moves_each_ranks_elements_to_the_new_layout(world: int) -> None:
+    from shardspeed.zero.relayout_state import reshard
+
+    numels, groups = [5, 3, 7, 1, 4], [0, 1, 0, 1, 0]
+    values = [torch.arange(n, dtype=torch.float32) + 100 * i for i, n in enumerate(numels)]
+    old = build_shard_layout(numels, groups, 9, world)
+    new = build_shard_layout(numels, groups, 9, world, order=[4, 3, 2, 0, 1])
+    old_shards, new_shards = _shards(values, old, world), _shards(values, new, world)
+    everyone = torch.cat(old_shards)
+    for rank in range(world):
+        moved = reshard(old_shards[rank], old, new, rank, lambda _: everyone)
+        assert torch.equal(moved, new_shards[rank])
