@@ -119,10 +119,11 @@ class PartitionedStates(FlatLayoutStates):
         assert not self.masters_in_optimizer
         old_layout, old_tensors, old_master = self.layout, self.bucket_tensors, self.master_shard
         old_buffer, old_sync = self.grad_buffer, self.grad_sync
-        self._build(layout)
+        carry_masters = old_master is not None and self._masters_differ_from_params()
+        self._build(layout)  # masters re-copied from the parameters: all a fresh run needs (no gather)
         rank = self.ctx.axis.rank
-        if old_master is not None:  # loaded fp32 values may differ from the parameters: always carried
-            assert self.master_shard is not None
+        if carry_masters:  # a loaded checkpoint's fp32 values, finer than the parameters
+            assert old_master is not None and self.master_shard is not None
             self.master_shard.copy_(reshard(old_master, old_layout, layout, rank, self._gather))
         carry_shard_states(optimizer, old_tensors, self.bucket_tensors, old_layout, layout, rank, self._gather)
         if old_buffer is not None:
@@ -134,6 +135,18 @@ class PartitionedStates(FlatLayoutStates):
             assert old_sync.shard_flat.count_nonzero() == 0, "stage 2 re-layout after a reduction"
             self.grad_sync.adopt(old_sync)
         self.reducer.set_layout(layout, self.grad_sync)
+
+    def _masters_differ_from_params(self) -> bool:
+        """Whether any rank's fp32 master shard holds more than its low-precision parameters (one scalar
+        all-reduce, so every rank takes the same, collective, branch)."""
+        assert self.master_shard is not None
+        rank, differ = self.ctx.axis.rank, False
+        for k, tensor in enumerate(self.bucket_tensors):
+            params = self.param_flat[slice(*self.layout.rank_slice(k, rank))]
+            differ = differ or not torch.equal(tensor, params.float())
+        flag = torch.tensor([float(differ)], device=self.master_shard.device)
+        self.ctx.collectives.all_reduce_max(flag, self.ctx.axis, tag="relayout")
+        return flag.item() > 0
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         out = torch.empty(shard.numel() * self.ctx.axis.size, dtype=shard.dtype, device=shard.device)
