@@ -78,12 +78,13 @@ def _record_launches(engine: Any, model: Stack) -> tuple[list[int], list[tuple[i
     return done, launches
 
 
-def _overlap_one(rank: int, world: int, stage: int, reverse: bool) -> dict:
+def _overlap_one(rank: int, world: int, stage: int, reverse: bool, comm: str = "fp32") -> dict:
     model = make_stack(reverse)
     config = {
         "train_micro_batch_size_per_gpu": MB,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},  # overlap_comm: default (true)
+        "communication_data_type": comm,
         "steps_per_print": 1000,
     }
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -103,7 +104,10 @@ def _overlap_one(rank: int, world: int, stage: int, reverse: bool) -> dict:
 
 
 def _overlap(rank: int, world: int) -> dict:
-    return {(s, r): _overlap_one(rank, world, s, r) for s in (0, 1, 2) for r in (False, True)}
+    out = {(s, r, "fp32"): _overlap_one(rank, world, s, r) for s in (0, 1, 2) for r in (False, True)}
+    for s in (0, 1):  # a bf16 wire copy of each bucket is staging at stages 0/1 too
+        out[(s, True, "bf16")] = _overlap_one(rank, world, s, True, "bf16")
+    return out
 
 
 def test_staging_is_bounded_and_buckets_follow_arrival_order(dist_run) -> None:
@@ -111,11 +115,13 @@ def test_staging_is_bounded_and_buckets_follow_arrival_order(dist_run) -> None:
     least 40% of the gradient bytes are launched before the last quarter of backward, whatever the registration
     order (stages 0, 1, 2)."""
     bound = (REDUCTIONS_IN_FLIGHT + 1) * BUCKET * FP32
-    for (stage, reverse), r in dist_run(_overlap, 2)[0].items():
-        print(f"stage {stage} reverse={reverse}: {r}")
+    for (stage, reverse, comm), r in dist_run(_overlap, 2)[0].items():
+        print(f"stage {stage} reverse={reverse} communication {comm}: {r}")
         assert min(r["fractions"][1:]) >= 0.4, (stage, reverse, r)
         if stage == 2:
             assert r["peak_staging"] <= bound < r["grad_bytes"], (bound, r)
+        elif comm == "bf16":  # copies made at launch only: at most the buckets in flight, 2 bytes an element
+            assert 0 < r["peak_staging"] <= REDUCTIONS_IN_FLIGHT * BUCKET * 2, r
         else:
             assert r["peak_staging"] == 0  # fp32 communication: reduced in place, nothing staged
 
