@@ -195,7 +195,7 @@ def test_parity_reversed_registration_two_groups_gas2_stage2_adam(dist_run, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lamb"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_parity_reversed_registration_two_groups_gas2(dist_run, tmp_path: Path, stage: int, kind: str) -> None:
     _check_parity(dist_run, tmp_path, stage, kind)

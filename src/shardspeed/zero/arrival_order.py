@@ -24,8 +24,8 @@ backward ends and, at stage 2, every bucket's staging is alive at once. So the f
 Later order changes (data-dependent control flow) are logged once and not re-laid out: masters and optimizer
 states follow the layout by then, and moving them every step would cost a gather. The re-layout is skipped (the
 initial layout stays; logged) when the optimizer's tensors cannot simply be swapped: a streamed offload optimizer
-(its stores are sized from the layout at construction), ZeRO-sharded Lamb (its per-parameter segments), or
-per-bucket host gradient copies. Checkpoints are by parameter name, so the layout never shows in them.
+(its stores are sized from the layout at construction) or per-bucket host gradient copies. (ZeRO-sharded Lamb's
+per-parameter segments are refreshed in place.) Checkpoints are by parameter name, so the layout never shows in them.
 """
 
 from __future__ import annotations
@@ -79,12 +79,8 @@ def agree_on_order(
 
 def relayout_blocker(optimizer: object, reducer_has_final_hook: bool) -> str | None:
     """Why the optimizer's tensors cannot be swapped for a new layout's, or None when they can."""
-    from shardspeed.zero.sharded_lamb import ShardedLamb
-
     if not isinstance(optimizer, torch.optim.Optimizer):
         return f"the {type(optimizer).__name__} optimizer's stores are sized from the initial layout"
-    if isinstance(optimizer, ShardedLamb):
-        return "ZeRO-sharded Lamb keeps per-parameter segments of the initial layout"
     if reducer_has_final_hook:
         return "offloaded gradients are copied to the host per bucket of the initial layout"
     return None

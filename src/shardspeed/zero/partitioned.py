@@ -57,6 +57,7 @@ class PartitionedStates(FlatLayoutStates):
         self.compute_dtype = dtypes.pop()
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
         self.meter = StagingMeter()
+        self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
 
@@ -126,6 +127,7 @@ class PartitionedStates(FlatLayoutStates):
             assert old_master is not None and self.master_shard is not None
             self.master_shard.copy_(reshard(old_master, old_layout, layout, rank, self._gather))
         carry_shard_states(optimizer, old_tensors, self.bucket_tensors, old_layout, layout, rank, self._gather)
+        self.tensor_segments()  # refreshed in place for sharded Lamb
         if old_buffer is not None:
             assert self.grad_buffer is not None
             for new_view, old_view in zip(self.grad_buffer.views, old_buffer.views):
@@ -204,9 +206,11 @@ class PartitionedStates(FlatLayoutStates):
         return pieces
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
-        """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it."""
+        """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it.
+        Always the same dict, refreshed in place by a re-layout: ZeRO-sharded Lamb keeps it."""
         rank = self.ctx.axis.rank
-        out: dict[int, list[tuple[int, int, int]]] = {}
+        out = self._segments
+        out.clear()
         for k, tensor in enumerate(self.bucket_tensors):
             start, end = self.layout.rank_slice(k, rank)
             pieces = []
