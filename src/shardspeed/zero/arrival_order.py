@@ -21,6 +21,11 @@ backward ends and, at stage 2, every bucket's staging is alive at once. So the f
 4. the recorded gradients are absorbed and reduced in the new bucket order, so even this backward's staging stays
    bounded. From the second backward on, buckets launch while backward runs.
 
+The price, once per run: in the recording backward nothing overlaps, and each parameter keeps autograd's own
+gradient (compute dtype, as plain torch would) until autograd returns instead of handing it over at once. A run
+resumed from a checkpoint re-lays out too (its optimizer states and fp32 masters are moved, which at stages 1/2
+costs one all-gather per per-element tensor: zero/relayout_state.py).
+
 Later order changes (data-dependent control flow) are logged once and not re-laid out: masters and optimizer
 states follow the layout by then, and moving them every step would cost a gather. The re-layout is skipped (the
 initial layout stays; logged) when the optimizer's tensors cannot simply be swapped: a streamed offload optimizer

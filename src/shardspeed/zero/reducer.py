@@ -6,8 +6,8 @@ Protocol for one backward:
                            reduction is the last before the optimizer step
   hook(param)            → the stage's GradSync absorbs the gradient; when this backward communicates, the
                            bucket's pending count drops and ready buckets launch *in bucket order*
-                           (see [Note: launch order]); past ``max_in_flight`` launched buckets the oldest is
-                           finished at once (see [Note: bounded reductions])
+                           (see [Note: launch order]); with ``max_in_flight`` buckets in flight the oldest is
+                           finished before the next launches (see [Note: bounded reductions])
   after_backward()       → launch buckets whose parameters got no gradient (unused this step: zero gradient),
                            wait for all, let the GradSync finish each bucket (copy back, scale, accumulate).
 What a bucket launch *is* (all-reduce in place, reduce-scatter into a shard, …) is the GradSync's business
@@ -90,7 +90,7 @@ class GradReducer:
         self._in_backward = False
         self.on_final: Callable[[int], None] | None = None
         # plan_layout(order): re-lays the buckets out from the first backward's arrival order (collective; calls
-        # set_layout). None: the layout is fixed (offload, optimizer state already present, …).
+        # set_layout). None: the layout is fixed (planned already, or a streamed offload optimizer).
         # Returns whether buckets now follow the agreed arrival order.
         self.plan_layout: Callable[[list[int]], bool] | None = None
         self._recording = False
