@@ -87,8 +87,9 @@ class CommContext:
 class AllReduceGrads:
     """Stage 0: the full buffer is all-reduced in place, bucket by bucket."""
 
-    def __init__(self, buffer: FlatGradBuffer, ctx: CommContext, meter: StagingMeter) -> None:
-        self.buffer, self.ctx, self.meter = buffer, ctx, meter
+    def __init__(self, buffer: FlatGradBuffer, ctx: CommContext, meter: StagingMeter | None = None) -> None:
+        self.buffer, self.ctx = buffer, ctx
+        self.meter = meter if meter is not None else StagingMeter()
         self._staging: list[torch.Tensor | None] = [None] * len(buffer.layout.buckets)
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
@@ -128,9 +129,10 @@ class _ShardReduceScatter:
     """
 
     def __init__(
-        self, layout: ShardLayout, grad_shards: list[torch.Tensor], ctx: CommContext, meter: StagingMeter
+        self, layout: ShardLayout, grad_shards: list[torch.Tensor], ctx: CommContext, meter: StagingMeter | None
     ) -> None:
-        self.layout, self.grad_shards, self.ctx, self.meter = layout, grad_shards, ctx, meter
+        self.layout, self.grad_shards, self.ctx = layout, grad_shards, ctx
+        self.meter = meter if meter is not None else StagingMeter()
         self._inflight: list[tuple[torch.Tensor, torch.Tensor, bool] | None] = [None] * len(layout.buckets)
 
     def _reduce_scatter(self, k: int, full_bucket: torch.Tensor) -> Work:
@@ -160,7 +162,11 @@ class ReduceScatterGrads(_ShardReduceScatter):
     the reduced result over this rank's slice of that same buffer (the optimizer's .grad views it)."""
 
     def __init__(
-        self, buffer: FlatGradBuffer, grad_shards: list[torch.Tensor], ctx: CommContext, meter: StagingMeter
+        self,
+        buffer: FlatGradBuffer,
+        grad_shards: list[torch.Tensor],
+        ctx: CommContext,
+        meter: StagingMeter | None = None,
     ) -> None:
         super().__init__(buffer.layout, grad_shards, ctx, meter)
         self.buffer = buffer
@@ -189,7 +195,7 @@ class StagedReduceScatter(_ShardReduceScatter):
         shard_flat: torch.Tensor,
         grad_shards: list[torch.Tensor],
         ctx: CommContext,
-        meter: StagingMeter,
+        meter: StagingMeter | None = None,
     ) -> None:
         super().__init__(layout, grad_shards, ctx, meter)
         self.shard_flat = shard_flat
