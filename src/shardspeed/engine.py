@@ -104,6 +104,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self._offload_params()
         self._host_grads: Any = None  # offload's HostGradients, when gradients are copied to the host per bucket
         self.optimizer = self._build_optimizer(optimizer, groups)
+        if hasattr(self.states, "bind_optimizer"):  # stages 0-2: buckets re-laid out from the first backward
+            self.states.bind_optimizer(self.optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
             config.scheduler.params if config.scheduler else None,

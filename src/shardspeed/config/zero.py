@@ -89,10 +89,11 @@ class ZeroConfig(Stage3Options):
 
     overlap_comm: bool
     """Overlap gradient reduction with the backward pass: buckets are launched asynchronously from gradient
-    hooks and several may be in flight at once. False makes each bucket's collective complete before the next
-    launches (still inside backward; peak transient memory is one bucket). Default: true for every stage.
-    DeepSpeed defaults it to false below stage 3 because its overlap needs extra bucket copies; ours does not,
-    so we do not make the common case slower (it never changes numerics)."""
+    hooks; at stages 0-2 at most two are in flight (``REDUCTIONS_IN_FLIGHT``; the oldest is finished before
+    another launches), so stage 2's staging peaks at about three buckets. False makes each bucket's collective
+    complete before the next launches (still inside backward; peak transient memory is one bucket). Default:
+    true for every stage. DeepSpeed defaults it to false below stage 3 because its overlap needs extra bucket
+    copies; ours does not, so we do not make the common case slower (it never changes numerics)."""
 
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from

@@ -6,8 +6,8 @@ import torch
 
 from shardspeed.config import ZeroConfig
 from shardspeed.zero.api import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
+from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_sync import CommContext
-from shardspeed.zero.layout import build_shard_layout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.states import ModelStates
 
@@ -36,11 +36,11 @@ def build_model_states(
     bucket_numel = zero.reduce_bucket_size if stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
 
     world = ctx.axis.size if stage > 0 else 1
-    layout = build_shard_layout([p.numel() for p in packed.params], packed.groups, bucket_numel, world)
+    planner = LayoutPlanner(tuple(p.numel() for p in packed.params), tuple(packed.groups), bucket_numel, world)
     if stage == 0:
-        return ReplicatedStates(packed, layout, ctx, device, overlap)
+        return ReplicatedStates(packed, planner, ctx, device, overlap)
     if stage in (1, 2):
-        return PartitionedStates(stage, packed, layout, ctx, device, overlap)
+        return PartitionedStates(stage, packed, planner, ctx, device, overlap)
     raise ValueError(f"ZeRO stage {stage} is not implemented")
 
 

@@ -7,6 +7,14 @@
                                  complete, reduce-scattered every micro-step, added into the fp32 shard, and the
                                  staging memory is released at once
 Averaging over the data axis is ``pre`` before the sum and ``post`` after it (GradScaling).
+
+[Note: staging memory] "Staging" is a full-bucket copy of gradients that exists only to be communicated: stage 2's
+bucket buffers, and at stages 0/1 the wire-dtype copy of a bucket when ``communication_data_type`` differs from
+fp32 (in fp32 they reduce the persistent buffer in place: no staging). Every GradSync counts what it stages in one
+``StagingMeter`` (live bytes and the peak). The reducer bounds it: at most ``REDUCTIONS_IN_FLIGHT`` buckets in
+flight plus the one filling, as long as gradients arrive in bucket order — which the arrival-order layout
+(zero/arrival_order.py) makes true from the first backward on. Reduce-scatter outputs (1/N of an in-flight bucket
+each) are not counted.
 """
 
 from __future__ import annotations
@@ -41,6 +49,24 @@ class GradScaling:
 
 
 @dataclass
+class StagingMeter:
+    """Staging bytes alive now and the most ever alive at once (see [Note: staging memory])."""
+
+    live: int = 0
+    peak: int = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        self.live += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.live)
+
+    def release(self, t: torch.Tensor) -> None:
+        self.live -= t.numel() * t.element_size()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+@dataclass
 class CommContext:
     """What every GradSync needs to talk: the data axis, the collectives, the wire dtype and the averaging."""
 
@@ -61,8 +87,9 @@ class CommContext:
 class AllReduceGrads:
     """Stage 0: the full buffer is all-reduced in place, bucket by bucket."""
 
-    def __init__(self, buffer: FlatGradBuffer, ctx: CommContext) -> None:
+    def __init__(self, buffer: FlatGradBuffer, ctx: CommContext, meter: StagingMeter | None = None) -> None:
         self.buffer, self.ctx = buffer, ctx
+        self.meter = meter if meter is not None else StagingMeter()
         self._staging: list[torch.Tensor | None] = [None] * len(buffer.layout.buckets)
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
@@ -73,7 +100,10 @@ class AllReduceGrads:
         return self.buffer.flat[b.start : b.end]
 
     def launch(self, k: int) -> Work:
-        staged = self.ctx.staged(self._bucket(k))
+        flat = self._bucket(k)
+        staged = self.ctx.staged(flat)
+        if staged is not flat:
+            self.meter.add(staged)
         self._staging[k] = staged
         return self.ctx.collectives.all_reduce(staged, self.ctx.axis, async_op=True, tag="grads")
 
@@ -82,6 +112,7 @@ class AllReduceGrads:
         assert staged is not None
         if staged is not flat:
             flat.copy_(staged)
+            self.meter.release(staged)
         if self.ctx.scaling.post != 1.0:
             flat.mul_(self.ctx.scaling.post)
         self._staging[k] = None
@@ -97,22 +128,30 @@ class _ShardReduceScatter:
     so no separate shard memory) or of a contiguous fp32 shard buffer (stage 2).
     """
 
-    def __init__(self, layout: ShardLayout, grad_shards: list[torch.Tensor], ctx: CommContext) -> None:
+    def __init__(
+        self, layout: ShardLayout, grad_shards: list[torch.Tensor], ctx: CommContext, meter: StagingMeter | None
+    ) -> None:
         self.layout, self.grad_shards, self.ctx = layout, grad_shards, ctx
-        self._inflight: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layout.buckets)
+        self.meter = meter if meter is not None else StagingMeter()
+        self._inflight: list[tuple[torch.Tensor, torch.Tensor, bool] | None] = [None] * len(layout.buckets)
 
     def _reduce_scatter(self, k: int, full_bucket: torch.Tensor) -> Work:
         staged = self.ctx.staged(full_bucket)
+        copied = staged is not full_bucket  # a wire-dtype copy: staging of its own (else counted by the caller)
+        if copied:
+            self.meter.add(staged)
         # A separate output: in-place reduce-scatter (output aliasing the input) is not portable across backends.
         out = torch.empty(staged.numel() // self.layout.world, dtype=staged.dtype, device=staged.device)
-        self._inflight[k] = (staged, out)  # both must outlive the async collective
+        self._inflight[k] = (staged, out, copied)  # both must outlive the async collective
         return self.ctx.collectives.reduce_scatter(out, staged, self.ctx.axis, async_op=True, tag="grads")
 
     def _take_output(self, k: int) -> torch.Tensor:
         inflight = self._inflight[k]
         assert inflight is not None
         self._inflight[k] = None
-        out = inflight[1]
+        staged, out, copied = inflight
+        if copied:
+            self.meter.release(staged)
         if self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
         return out
@@ -122,8 +161,14 @@ class ReduceScatterGrads(_ShardReduceScatter):
     """Stage 1: gradients accumulate in a full fp32 buffer; the boundary reduce-scatters each bucket and writes
     the reduced result over this rank's slice of that same buffer (the optimizer's .grad views it)."""
 
-    def __init__(self, buffer: FlatGradBuffer, grad_shards: list[torch.Tensor], ctx: CommContext) -> None:
-        super().__init__(buffer.layout, grad_shards, ctx)
+    def __init__(
+        self,
+        buffer: FlatGradBuffer,
+        grad_shards: list[torch.Tensor],
+        ctx: CommContext,
+        meter: StagingMeter | None = None,
+    ) -> None:
+        super().__init__(buffer.layout, grad_shards, ctx, meter)
         self.buffer = buffer
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
@@ -150,13 +195,13 @@ class StagedReduceScatter(_ShardReduceScatter):
         shard_flat: torch.Tensor,
         grad_shards: list[torch.Tensor],
         ctx: CommContext,
+        meter: StagingMeter | None = None,
     ) -> None:
-        super().__init__(layout, grad_shards, ctx)
+        super().__init__(layout, grad_shards, ctx, meter)
         self.shard_flat = shard_flat
         self.params = list(params)
         self.bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.members}
         self._staging: dict[int, torch.Tensor] = {}
-        self.peak_staging_bytes = 0
 
     def _staging_for(self, k: int) -> torch.Tensor:
         staging = self._staging.get(k)
@@ -164,18 +209,32 @@ class StagedReduceScatter(_ShardReduceScatter):
             b = self.layout.buckets[k]
             staging = torch.zeros(b.numel, dtype=self.ctx.comm_dtype, device=self.shard_flat.device)
             self._staging[k] = staging
-            live = sum(t.numel() * t.element_size() for t in self._staging.values())
-            self.peak_staging_bytes = max(self.peak_staging_bytes, live)
+            self.meter.add(staging)
         return staging
+
+    def _segment(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of its bucket's staging buffer (allocated on first use)."""
+        k = self.bucket_of[index]
+        lo, hi = self.layout.span(index)
+        start = self.layout.buckets[k].start
+        return self._staging_for(k)[lo - start : hi - start]
+
+    def adopt(self, old: StagedReduceScatter) -> None:
+        """Re-layout: carry gradients staged in ``old``'s buckets (none unless ``loss.backward()`` ran outside
+        ``engine.backward``) into this layout's buckets, and free ``old``'s staging."""
+        for k, staging in old._staging.items():
+            b = old.layout.buckets[k]
+            for i in b.members:
+                lo, hi = old.layout.span(i)
+                self._segment(i).copy_(staging[lo - b.start : hi - b.start])
+            old.meter.release(staging)
+        old._staging.clear()
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
-        k = self.bucket_of[index]
-        lo, hi = self.layout.span(index)
-        start = self.layout.buckets[k].start
-        self._staging_for(k)[lo - start : hi - start].add_(grad.reshape(-1))
+        self._segment(index).add_(grad.reshape(-1))
         param.grad = None  # this rank's memory for the full gradient ends here
 
     def launch(self, k: int) -> Work:
@@ -183,8 +242,10 @@ class StagedReduceScatter(_ShardReduceScatter):
 
     def complete(self, k: int) -> None:
         self.grad_shards[k].add_(self._take_output(k))
-        del self._staging[k]  # freed as soon as its bucket is reduced
+        self.meter.release(self._staging.pop(k))  # freed as soon as its bucket is reduced
 
     def zero(self) -> None:
+        for staging in self._staging.values():
+            self.meter.release(staging)
         self._staging.clear()
         self.shard_flat.zero_()

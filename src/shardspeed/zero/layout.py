@@ -55,6 +55,11 @@ class ShardLayout:
     def padding(self) -> int:
         return self.total - sum(self.numels)
 
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Parameter indices in the order they sit in the flat buffer (bucket by bucket)."""
+        return tuple(i for b in self.buckets for i in b.members)
+
     def span(self, index: int) -> tuple[int, int]:
         return self.offsets[index], self.offsets[index] + self.numels[index]
 
@@ -79,11 +84,19 @@ class ShardLayout:
         return None
 
 
-def build_shard_layout(numels: Sequence[int], groups: Sequence[int], bucket_numel: int, world: int = 1) -> ShardLayout:
-    """Pack parameters (already in packing order) into buckets of at most ``bucket_numel`` elements.
+def build_shard_layout(
+    numels: Sequence[int],
+    groups: Sequence[int],
+    bucket_numel: int,
+    world: int = 1,
+    order: Sequence[int] | None = None,
+) -> ShardLayout:
+    """Pack parameters into buckets of at most ``bucket_numel`` elements, placed in ``order`` (a permutation of
+    parameter indices; default: index order). Offsets and spans stay indexed by parameter index.
 
     A parameter is never split across buckets: one bigger than ``bucket_numel`` gets a bucket of its own. A new
-    bucket starts whenever the parameter group changes. Each bucket is padded to a multiple of ``world``.
+    bucket starts whenever the parameter group changes (so groups interleave when ``order`` interleaves them).
+    Each bucket is padded to a multiple of ``world``.
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
@@ -91,7 +104,11 @@ def build_shard_layout(numels: Sequence[int], groups: Sequence[int], bucket_nume
         raise ValueError(f"world size must be >= 1, got {world}")
     if len(numels) != len(groups):
         raise ValueError("numels and groups must have the same length")
-    offsets: list[int] = []
+    if order is None:
+        order = range(len(numels))
+    elif sorted(order) != list(range(len(numels))):
+        raise ValueError(f"order must be a permutation of 0..{len(numels) - 1}, got {list(order)}")
+    offsets = [0] * len(numels)
     buckets: list[BucketSpan] = []
     members: list[int] = []
     start = cursor = 0
@@ -103,12 +120,13 @@ def build_shard_layout(numels: Sequence[int], groups: Sequence[int], bucket_nume
         start = cursor = end
         members = []
 
-    for i, n in enumerate(numels):
+    for i in order:
+        n = numels[i]
         if n < 0:
             raise ValueError(f"negative parameter size {n}")
         if members and (cursor + n - start > bucket_numel or groups[i] != groups[members[0]]):
             close()
-        offsets.append(cursor)
+        offsets[i] = cursor
         members.append(i)
         cursor += n
     if members:

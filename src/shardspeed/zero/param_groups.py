@@ -2,7 +2,8 @@
 
 Every trainable parameter is packed into the flat buffers, grouped by optimizer parameter group (buckets never
 mix groups, so each optimizer group steps whole bucket shards) and, inside a group, in reverse registration order
-— roughly the order backward produces gradients, so buckets fill front to back and launch early.
+— a first guess at the order backward produces gradients. It is only the initial layout: the first backward's
+real arrival order replaces it ([Note: arrival-order layout] in zero/arrival_order.py), groups interleaved.
 """
 
 from __future__ import annotations

@@ -28,11 +28,13 @@ from shardspeed.checkpoint.pieces import Piece
 from shardspeed.comm import Work
 from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
-from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter
+from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter, StagingMeter
 from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.relayout_state import carry_shard_states, reshard
 from shardspeed.zero.states import FlatLayoutStates
 
 
@@ -41,21 +43,29 @@ class PartitionedStates(FlatLayoutStates):
         self,
         stage: int,
         packed: PackedParams,
-        layout: ShardLayout,
+        planner: LayoutPlanner,
         ctx: CommContext,
         device: torch.device,
         overlap: bool,
     ) -> None:
         assert stage in (1, 2), stage
-        self.stage, self.layout, self.ctx = stage, layout, ctx
+        self.stage, self.planner, self.ctx, self.device = stage, planner, ctx, device
         self.packed = packed
         self.communicate_every_micro_step = stage == 2
-        rank = ctx.axis.rank
         dtypes = {p.dtype for p in packed.params} or {torch.float32}
         assert len(dtypes) == 1, f"one parameter dtype expected, got {dtypes}"
         self.compute_dtype = dtypes.pop()
-        mixed = self.compute_dtype != torch.float32
+        self.masters_in_optimizer = False  # hand_masters_to_optimizer
+        self.meter = StagingMeter()
+        self._segments: dict[int, list[tuple[int, int, int]]] = {}
+        self._build(planner.build())
+        self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
 
+    def _build(self, layout: ShardLayout) -> None:
+        """Every buffer that follows the layout; parameter values are copied from the parameters as they are."""
+        self.layout = layout
+        packed, device, rank = self.packed, self.device, self.ctx.axis.rank
+        mixed = self.compute_dtype != torch.float32
         # Parameters become views of one padded flat buffer (the all-gather destination).
         self.param_flat = torch.zeros(layout.total, dtype=self.compute_dtype, device=device)
         with torch.no_grad():
@@ -63,12 +73,11 @@ class PartitionedStates(FlatLayoutStates):
                 view.copy_(p)
                 p.data = view
         self.master_shard: torch.Tensor | None = None
-        self.masters_in_optimizer = False  # hand_masters_to_optimizer
         if mixed:
             self.master_shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
         self.grad_buffer: FlatGradBuffer | None = None
         self.shard_flat: torch.Tensor | None = None
-        if stage == 1:
+        if self.stage == 1:
             self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
             self.grad_shards = [
                 self.grad_buffer.flat.narrow(0, *_start_len(layout.rank_slice(k, rank)))
@@ -96,12 +105,55 @@ class PartitionedStates(FlatLayoutStates):
             self.group_tensors.setdefault(bucket.group, []).append(tensor)
         if self.grad_buffer is not None:
             self.grad_sync: ReduceScatterGrads | StagedReduceScatter = ReduceScatterGrads(
-                self.grad_buffer, self.grad_shards, ctx
+                self.grad_buffer, self.grad_shards, self.ctx, self.meter
             )
         else:
             assert self.shard_flat is not None
-            self.grad_sync = StagedReduceScatter(packed.params, layout, self.shard_flat, self.grad_shards, ctx)
-        self.reducer = GradReducer(packed.params, packed.names, layout, self.grad_sync, overlap=overlap)
+            self.grad_sync = StagedReduceScatter(
+                packed.params, layout, self.shard_flat, self.grad_shards, self.ctx, self.meter
+            )
+
+    @torch.no_grad()
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        """Before this run's first reduction: move parameter values (by ``_build``), what earlier micro-steps
+        accumulated, the fp32 master shard and the optimizer's states (zero/relayout_state.py; collective)."""
+        assert not self.masters_in_optimizer
+        old_layout, old_tensors, old_master = self.layout, self.bucket_tensors, self.master_shard
+        old_buffer, old_sync = self.grad_buffer, self.grad_sync
+        carry_masters = old_master is not None and self._masters_differ_from_params()
+        self._build(layout)  # masters re-copied from the parameters: all a fresh run needs (no gather)
+        rank = self.ctx.axis.rank
+        if carry_masters:  # a loaded checkpoint's fp32 values, finer than the parameters
+            assert old_master is not None and self.master_shard is not None
+            self.master_shard.copy_(reshard(old_master, old_layout, layout, rank, self._gather))
+        carry_shard_states(optimizer, old_tensors, self.bucket_tensors, old_layout, layout, rank, self._gather)
+        self.tensor_segments()  # refreshed in place for sharded Lamb
+        if old_buffer is not None:
+            assert self.grad_buffer is not None
+            for new_view, old_view in zip(self.grad_buffer.views, old_buffer.views):
+                new_view.copy_(old_view)
+        else:
+            assert isinstance(old_sync, StagedReduceScatter) and isinstance(self.grad_sync, StagedReduceScatter)
+            assert old_sync.shard_flat.count_nonzero() == 0, "stage 2 re-layout after a reduction"
+            self.grad_sync.adopt(old_sync)
+        self.reducer.set_layout(layout, self.grad_sync)
+
+    def _masters_differ_from_params(self) -> bool:
+        """Whether any rank's fp32 master shard holds more than its low-precision parameters (one scalar
+        all-reduce, so every rank takes the same, collective, branch)."""
+        assert self.master_shard is not None
+        rank, differ = self.ctx.axis.rank, False
+        for k, tensor in enumerate(self.bucket_tensors):
+            params = self.param_flat[slice(*self.layout.rank_slice(k, rank))]
+            differ = differ or not torch.equal(tensor, params.float())
+        flag = torch.tensor([float(differ)], device=self.master_shard.device)
+        self.ctx.collectives.all_reduce_max(flag, self.ctx.axis, tag="relayout")
+        return flag.item() > 0
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.ctx.axis.size, dtype=shard.dtype, device=shard.device)
+        self.ctx.collectives.all_gather(out, shard, self.ctx.axis, tag="relayout")
+        return out
 
     def hand_masters_to_optimizer(self) -> TargetSlices | None:
         """Mixed precision with a streamed offload optimizer (which keeps fp32 values in its store): drop the
@@ -154,9 +206,11 @@ class PartitionedStates(FlatLayoutStates):
         return pieces
 
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
-        """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it."""
+        """For each optimizer tensor (by id): the (parameter index, start, end) of every parameter piece in it.
+        Always the same dict, refreshed in place by a re-layout: ZeRO-sharded Lamb keeps it."""
         rank = self.ctx.axis.rank
-        out: dict[int, list[tuple[int, int, int]]] = {}
+        out = self._segments
+        out.clear()
         for k, tensor in enumerate(self.bucket_tensors):
             start, end = self.layout.rank_slice(k, rank)
             pieces = []
@@ -172,7 +226,8 @@ class PartitionedStates(FlatLayoutStates):
 
     @property
     def peak_bucket_bytes(self) -> int:
-        return getattr(self.grad_sync, "peak_staging_bytes", 0)
+        """Staging peak (see [Note: staging memory] in zero/grad_sync.py)."""
+        return self.meter.peak
 
     def grad_sq_sum(self) -> float:
         partial = sum_of_squares(self.grad_shards)

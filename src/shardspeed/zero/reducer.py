@@ -1,4 +1,4 @@
-"""Gradient reduction driven by gradient-ready hooks: the bucket state machine shared by every ZeRO stage.
+"""Gradient reduction driven by gradient-ready hooks: the bucket state machine shared by ZeRO stages 0, 1 and 2.
 
 Protocol for one backward:
   before_backward(sync, final)
@@ -6,7 +6,8 @@ Protocol for one backward:
                            reduction is the last before the optimizer step
   hook(param)            → the stage's GradSync absorbs the gradient; when this backward communicates, the
                            bucket's pending count drops and ready buckets launch *in bucket order*
-                           (see [Note: launch order])
+                           (see [Note: launch order]); with ``max_in_flight`` buckets in flight the oldest is
+                           finished before the next launches (see [Note: bounded reductions])
   after_backward()       → launch buckets whose parameters got no gradient (unused this step: zero gradient),
                            wait for all, let the GradSync finish each bucket (copy back, scale, accumulate).
 What a bucket launch *is* (all-reduce in place, reduce-scatter into a shard, …) is the GradSync's business
@@ -16,11 +17,24 @@ already finished are completed during backward too, so that copy overlaps the re
 
 [Note: launch order] gloo and NCCL match collectives by call order. Gradients become ready in an order that can
 differ between ranks (data-dependent control flow, unused parameters), so a bucket is launched only after every
-lower-numbered bucket has been launched: every rank issues the same sequence of collectives.
+lower-numbered bucket has been launched: every rank issues the same sequence of collectives. For that to overlap
+anything, bucket order must follow the order gradients become ready — which is why the layout is rebuilt from the
+first backward's arrival order ([Note: arrival-order layout] in zero/arrival_order.py). During that first
+("recording") backward nothing is absorbed or launched: the hooks only record the order; after autograd returns,
+``plan_layout`` re-lays the buckets out and the arrivals are replayed in the new bucket order.
+
+[Note: bounded reductions] A launched bucket holds its staging memory until it is finished. Finishing every bucket
+only at the end of backward keeps all of them alive at once (a whole fp32 gradient copy at stage 2), so at most
+``max_in_flight`` buckets are in flight: before launching one more, the oldest is finished (waited for and
+completed), during backward. With gradients arriving in bucket order the staging alive is then at most
+``max_in_flight`` + 1 buckets (the one filling). ``REDUCTIONS_IN_FLIGHT`` = 2, as ZeRO-3's
+REDUCE_SCATTERS_IN_FLIGHT: one bucket's collective runs while the next is launched; more only buys memory.
+``overlap_comm: false`` is a cap of 0: each bucket is finished as it launches.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 from collections.abc import Callable, Sequence
@@ -29,6 +43,7 @@ from typing import Protocol
 import torch
 
 from shardspeed.comm import Work
+from shardspeed.log import logger
 from shardspeed.zero.layout import ShardLayout
 
 
@@ -50,6 +65,9 @@ class BucketState(enum.Enum):
     REDUCED = "reduced"  # this backward's reduced gradient is in place
 
 
+REDUCTIONS_IN_FLIGHT = 2  # see [Note: bounded reductions]
+
+
 class GradReducer:
     """Owns the hooks and the bucket state machine for one engine."""
 
@@ -60,27 +78,43 @@ class GradReducer:
         layout: ShardLayout,
         sync: GradSync,
         overlap: bool = True,
+        max_in_flight: int = REDUCTIONS_IN_FLIGHT,
     ) -> None:
-        self.names = list(names)
-        self.overlap = overlap  # False: each bucket completes before the next launches (one bucket in flight)
-        self.layout = layout
-        self.grad_sync = sync
-        n = len(layout.buckets)
-        self.bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.members}
-        self.state = [BucketState.ACCUMULATING] * n
-        self._pending = [0] * n
-        self._work: list[Work | None] = [None] * n
+        self.params, self.names = list(params), list(names)
+        # overlap False: each bucket completes before the next launches (one bucket in flight)
+        self.max_in_flight = max_in_flight if overlap else 0
         self._arrived: set[int] = set()  # parameters whose gradient arrived in this backward
         self._arrived_since_zero: set[int] = set()  # ... in any backward since gradients were last zeroed
         self._communicate = False
         self._final = False
         self._in_backward = False
         self.on_final: Callable[[int], None] | None = None
-        self._next_launch = 0
+        # plan_layout(order): re-lays the buckets out from the first backward's arrival order (collective; calls
+        # set_layout). None: the layout is fixed (planned already, or a streamed offload optimizer).
+        # Returns whether buckets now follow the agreed arrival order.
+        self.plan_layout: Callable[[list[int]], bool] | None = None
+        self._recording = False
+        self._order: list[int] = []  # arrival order of the recording backward
+        self._last_bucket = -1  # highest bucket that got a gradient in this backward (order-change detection)
+        self._order_changed_logged = False
+        self._planned = False  # plan_layout has run
+        self._inflight: collections.deque[int] = collections.deque()
+        self.set_layout(layout, sync)
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(params)
         ]
+
+    def set_layout(self, layout: ShardLayout, sync: GradSync) -> None:
+        """Adopt a new bucket layout and the GradSync built for it (same parameters, same indices)."""
+        assert not self._inflight, "re-layout with collectives in flight"
+        self.layout, self.grad_sync = layout, sync
+        n = len(layout.buckets)
+        self.bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.members}
+        self.state = [BucketState.ACCUMULATING] * n
+        self._pending = [len(b.members) for b in layout.buckets]
+        self._work: list[Work | None] = [None] * n
+        self._next_launch = 0
 
     def _to(self, bucket: int, new: BucketState, expected: BucketState) -> None:
         assert self.state[bucket] is expected, f"bucket {bucket} is {self.state[bucket]}, expected {expected}"
@@ -90,7 +124,10 @@ class GradReducer:
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._next_launch = True, communicate, 0
         self._final = final and communicate
+        self._recording = self.plan_layout is not None
         self._arrived.clear()
+        self._order.clear()
+        self._last_bucket = -1
         for k, b in enumerate(self.layout.buckets):
             self.state[k], self._pending[k] = BucketState.ACCUMULATING, len(b.members)
 
@@ -101,6 +138,14 @@ class GradReducer:
             self.grad_sync.absorb(index, param)
             return
         self._arrived_since_zero.add(index)
+        if self._recording:  # only the order; absorbed and reduced after the re-layout ([Note: launch order])
+            if index not in self._arrived:
+                self._arrived.add(index)
+                self._order.append(index)
+            return
+        self._receive(index, param)
+
+    def _receive(self, index: int, param: torch.nn.Parameter) -> None:
         bucket = self.bucket_of[index]
         if self._communicate and self.state[bucket] is not BucketState.ACCUMULATING:
             raise RuntimeError(
@@ -111,23 +156,39 @@ class GradReducer:
         if not self._communicate or index in self._arrived:
             return
         self._arrived.add(index)
+        self._note_order(index, bucket)
         self._pending[bucket] -= 1
         self._launch_ready(force=False)
+
+    def _note_order(self, index: int, bucket: int) -> None:
+        """Log once when gradients stop arriving in bucket order after the layout was planned (not re-laid: the
+        layout, masters and optimizer shards stay; only overlap and staging memory suffer)."""
+        if bucket < self._last_bucket and self._planned and not self._order_changed_logged:
+            self._order_changed_logged = True
+            logger.warning(
+                "gradient arrival order changed since the bucket layout was planned (first backward): '%s' arrived "
+                "after a later bucket's gradient; buckets keep their layout, so less communication overlaps backward",
+                self.names[index],
+            )
+        self._last_bucket = max(self._last_bucket, bucket)
 
     def _launch_ready(self, force: bool) -> None:
         while self._next_launch < len(self.state):
             k = self._next_launch
             if self._pending[k] and not force:
-                return
+                break
+            while self._inflight and len(self._inflight) >= self.max_in_flight:  # [Note: bounded reductions]
+                self._finish(self._inflight[0])
             self._to(k, BucketState.REDUCING, BucketState.ACCUMULATING)
             self._work[k] = self.grad_sync.launch(k)
+            self._inflight.append(k)
             self._next_launch += 1
-            if not self.overlap:
+            if self.max_in_flight == 0:  # overlap_comm off
                 self._finish(k)
         if self._final and self.on_final is not None:
-            for k in range(self._next_launch):  # finished collectives: complete them now, not after backward
+            for k in list(self._inflight):  # finished collectives: complete them now, not after backward
                 work = self._work[k]
-                if self.state[k] is BucketState.REDUCING and work is not None and work.done():
+                if work is not None and work.done():
                     self._finish(k)
 
     def _finish(self, k: int) -> None:
@@ -135,31 +196,43 @@ class GradReducer:
         assert work is not None
         work.wait()
         self._work[k] = None
+        self._inflight.remove(k)
         self.grad_sync.complete(k)
         self._to(k, BucketState.REDUCED, BucketState.REDUCING)
         if self._final and self.on_final is not None:
             self.on_final(k)
 
     def after_backward(self) -> None:
-        """End of backward: launch what is left (unused parameters), wait, finish every bucket."""
+        """End of backward: re-lay out after the recording backward, launch what is left (unused parameters),
+        wait, finish every bucket."""
         assert self._in_backward, "after_backward without before_backward"
+        if self._recording:
+            self._recording = False
+            plan, self.plan_layout = self.plan_layout, None
+            assert plan is not None
+            self._planned = plan(list(self._order))  # collective over the data axis; calls set_layout
+            arrived = set(self._arrived)
+            self._arrived.clear()
+            for i in self.layout.placement:  # replay in the new bucket order: buckets fill and launch one by one
+                if i in arrived:
+                    self._receive(i, self.params[i])
         self._in_backward = False
         if not self._communicate:
             return
         self._launch_ready(force=True)
-        for k, state in enumerate(self.state):
-            if state is BucketState.REDUCING:
-                self._finish(k)
+        while self._inflight:
+            self._finish(self._inflight[0])
 
     def abort_backward(self) -> None:
         """Backward raised midway: drain launched collectives so this rank's sequence is not left half-issued."""
         if not self._in_backward:
             return
-        self._in_backward = False
+        self._in_backward = self._recording = False
         for k, work in enumerate(self._work):
             if work is not None:
                 work.wait()
             self._work[k], self.state[k] = None, BucketState.ACCUMULATING
+        self._inflight.clear()
 
     @property
     def reduced(self) -> bool:

@@ -9,11 +9,13 @@ import torch
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.master import MasterWeights
+from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer
-from shardspeed.zero.grad_sync import AllReduceGrads, CommContext
+from shardspeed.zero.grad_sync import AllReduceGrads, CommContext, StagingMeter
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.relayout_state import carry_param_states
 from shardspeed.zero.states import FlatLayoutStates
 
 
@@ -21,17 +23,36 @@ class ReplicatedStates(FlatLayoutStates):
     communicate_every_micro_step = False
 
     def __init__(
-        self, packed: PackedParams, layout: ShardLayout, ctx: CommContext, device: torch.device, overlap: bool
+        self, packed: PackedParams, planner: LayoutPlanner, ctx: CommContext, device: torch.device, overlap: bool
     ) -> None:
-        mixed = any(p.dtype != torch.float32 for p in packed.params)
-        self.layout = layout
-        self.packed = packed
+        self.mixed = any(p.dtype != torch.float32 for p in packed.params)
+        self.packed, self.planner, self.ctx, self.device = packed, planner, ctx, device
         self.rank, self.world = ctx.axis.rank, ctx.axis.size
-        self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
-        self.reducer = GradReducer(
-            packed.params, packed.names, layout, AllReduceGrads(self.grad_buffer, ctx), overlap=overlap
+        self.meter = StagingMeter()
+        self._build(planner.build())
+        self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
+
+    def _build(self, layout: ShardLayout) -> None:
+        self.layout = layout
+        self.grad_buffer = FlatGradBuffer(
+            self.packed.params, layout, torch.float32, as_views=not self.mixed, device=self.device
         )
-        self.master = MasterWeights(packed.params, self.grad_buffer) if mixed else None
+        self.grad_sync = AllReduceGrads(self.grad_buffer, self.ctx, self.meter)
+        # masters copy the model's parameters, which stage 0 never repacks: a re-layout only moves them
+        self.master = MasterWeights(self.packed.params, self.grad_buffer) if self.mixed else None
+
+    @torch.no_grad()
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        old, old_master = self.grad_buffer, self.master
+        self._build(layout)
+        for new_view, old_view in zip(self.grad_buffer.views, old.views):  # gradients of earlier micro-steps
+            new_view.copy_(old_view)
+        if old_master is not None:  # fp32 values (a loaded checkpoint's may differ from the parameters)
+            assert self.master is not None
+            for new_master, old_one in zip(self.master.masters, old_master.masters):
+                new_master.copy_(old_one)
+            carry_param_states(optimizer, list(zip(old_master.masters, self.master.masters)))
+        self.reducer.set_layout(layout, self.grad_sync)
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.master is None:
@@ -39,7 +60,10 @@ class ReplicatedStates(FlatLayoutStates):
         swap = self.master.master_of
         return [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in groups]
 
-    peak_bucket_bytes = 0  # stage 0 reduces the persistent buffer in place
+    @property
+    def peak_bucket_bytes(self) -> int:
+        """Staging peak: 0 with fp32 communication (the persistent buffer is all-reduced in place)."""
+        return self.meter.peak
 
     @property
     def managed_names(self) -> set[str]:

@@ -6,7 +6,11 @@ from typing import Any, Protocol
 
 import torch
 
+from shardspeed.log import logger
+from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, relayout_blocker, swap_optimizer_tensors
+from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import ShardLayout
+from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 
 
@@ -55,9 +59,40 @@ class ModelStates(Protocol):
 
 
 class FlatLayoutStates:
-    """Shared by the stages whose states follow one ShardLayout (0, 1, 2)."""
+    """Shared by the stages whose states follow one ShardLayout (0, 1, 2), including the re-layout from the first
+    backward's gradient arrival order ([Note: arrival-order layout] in zero/arrival_order.py)."""
 
     layout: ShardLayout
+    reducer: GradReducer
+    packed: PackedParams
+    ctx: CommContext
+    planner: LayoutPlanner
+
+    def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild every layout-dependent buffer for ``layout``, moving parameter values, gradients, fp32 masters
+        and the optimizer's states (present when a checkpoint was loaded before the first backward)."""
+        raise NotImplementedError
+
+    def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
+        """The engine's optimizer exists: plan the layout from the first backward if its tensors can be swapped."""
+        blocker = relayout_blocker(optimizer, self.reducer.on_final is not None)
+        if blocker is not None:
+            if self.ctx.axis.rank == 0:
+                logger.info("gradient buckets keep the registration-order layout: %s", blocker)
+            return
+
+        def plan(arrived: list[int]) -> bool:
+            order = agree_on_order(arrived, self.packed.names, self.layout, self.ctx.collectives, self.ctx.axis)
+            layout = self.planner.build(order)
+            if layout != self.layout:
+                self._relayout(layout, optimizer)
+                swap_optimizer_tensors(optimizer, lambda: self.optimizer_groups(groups))
+            return True
+
+        self.reducer.plan_layout = plan
+
+    def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
     @property
     def padded_numel(self) -> int:
