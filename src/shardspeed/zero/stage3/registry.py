@@ -101,6 +101,10 @@ PARTITIONED: WeakIdMap[PartitionedParam] = WeakIdMap()
 EXTERNAL: WeakIdMap[list[weakref.ref[torch.nn.Parameter]]] = WeakIdMap()
 """nn.Module → parameters owned elsewhere that its forward uses (``zero.register_external_parameter``)."""
 
+LEAF_FLAGS: WeakIdMap[bool] = WeakIdMap()
+"""nn.Module → True when flagged a ZeRO-3 leaf by ``shardspeed.utils.set_z3_leaf_modules`` (DeepSpeed sets
+``module._z3_leaf``; keyed by identity here, nothing is written on the module). Read by stage3/leaves.py."""
+
 
 def register_units(states: Any) -> None:
     """Record every parameter of ``states.units`` (a ``Stage3States``) in ``PARTITIONED``."""

@@ -75,6 +75,10 @@ class Stage3Runtime:
         self._handles: list[Any] = []
         self.peak_live_numel = 0
         self._saved_views = SavedViewHooks(self.units)
+        # Units holding a ZeRO-3 leaf (plan.UnitSpec.data_dependent): ranks may get gradients for different subsets
+        # of their parameters, so "all arrived" happens at different points per rank; they are reduced with the
+        # leftovers after autograd returns (in unit order, the same on every rank).
+        self.reduce_after_backward: set[int] = set()
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
@@ -196,17 +200,21 @@ class Stage3Runtime:
             )
         grads.absorb(i, param)
         if self._communicate and grads.complete:
-            grads.launch()
-            self._launched.append(u)
-            # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
-            # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
-            while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
-                self._finish_grads(self._launched[self._finished_count])
-                self._finished_count += 1
+            if u not in self.reduce_after_backward:
+                self._launch(u)
             unit = self.units[u]
             frozen_inside = len(grads.trainable) < len(unit.params)
             if not unit.persistent and not frozen_inside:
                 unit.release()
+
+    def _launch(self, u: int) -> None:
+        self.grads[u].launch()
+        self._launched.append(u)
+        # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
+        # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
+        while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish_grads(self._launched[self._finished_count])
+            self._finished_count += 1
 
     def _finish_grads(self, u: int) -> None:
         """Wait for unit ``u``'s reduce-scatter; in a final backward, hand its reduced shard to ``on_final`` (once:
