@@ -28,7 +28,13 @@ import torch
 from shardspeed.zero.stage3.registry import LEAF_FLAGS
 
 _MAX_LEAF_NUMEL = 1_000_000_000  # DeepSpeed's Z3_MAX_LEAF_SIZE: a huge leaf would be gathered whole at once
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ParameterList, torch.nn.ParameterDict)
+_CONTAINERS = (
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.Sequential,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
 
 
 def qualified_class_name(module: torch.nn.Module) -> str:
@@ -118,8 +124,7 @@ def leaf_paths(
     suffixes = list(name_suffixes)
     chosen = set(wanted_names) | set(granularity_leaves(module, granularity_threshold))
     for path, m in modules.items():
-        if LEAF_FLAGS.get(m) or any(class_matches(m, c) for c in classes):
-            chosen.add(path)
-        elif path and any(path == s or path.endswith(f".{s}") for s in suffixes):
+        by_suffix = bool(path) and any(path == s or path.endswith(f".{s}") for s in suffixes)
+        if by_suffix or LEAF_FLAGS.get(m) or any(class_matches(m, c) for c in classes):
             chosen.add(path)
     return [path for path in modules if path in chosen]
