@@ -39,9 +39,10 @@ class PlaceholderWriteGuard:
     def __init__(self, units: Sequence[ParamUnit], module: torch.nn.Module) -> None:
         self.units = list(units)
         self._versions: list[list[int]] = [[p._version for p in u.params] for u in self.units]
+        eager = torch.compiler.disable  # [Note: hooks run eagerly under torch.compile] in runtime.py
         self._handles = [
-            module.register_forward_pre_hook(self._check),
-            module.register_forward_hook(self._after_forward),
+            module.register_forward_pre_hook(eager(self._check)),
+            module.register_forward_hook(eager(self._after_forward)),
         ]
 
     def accept(self, unit: ParamUnit) -> None:

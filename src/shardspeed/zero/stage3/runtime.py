@@ -88,13 +88,19 @@ class Stage3Runtime:
             needs.setdefault(path, []).append(unit)
         for path, units in foreign.items():
             needs.setdefault(path, []).extend(u for u in units if u not in needs.get(path, []))
+        # [Note: hooks run eagerly under torch.compile] Every forward hook is excluded from tracing: a compiled model
+        # (torch.compile(model) before or after initialize) graph-breaks at each hook, which then gathers, releases
+        # and wraps outputs eagerly, and the module bodies between hooks are compiled with whole parameters as graph
+        # inputs (as FSDP2 keeps its collectives outside compiled regions). Traced, the hooks' ``p.data`` swaps
+        # would be baked into the graph: "size of tensor a (0) must match" in backward.
+        eager = torch.compiler.disable
         for path, unit_ids in needs.items():
             m = modules[path]
             ids = tuple(unit_ids)
-            self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, ids)))
-            self._handles.append(m.register_forward_hook(functools.partial(self._post_forward, ids)))
-        self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
-        self._handles.append(module.register_forward_hook(self._root_post_forward))
+            self._handles.append(m.register_forward_pre_hook(eager(functools.partial(self._pre_forward, ids))))
+            self._handles.append(m.register_forward_hook(eager(functools.partial(self._post_forward, ids))))
+        self._handles.append(module.register_forward_pre_hook(eager(self._root_pre_forward)))
+        self._handles.append(module.register_forward_hook(eager(self._root_post_forward)))
         for u, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
                 if p.requires_grad:
