@@ -54,19 +54,26 @@ class PlaceholderWriteGuard:
             self.accept(unit)
 
     def _check(self, module: torch.nn.Module, args: Any) -> None:
-        for unit, versions in zip(self.units, self._versions):
-            for p, name, seen in zip(unit.params, unit.names, versions):
-                if p._version != seen:
-                    self.accept(unit)  # raise once, not again at every later forward
-                    raise PlaceholderWriteError(
-                        f"ZeRO-3 parameter '{name}' (unit '{unit.name}') was modified in place outside a gathered "
-                        "block since the last forward (e.g. engine.module.apply(init_fn) or torch.nn.init on it after "
-                        "shardspeed.initialize). Under ZeRO-3 a parameter is an empty placeholder between uses, so "
-                        "the write changed nothing. Use shardspeed.zero.apply(engine.module, init_fn) (gathers each "
-                        "module's parameters around init_fn and keeps rank 0's result), or edit inside "
-                        "shardspeed.zero.GatheredParameters(params, modifier_rank=0). Set "
-                        "zero_optimization.override_module_apply to false to skip this check."
-                    )
+        written = [
+            f"'{name}' (unit '{unit.name}')"
+            for unit, versions in zip(self.units, self._versions)
+            for p, name, seen in zip(unit.params, unit.names, versions)
+            if p._version != seen
+        ]
+        if not written:
+            return
+        for unit in self.units:
+            self.accept(unit)  # raise once, not again at every later forward
+        more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+        raise PlaceholderWriteError(
+            f"ZeRO-3 parameters {', '.join(written[:3])}{more} were modified in place outside a gathered block "
+            "since the last forward (e.g. engine.module.apply(init_fn) or torch.nn.init on them after "
+            "shardspeed.initialize). Under ZeRO-3 a parameter is an empty placeholder between uses (small persistent "
+            "ones are copies the optimizer step overwrites), so the write was lost. Use "
+            "shardspeed.zero.apply(engine.module, init_fn) (gathers each module's parameters around init_fn and keeps "
+            "rank 0's result), or edit inside shardspeed.zero.GatheredParameters(params, modifier_rank=0). Set "
+            "zero_optimization.override_module_apply to false to skip this check."
+        )
 
     def remove(self) -> None:
         for h in self._handles:
