@@ -96,6 +96,7 @@ def _config(kind: str, **zero: object) -> dict:
 
 HOW = {
     "set_z3_leaf_modules": {},
+    "zero_init": {},  # built under zero.Init (meta device), flagged before initialize
     "config_classes": {"leaf_module": {"classes": ["MoE"]}},
     "config_names": {"leaf_module": {"names": ["moe"]}},
     "granularity_threshold": {"stage3_module_granularity_threshold": THRESHOLD},
@@ -104,8 +105,13 @@ HOW = {
 
 
 def _train(rank: int, world: int, how: str, kind: str) -> dict:
-    model = make_net()
-    if how == "set_z3_leaf_modules":
+    if how == "zero_init":
+        torch.manual_seed(0)
+        with shardspeed.zero.Init():
+            model = Net()
+    else:
+        model = make_net()
+    if how in ("set_z3_leaf_modules", "zero_init"):
         set_z3_leaf_modules(model, [MoE])
     engine, *_ = shardspeed.initialize(model=model, config=_config(kind, **HOW[how]))
     for x, y in batches(world):
@@ -142,6 +148,7 @@ def _reference(kind: str, world: int) -> dict[str, torch.Tensor]:
         ("config_classes", "adamw"),
         ("config_names", "sgd"),
         ("granularity_threshold", "adamw"),
+        ("zero_init", "sgd"),
     ],
 )
 def test_moe_leaf_trains_with_parity(dist_run, how: str, kind: str) -> None:

@@ -79,7 +79,8 @@ class Stage3Options(ConfigModel):
 
     model_persistence_threshold: NonNegativeInt = sys.maxsize
     """Upper bound on the total elements kept unpartitioned by ``param_persistence_threshold`` (alias
-    ``stage3_model_persistence_threshold``). DeepSpeed default: sys.maxsize (no bound)."""
+    ``stage3_model_persistence_threshold``): small parameters join the persistent unit in registration order while
+    the total fits; the rest are partitioned with their module. DeepSpeed default: sys.maxsize (no bound)."""
 
     max_live_parameters: NonNegativeInt = 1_000_000_000
     """Gathered parameter elements allowed per rank before releasing some (alias
@@ -95,8 +96,9 @@ class Stage3Options(ConfigModel):
     DeepSpeed default: false."""
 
     module_granularity_threshold: NonNegativeInt = 0
-    """Modules with fewer parameter elements per descendant than this are fetched as one unit (alias
-    ``stage3_module_granularity_threshold``). DeepSpeed default: 0 (off)."""
+    """Modules whose granularity (parameter elements per layer of their subtree, DeepSpeed's rule) is at most this
+    become leaves, parents first: their subtree is fetched as one unit (alias ``stage3_module_granularity_threshold``;
+    ``shardspeed.zero.stage3.leaves``). DeepSpeed default: 0 (off)."""
 
     use_all_reduce_for_fetch_params: bool = False
     """Fetch parameters with all-reduce instead of all-gather (alias
@@ -114,7 +116,10 @@ class Stage3Options(ConfigModel):
     """Use DeepSpeed's memory-efficient linear autograd function under stage 3. DeepSpeed default: true."""
 
     override_module_apply: bool = True
-    """Gather parameters around ``nn.Module.apply`` calls under stage 3. DeepSpeed default: true."""
+    """DeepSpeed gathers parameters around ``nn.Module.apply`` under stage 3. shardspeed patches no module: true makes
+    an in-place write to a partitioned parameter outside a gathered block (``engine.module.apply(init_fn)`` after
+    ``initialize``) raise at the next forward, pointing to ``shardspeed.zero.apply``; false skips that check.
+    DeepSpeed default: true."""
 
     pipeline_loading_checkpoint: bool = False
     """Load checkpoints in pipeline mode under stage 3. DeepSpeed default: false."""
