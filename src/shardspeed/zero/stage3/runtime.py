@@ -92,7 +92,8 @@ class Stage3Runtime:
         # (torch.compile(model) before or after initialize) graph-breaks at each hook, which then gathers, releases
         # and wraps outputs eagerly, and the module bodies between hooks are compiled with whole parameters as graph
         # inputs (as FSDP2 keeps its collectives outside compiled regions). Traced, the hooks' ``p.data`` swaps
-        # would be baked into the graph: "size of tensor a (0) must match" in backward.
+        # would be baked into the graph: "size of tensor a (0) must match" in backward. (The wrapper imports
+        # torch._dynamo once per process: a few seconds at the first ZeRO-3 initialize.)
         eager = torch.compiler.disable
         for path, unit_ids in needs.items():
             m = modules[path]
