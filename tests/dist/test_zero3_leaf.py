@@ -215,3 +215,21 @@ def _flag_after_initialize(rank: int, world: int) -> str:
 def test_flagging_after_initialize_is_an_error(dist_run) -> None:
     for message in dist_run(_flag_after_initialize, 2):
         assert message.startswith("RuntimeError: set_z3_leaf_modules on MoE after shardspeed.initialize()")
+
+
+class _TiedInsideLeaf(torch.nn.Module):
+    """An expert inside the MoE layer uses a weight owned by a module outside it (registered first: it owns it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(2 * D, D)
+        self.moe = MoE()
+        self.moe.experts[3].down.weight = self.out.weight
+
+
+def test_tied_weight_inside_a_leaf_is_gathered_around_the_leaf() -> None:
+    """The expert may not run on every rank, so the other unit is gathered around the whole leaf, not the expert."""
+    plain = plan_units(_TiedInsideLeaf(), 0)
+    assert plain.foreign == {"moe.experts.3.down": [plain.roots["out"]]}
+    leaf = plan_units(_TiedInsideLeaf(), 0, ["moe"])
+    assert leaf.foreign == {"moe": [leaf.roots["out"]]}

@@ -136,8 +136,18 @@ def plan_units(
             if unit != enclosing and unit != persistent_index and unit not in needed:
                 needed.append(unit)
         if needed:
-            foreign[path] = needed
+            hooked = foreign.setdefault(hook_path(path, units, roots), [])
+            hooked.extend(u for u in needed if u not in hooked)
     return UnitPlan(units, roots, foreign, owner)
+
+
+def hook_path(path: str, units: list[UnitSpec], roots: dict[str, int]) -> str:
+    """Where a module's extra gathers (tied or external parameters) hook: the module itself, unless it sits inside a
+    leaf's unit — its children may not run on every rank, so the gather goes around the whole leaf instead."""
+    enclosing = _enclosing_root(path, roots)
+    if enclosing is not None and units[enclosing].data_dependent:
+        return units[enclosing].name
+    return path
 
 
 def _within(path: str, root: str) -> bool:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from shardspeed.zero.stage3.plan import UnitPlan, _enclosing_root
+from shardspeed.zero.stage3.plan import UnitPlan, _enclosing_root, hook_path
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
@@ -154,6 +154,6 @@ def merge_external_parameters(module: torch.nn.Module, plan: UnitPlan) -> None:
             unit = plan.owner[name]
             if unit == plan.persistent or unit == _enclosing_root(path, plan.roots):
                 continue  # whole anyway, or gathered around this module already
-            needed = plan.foreign.setdefault(path, [])
+            needed = plan.foreign.setdefault(hook_path(path, plan.units, plan.roots), [])
             if unit not in needed:
                 needed.append(unit)
