@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # ZeRO-3 registers its hooks through torch.compiler.disable, which imports dynamo (seconds)
 import torch.distributed
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -5,7 +5,8 @@ Pipeline, each stage raising one ConfigError that lists all the problems it foun
 2. ``normalize``: key names (unknown keys, aliases, "auto", DeepSpeed keys we ignore or reject);
 3. ``resolve_batch_sizes``: infer the missing batch keys for the data-parallel world size;
 4. pydantic: value types and ranges, plus each section's cross-field rules; its errors are rewritten
-   with our key paths (never shown raw);
+   with our key paths (never shown raw); then ``effects.py``: keys set to a value with no effect here warn
+   (once, in ``warnings``) or are refused;
 5. the optimizer and scheduler modules check their own ``params``.
 
 It is a pure function of ``(config, dp_world_size)``: every rank that parses the same config gets the
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from .base import InvalidValue, problems_message, show
 from .batch import GAS, MICRO, TBS, resolve_batch_sizes
+from .effects import check_field_effects
 from .errors import ConfigError
 from .normalize import normalize
 from .root import ShardSpeedConfig
@@ -56,6 +58,11 @@ def load_config(config: ConfigSource, *, dp_world_size: int) -> ShardSpeedConfig
         parsed = ShardSpeedConfig.model_validate(data)
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error, normalized.spellings)) from None
+    warnings, problems = check_field_effects(parsed)
+    if problems:
+        raise ConfigError(problems_message(problems))
+    if warnings:
+        parsed = parsed.model_copy(update={"warnings": [*parsed.warnings, *warnings]})
     return _with_validated_params(parsed)
 
 

@@ -1,8 +1,9 @@
 """``zero_optimization.offload_optimizer`` / ``offload_param``: DeepSpeed's CPU / NVMe offload settings.
 
 Every DeepSpeed key is accepted with DeepSpeed's default so real configs parse. ``offload_optimizer`` with
-device "cpu" or "nvme" runs (``shardspeed.offload.optimizer``); ``super_offload`` (logged when set),
-``convert_grad_on_cpu`` and ``cpuadam_cores_perc`` (DeepSpeed's superchip path) have no effect here.
+device "cpu" or "nvme" runs (``shardspeed.offload.optimizer``); ``super_offload``,
+``convert_grad_on_cpu`` and ``cpuadam_cores_perc`` (DeepSpeed's superchip path) have no effect here: set to a
+non-default value, each is one warning (``effects.py``).
 ``offload_param`` with device "cpu" or "nvme" runs with ZeRO stage 3 (``shardspeed.zero.stage3.param_offload``;
 fp32 needs a streamed ``offload_optimizer`` when it moves anything); every key is read, ``buffer_count`` /
 ``buffer_size`` / ``max_in_cpu`` only when shards go to NVMe.

@@ -7,7 +7,7 @@ All keys are accepted so real configs parse, but a config may only *use* what sh
   offload_param devices likewise, stage 3 only (bf16/fp16 is checked by the engine, see zero/stage3/param_offload.py);
 - the keys in ``ZeroConfig.NOT_YET_SUPPORTED`` (ZeRO++, MiCS, ZenFlow: they change the numbers that are
   communicated or when updates are applied) must stay at their "off" values.
-The remaining keys are communication / memory tuning knobs with no effect on the result.
+What every other key does (acts, warns once when set, or is refused) is declared in ``effects.py``.
 """
 
 from __future__ import annotations

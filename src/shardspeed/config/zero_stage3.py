@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import ConfigModel, NonNegativeInt
 
@@ -29,6 +29,36 @@ STAGE3_ALIASES: Mapping[str, str] = {
     "stage3_allgather_sequential": "allgather_sequential",
     "stage3_partition_stream_chunk_size": "partition_stream_chunk_size",
 }
+
+
+DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed's default ``leaf_module.classes``: Hugging Face's sparse MoE blocks, whose experts run data-dependently."""
+
+
+class LeafModuleConfig(ConfigModel):
+    """``zero_optimization.leaf_module``: modules stage 3 treats as leaves (DeepSpeed's schema). A module matching
+    any entry is a leaf; see ``shardspeed.utils.set_z3_leaf_modules`` for the same in code."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Class names, bare (``"MoELayer"``) or fully qualified (``"my_pkg.model.MoELayer"``). DeepSpeed default:
+    the Mixtral / Qwen2-MoE / Qwen3-MoE sparse blocks."""
+
+    names: list[str] = Field(default_factory=list)
+    """Module paths as in ``model.named_modules()`` (``"layers.3.mlp"``); a path the model lacks is an error.
+    DeepSpeed default: []."""
+
+    name_suffixes: list[str] = Field(default_factory=list)
+    """Path endings: ``"mlp"`` matches ``layers.0.mlp``, ``layers.1.mlp``… DeepSpeed default: []."""
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, value: Any) -> Any:
+        # DeepSpeed accepts a single string for each list
+        return [value] if isinstance(value, str) else value
 
 
 class Stage3Options(ConfigModel):
@@ -49,7 +79,8 @@ class Stage3Options(ConfigModel):
 
     model_persistence_threshold: NonNegativeInt = sys.maxsize
     """Upper bound on the total elements kept unpartitioned by ``param_persistence_threshold`` (alias
-    ``stage3_model_persistence_threshold``). DeepSpeed default: sys.maxsize (no bound)."""
+    ``stage3_model_persistence_threshold``): small parameters join the persistent unit in registration order while
+    the total fits; the rest are partitioned with their module. DeepSpeed default: sys.maxsize (no bound)."""
 
     max_live_parameters: NonNegativeInt = 1_000_000_000
     """Gathered parameter elements allowed per rank before releasing some (alias
@@ -65,8 +96,9 @@ class Stage3Options(ConfigModel):
     DeepSpeed default: false."""
 
     module_granularity_threshold: NonNegativeInt = 0
-    """Modules with fewer parameter elements per descendant than this are fetched as one unit (alias
-    ``stage3_module_granularity_threshold``). DeepSpeed default: 0 (off)."""
+    """Modules whose granularity (parameter elements per layer of their subtree, DeepSpeed's rule) is at most this
+    become leaves, parents first: their subtree is fetched as one unit (alias ``stage3_module_granularity_threshold``;
+    ``shardspeed.zero.stage3.leaves``). DeepSpeed default: 0 (off)."""
 
     use_all_reduce_for_fetch_params: bool = False
     """Fetch parameters with all-reduce instead of all-gather (alias
@@ -84,7 +116,10 @@ class Stage3Options(ConfigModel):
     """Use DeepSpeed's memory-efficient linear autograd function under stage 3. DeepSpeed default: true."""
 
     override_module_apply: bool = True
-    """Gather parameters around ``nn.Module.apply`` calls under stage 3. DeepSpeed default: true."""
+    """DeepSpeed gathers parameters around ``nn.Module.apply`` under stage 3. shardspeed patches no module: true makes
+    an in-place write to a partitioned parameter outside a gathered block (``engine.module.apply(init_fn)`` after
+    ``initialize``) raise at the next forward, pointing to ``shardspeed.zero.apply``; false skips that check.
+    DeepSpeed default: true."""
 
     pipeline_loading_checkpoint: bool = False
     """Load checkpoints in pipeline mode under stage 3. DeepSpeed default: false."""
@@ -98,6 +133,6 @@ class Stage3Options(ConfigModel):
     save_muon_momentum_buffer_in_memory: bool = False
     """Keep Muon's momentum in memory instead of swapping it to NVMe. DeepSpeed default: false."""
 
-    leaf_module: dict[str, Any] = Field(default_factory=dict)
-    """Modules whose parameters stage 3 gathers as one unit (DeepSpeed's ``leaf_module`` section,
-    kept as given). DeepSpeed default: none."""
+    leaf_module: LeafModuleConfig = Field(default_factory=lambda: LeafModuleConfig())
+    """ZeRO-3 leaf modules: each one's whole subtree is one unit, gathered around its forward, its children
+    unhooked (mixture-of-experts layers; see ``shardspeed.zero.stage3.leaves``). DeepSpeed's section."""

@@ -7,7 +7,6 @@ from collections.abc import Callable
 import torch
 
 from shardspeed.config.offload import OffloadOptimizerConfig
-from shardspeed.log import logger
 
 from .aio_config import AioSettings
 from .host_store import HostStore
@@ -37,11 +36,6 @@ def offload_optimizer(
     stage handed its fp32 masters over (``StreamedAdam``).
     """
     device = offload.device
-    if offload.super_offload and rank == 0:
-        logger.warning(
-            "zero_optimization.offload_optimizer.super_offload = true is ignored: shardspeed has no SuperOffload "
-            "(superchip) path; the standard offload runs (same numerics)"
-        )
     if device == "none" or (device == "cpu" and not _has_accelerator(inner) and not values_in_store):
         return inner
     check_streamable(inner)

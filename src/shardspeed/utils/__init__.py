@@ -1,4 +1,5 @@
-"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32``.
+"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32`` and the
+ZeRO-3 leaf-module flags (``set_z3_leaf_modules``…).
 
 Imported lazily, so ``import shardspeed.utils`` does not load torch until one of them is used.
 """
@@ -12,6 +13,18 @@ _EXPORTS = {
     "get_fp32_state_dict_from_zero_checkpoint": "shardspeed.checkpoint.consolidate",
     "load_state_dict_from_zero_checkpoint": "shardspeed.checkpoint.consolidate",
     "convert_zero_checkpoint_to_fp32_state_dict": "shardspeed.checkpoint.consolidate",
+    **{
+        name: "shardspeed.utils.z3_leaf_module"
+        for name in (
+            "get_z3_leaf_modules",
+            "set_z3_leaf_module",
+            "set_z3_leaf_modules",
+            "set_z3_leaf_modules_by_name",
+            "unset_z3_leaf_modules",
+            "z3_leaf_module",
+            "z3_leaf_parameter",
+        )
+    },
 }
 
 __all__ = list(_EXPORTS)
@@ -24,6 +37,10 @@ def __getattr__(name: str) -> Any:
             return importlib.import_module(f"shardspeed.utils.{name}")
         except ModuleNotFoundError:
             raise AttributeError(f"module 'shardspeed.utils' has no attribute '{name}'") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    loaded = importlib.import_module(module)
+    # Bind every export of that module now: importing ``shardspeed.utils.z3_leaf_module`` sets the package attribute
+    # ``z3_leaf_module`` to the submodule, which must not shadow the function of the same name (DeepSpeed's too).
+    for export, home in _EXPORTS.items():
+        if home == module:
+            globals()[export] = getattr(loaded, export)
+    return globals()[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.config import ZeroConfig
-from shardspeed.zero.api import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
+from shardspeed.zero.api import GatheredParameters, Init, apply, full_numel, full_shape, register_external_parameter
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.param_groups import PackedParams
@@ -21,6 +21,9 @@ def build_model_states(
 
     stage, overlap = zero.stage, zero.overlap_comm
     if stage == 3:
+        from shardspeed.zero.stage3.leaves import leaf_paths
+
+        leaf = zero.leaf_module
         return Stage3States(
             module,
             dict(zip(packed.names, packed.groups)),
@@ -30,6 +33,15 @@ def build_model_states(
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
             device=device,
+            leaves=leaf_paths(
+                module,
+                classes=leaf.classes,
+                names=leaf.names,
+                name_suffixes=leaf.name_suffixes,
+                granularity_threshold=zero.module_granularity_threshold,
+            ),
+            model_persistence_threshold=zero.model_persistence_threshold,
+            guard_placeholders=zero.override_module_apply,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
     # by both sizes.
@@ -48,6 +60,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ModelStates",
+    "apply",
     "build_model_states",
     "full_numel",
     "full_shape",

@@ -86,6 +86,10 @@ class GatheredParameters:
                 if unit.state is not UnitState.SHARDED:
                     unit.release()
                 unit.evict_shard()  # offload_param: an edited shard goes back to its store (no-op otherwise)
+            for unit, record in self._units:  # writes inside the block were made on whole parameters
+                guard = getattr(record.states_ref(), "placeholder_guard", None)
+                if guard is not None:
+                    guard.accept(unit)
             self._units, self._gathered = [], []
 
     @torch.no_grad()

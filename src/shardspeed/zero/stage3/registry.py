@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from shardspeed.zero.stage3.plan import UnitPlan, _enclosing_root
+from shardspeed.zero.stage3.plan import UnitPlan, _enclosing_root, hook_path
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
@@ -101,6 +101,10 @@ PARTITIONED: WeakIdMap[PartitionedParam] = WeakIdMap()
 EXTERNAL: WeakIdMap[list[weakref.ref[torch.nn.Parameter]]] = WeakIdMap()
 """nn.Module → parameters owned elsewhere that its forward uses (``zero.register_external_parameter``)."""
 
+LEAF_FLAGS: WeakIdMap[bool] = WeakIdMap()
+"""nn.Module → True when flagged a ZeRO-3 leaf by ``shardspeed.utils.set_z3_leaf_modules`` (DeepSpeed sets
+``module._z3_leaf``; keyed by identity here, nothing is written on the module). Read by stage3/leaves.py."""
+
 
 def register_units(states: Any) -> None:
     """Record every parameter of ``states.units`` (a ``Stage3States``) in ``PARTITIONED``."""
@@ -150,6 +154,6 @@ def merge_external_parameters(module: torch.nn.Module, plan: UnitPlan) -> None:
             unit = plan.owner[name]
             if unit == plan.persistent or unit == _enclosing_root(path, plan.roots):
                 continue  # whole anyway, or gathered around this module already
-            needed = plan.foreign.setdefault(path, [])
+            needed = plan.foreign.setdefault(hook_path(path, plan.units, plan.roots), [])
             if unit not in needed:
                 needed.append(unit)

@@ -75,6 +75,10 @@ class Stage3Runtime:
         self._handles: list[Any] = []
         self.peak_live_numel = 0
         self._saved_views = SavedViewHooks(self.units)
+        # Units holding a ZeRO-3 leaf (plan.UnitSpec.data_dependent): ranks may get gradients for different subsets
+        # of their parameters, so "all arrived" happens at different points per rank; they are reduced with the
+        # leftovers after autograd returns (in unit order, the same on every rank).
+        self.reduce_after_backward: set[int] = set()
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
@@ -84,13 +88,20 @@ class Stage3Runtime:
             needs.setdefault(path, []).append(unit)
         for path, units in foreign.items():
             needs.setdefault(path, []).extend(u for u in units if u not in needs.get(path, []))
+        # [Note: hooks run eagerly under torch.compile] Every forward hook is excluded from tracing: a compiled model
+        # (torch.compile(model) before or after initialize) graph-breaks at each hook, which then gathers, releases
+        # and wraps outputs eagerly, and the module bodies between hooks are compiled with whole parameters as graph
+        # inputs (as FSDP2 keeps its collectives outside compiled regions). Traced, the hooks' ``p.data`` swaps
+        # would be baked into the graph: "size of tensor a (0) must match" in backward. (The wrapper imports
+        # torch._dynamo once per process: a few seconds at the first ZeRO-3 initialize.)
+        eager = torch.compiler.disable
         for path, unit_ids in needs.items():
             m = modules[path]
             ids = tuple(unit_ids)
-            self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, ids)))
-            self._handles.append(m.register_forward_hook(functools.partial(self._post_forward, ids)))
-        self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
-        self._handles.append(module.register_forward_hook(self._root_post_forward))
+            self._handles.append(m.register_forward_pre_hook(eager(functools.partial(self._pre_forward, ids))))
+            self._handles.append(m.register_forward_hook(eager(functools.partial(self._post_forward, ids))))
+        self._handles.append(module.register_forward_pre_hook(eager(self._root_pre_forward)))
+        self._handles.append(module.register_forward_hook(eager(self._root_post_forward)))
         for u, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
                 if p.requires_grad:
@@ -196,17 +207,21 @@ class Stage3Runtime:
             )
         grads.absorb(i, param)
         if self._communicate and grads.complete:
-            grads.launch()
-            self._launched.append(u)
-            # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
-            # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
-            while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
-                self._finish_grads(self._launched[self._finished_count])
-                self._finished_count += 1
+            if u not in self.reduce_after_backward:
+                self._launch(u)
             unit = self.units[u]
             frozen_inside = len(grads.trainable) < len(unit.params)
             if not unit.persistent and not frozen_inside:
                 unit.release()
+
+    def _launch(self, u: int) -> None:
+        self.grads[u].launch()
+        self._launched.append(u)
+        # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
+        # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
+        while len(self._launched) - self._finished_count > REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish_grads(self._launched[self._finished_count])
+            self._finished_count += 1
 
     def _finish_grads(self, u: int) -> None:
         """Wait for unit ``u``'s reduce-scatter; in a final backward, hand its reduced shard to ``on_final`` (once:

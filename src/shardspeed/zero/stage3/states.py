@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
+from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
@@ -50,9 +51,15 @@ class Stage3States:
         max_live_numel: int,
         max_reuse_distance: int,
         device: torch.device | None = None,
+        leaves: Sequence[str] = (),
+        model_persistence_threshold: int | None = None,
+        guard_placeholders: bool = True,
     ) -> None:
+        """``leaves``: module paths gathered whole as one unit each (leaves.py). ``model_persistence_threshold``:
+        cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
+        partitioned parameter was written in place (apply_guard.py; ``override_module_apply``)."""
         self.ctx = ctx
-        plan = plan_units(module, persistence_threshold)
+        plan = plan_units(module, persistence_threshold, leaves, model_persistence_threshold)
         merge_external_parameters(module, plan)
         no_group = max(group_of.values(), default=-1) + 1
         unit_names = [u.name for u in plan.units]
@@ -101,6 +108,9 @@ class Stage3States:
             names=list(named),
         )
         self.reducer.attach(module, plan.roots, plan.foreign)
+        # leaf units: which parameters get gradients differs between ranks, so reduce them after backward
+        self.reducer.reduce_after_backward = {i for i, spec in enumerate(plan.units) if spec.data_dependent}
+        self.leaf_units = [spec.name for spec in plan.units if spec.data_dependent]
         mixed = any(u.dtype != torch.float32 for u in self.units)
         self.mixed = mixed
         self.masters: list[torch.Tensor | None] = [u.shard.float() if mixed else None for u in self.units]
@@ -150,6 +160,7 @@ class Stage3States:
         self.param_offloader: ParamOffloader | None = None
         self.stepped_access: ShardSlices | None = None  # fp32 offload_param: where the stand-ins' values are
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
+        self.placeholder_guard = PlaceholderWriteGuard(self.units, module) if guard_placeholders else None
 
     # --- ModelStates interface -----------------------------------------------------------------------------
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -316,10 +327,13 @@ class Stage3States:
             self.group_tensors[group] = [replaced.get(id(t), t) for t in tensors]
 
     def close(self) -> None:
-        """Release offload storage (the parameter swap file); the engine calls it from ``destroy``."""
+        """Release offload storage (the parameter swap file) and the placeholder guard's hooks; the engine calls it
+        from ``destroy``."""
         if self.param_offloader is not None:
             self.param_offloader.close()
             self.param_offloader = None
+        if self.placeholder_guard is not None:
+            self.placeholder_guard.remove()
 
     def zero_grads(self) -> None:
         self.reducer.zero()

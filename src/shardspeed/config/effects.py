@@ -1,0 +1,211 @@
+"""What every key of the typed config does in shardspeed: it *acts*, it *warns* (accepted, no effect, and it
+cannot change numerics or model-state memory: one warning when set to a non-default value), or it is *refused*
+(a non-default value is a ConfigError naming the key and the missing feature).
+
+Why a table: a DeepSpeed config is accepted key by key, and a key that parses but silently does nothing trains
+something other than what its author planned (issue: ``override_module_apply``, ``leaf_module`` and ~18 others
+were accepted and ignored). ``FIELD_EFFECTS`` names every field of every section (tests/unit/
+test_config_keys_effect.py fails when a field is added without an entry), says why, and for warn/refuse entries
+gives a non-default ``example`` the test uses. Keys that are not fields (monitors, DeepSpeed features not
+implemented) are in keys.py's ``IGNORED_KEYS`` / ``UNSUPPORTED_KEYS``; refusals enforced by a section's own
+validator (ZeRO++, MiCS, old offload spellings) are listed here as ``refused`` too, with ``by_validator=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .base import show
+
+if TYPE_CHECKING:
+    from .root import ShardSpeedConfig
+
+Kind = Literal["acts", "warns", "refused"]
+
+
+@dataclass(frozen=True)
+class Effect:
+    kind: Kind
+    why: str
+    """acts: what reads it; warns/refused: why it has no effect here / what feature is missing."""
+    example: Any = None
+    """warns/refused: a valid non-default value (tests set it and expect the warning / the error)."""
+    by_validator: bool = False
+    """refused by the section's own validator (zero.py), not by ``check_field_effects``."""
+    falsy_is_off: bool = False
+    """Any false-like value (false, null) leaves the feature off, not only the default."""
+
+
+def _acts(why: str) -> Effect:
+    return Effect("acts", why)
+
+
+def _warns(why: str, example: Any) -> Effect:
+    return Effect("warns", why, example)
+
+
+def _refused(why: str, example: Any, by_validator: bool = False) -> Effect:
+    return Effect("refused", why, example, by_validator)
+
+
+_Z = "zero_optimization"
+_PERF = "a performance knob: the values computed are the same"
+
+FIELD_EFFECTS: Mapping[str, Effect] = {
+    # --- batch, optimizer, schedule, precision --------------------------------------------------------------------
+    "train_batch_size": _acts("batch inference (batch.py), data loader"),
+    "train_micro_batch_size_per_gpu": _acts("batch inference, data loader"),
+    "gradient_accumulation_steps": _acts("engine: loss scaling by 1/GAS and the step boundary"),
+    "optimizer.type": _acts("optim/build.py"),
+    "optimizer.params": _acts("optim/build.py"),
+    "scheduler.type": _acts("schedulers/build.py"),
+    "scheduler.params": _acts("schedulers/build.py"),
+    "gradient_clipping": _acts("engine step: clip coefficient"),
+    "fp16.enabled": _acts("compute dtype, loss scaler"),
+    "fp16.auto_cast": _acts("engine forward casts inputs"),
+    "fp16.loss_scale": _acts("LossScaler"),
+    "fp16.initial_scale_power": _acts("LossScaler"),
+    "fp16.loss_scale_window": _acts("LossScaler"),
+    "fp16.hysteresis": _acts("LossScaler"),
+    "fp16.consecutive_hysteresis": _acts("LossScaler"),
+    "fp16.min_loss_scale": _acts("LossScaler"),
+    "bf16.enabled": _acts("compute dtype"),
+    "communication_data_type": _acts("gradient reduction dtype (CommContext)"),
+    "prescale_gradients": _acts("GradScaling"),
+    "gradient_predivide_factor": _acts("GradScaling"),
+    "zero_allow_untested_optimizer": _acts("engine: non-element-wise optimizers under ZeRO"),
+    "steps_per_print": _acts("engine progress log and when the norm is computed"),
+    "wall_clock_breakdown": _acts("timers.py"),
+    "seed": _acts("initialize seeds torch"),
+    "comms_logger.enabled": _acts("comm/log.py"),
+    "comms_logger.prof_ops": _acts("comm/log.py filters the logged operations"),
+    "comms_logger.verbose": _warns("the comms log is a summary only (observability, no effect on training)", True),
+    "comms_logger.prof_all": _warns("shardspeed filters by prof_ops whenever it is non-empty (observability)", False),
+    "comms_logger.debug": _warns("caller names are not recorded (observability)", True),
+    # --- activation checkpointing, aio --------------------------------------------------------------------------
+    "activation_checkpointing.partition_activations": _acts("checkpointing/settings.py"),
+    "activation_checkpointing.cpu_checkpointing": _acts("checkpointing/settings.py"),
+    "activation_checkpointing.contiguous_memory_optimization": _acts("checkpointing/settings.py"),
+    "activation_checkpointing.number_checkpoints": _acts("checkpointing/settings.py"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _acts("checkpointing/settings.py"),
+    "activation_checkpointing.profile": _acts("checkpointing/settings.py"),
+    "aio.block_size": _acts("offload swapper (AioSettings)"),
+    "aio.queue_depth": _acts("offload swapper (AioSettings)"),
+    "aio.thread_count": _acts("offload swapper (AioSettings)"),
+    "aio.single_submit": _acts("offload swapper (AioSettings)"),
+    "aio.overlap_events": _acts("offload swapper (AioSettings)"),
+    # --- zero_optimization ----------------------------------------------------------------------------------------
+    f"{_Z}.stage": _acts("which model states (zero/__init__.py)"),
+    f"{_Z}.overlap_comm": _acts("reducers launch asynchronously or one bucket at a time"),
+    f"{_Z}.reduce_bucket_size": _acts("bucket size, stages 0-2 (stage 3 reduces one unit at a time)"),
+    f"{_Z}.allgather_bucket_size": _acts("bucket size, stages 1-2"),
+    f"{_Z}.offload_param.device": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_param.nvme_path": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_param.pin_memory": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_param.buffer_count": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_param.buffer_size": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_param.max_in_cpu": _acts("stage3/param_offload.py"),
+    f"{_Z}.offload_optimizer.device": _acts("offload/wrap.py"),
+    f"{_Z}.offload_optimizer.nvme_path": _acts("offload/wrap.py"),
+    f"{_Z}.offload_optimizer.pin_memory": _acts("offload/wrap.py"),
+    f"{_Z}.offload_optimizer.buffer_count": _acts("offload/stream.py"),
+    f"{_Z}.offload_optimizer.fast_init": _acts("offload/stream.py"),
+    f"{_Z}.offload_optimizer.ratio": _acts("offload/optimizer.py"),
+    f"{_Z}.offload_optimizer.pipeline_read": _acts("offload/stream.py"),
+    f"{_Z}.offload_optimizer.pipeline_write": _acts("offload/stream.py"),
+    f"{_Z}.offload_optimizer.super_offload": _warns(
+        "no SuperOffload (superchip) path: the standard offload runs, same numerics", True
+    ),
+    f"{_Z}.offload_optimizer.convert_grad_on_cpu": _warns(
+        "gradients are converted where the reduction leaves them; the fp32 values are the same", False
+    ),
+    f"{_Z}.offload_optimizer.cpuadam_cores_perc": _warns("only read by SuperOffload, which shardspeed lacks", 0.5),
+    f"{_Z}.sub_group_size": _acts("offload_optimizer chunk size (offload/stream.py)"),
+    f"{_Z}.ignore_unused_parameters": _acts("engine step raises on unused parameters when false"),
+    f"{_Z}.prefetch_bucket_size": _acts("stage3/runtime.py prefetch budget"),
+    f"{_Z}.param_persistence_threshold": _acts("stage3/plan.py persistent unit"),
+    f"{_Z}.model_persistence_threshold": _acts("stage3/plan.py caps the persistent unit's elements"),
+    f"{_Z}.max_live_parameters": _acts("stage3/runtime.py prefetch bound"),
+    f"{_Z}.max_reuse_distance": _acts("stage3/runtime.py keeps units used again soon"),
+    f"{_Z}.gather_16bit_weights_on_model_save": _acts("stage3/save.py"),
+    f"{_Z}.module_granularity_threshold": _acts("stage3/leaves.py makes small-granularity modules leaves"),
+    f"{_Z}.leaf_module.classes": _acts("stage3/leaves.py"),
+    f"{_Z}.leaf_module.names": _acts("stage3/leaves.py"),
+    f"{_Z}.leaf_module.name_suffixes": _acts("stage3/leaves.py"),
+    f"{_Z}.override_module_apply": _acts(
+        "stage3/apply_guard.py: writes to partitioned parameters outside a gathered block (module.apply after "
+        "initialize) raise at the next forward; use shardspeed.zero.apply. false skips the check"
+    ),
+    f"{_Z}.contiguous_gradients": _warns("gradients always live in flat buffers here (no other layout)", False),
+    f"{_Z}.reduce_scatter": _warns(f"stages 1-3 always reduce-scatter; {_PERF}", False),
+    f"{_Z}.use_multi_rank_bucket_allreduce": _warns(_PERF, False),
+    f"{_Z}.allgather_partitions": _warns(f"shardspeed always all-gathers; {_PERF}", False),
+    f"{_Z}.use_all_reduce_for_fetch_params": _warns(f"parameters are fetched by all-gather; {_PERF}", True),
+    f"{_Z}.allgather_sequential": _warns(f"units are all-gathered whole; {_PERF}", True),
+    f"{_Z}.partition_stream_chunk_size": _warns("stage 3 already partitions one unit at a time", 1_000_000),
+    f"{_Z}.memory_efficient_linear": _warns(
+        "shardspeed's gathered parameters are released whatever the linear layer saves (stage3/saved_views.py)",
+        False,
+    ),
+    f"{_Z}.round_robin_gradients": _warns(_PERF, True),
+    f"{_Z}.legacy_stage1": _warns("one stage-1 implementation; the math is the same", True),
+    f"{_Z}.compute_grad_norm": _warns("the norm is computed only when clipping, fp16 or the log needs it", False),
+    f"{_Z}.parameter_alignment": _warns("flat-buffer padding only; the values are the same", True),
+    f"{_Z}.elastic_checkpoint": _warns("every shardspeed checkpoint loads at any world size", True),
+    f"{_Z}.log_trace_cache_warnings": _warns("no trace cache to log (observability)", True),
+    f"{_Z}.enable_sanity_checks": _warns("the unit-id check of every gather and reduce-scatter always runs", True),
+    f"{_Z}.save_muon_momentum_buffer_in_memory": _warns("shardspeed has no Muon optimizer", True),
+    f"{_Z}.cpu_offload_use_pin_memory": Effect(
+        "warns", "old spelling; set offload_*.pin_memory instead (speed only)", True, falsy_is_off=True
+    ),
+    f"{_Z}.load_from_fp32_weights": _refused(
+        "rebuilding fp32 masters from the 16-bit weights on load: shardspeed always restores the saved fp32 values",
+        False,
+    ),
+    f"{_Z}.pipeline_loading_checkpoint": _refused("pipeline-parallel checkpoint loading (no pipeline engine)", True),
+    f"{_Z}.cpu_offload": _refused("old spelling of offload_optimizer; use the section", True, by_validator=True),
+    f"{_Z}.cpu_offload_param": _refused("old spelling of offload_param; use the section", True, by_validator=True),
+    f"{_Z}.zero_hpz_partition_size": _refused("ZeRO++ hpZ", 8, by_validator=True),
+    f"{_Z}.zero_quantized_weights": _refused("ZeRO++ quantized weights", True, by_validator=True),
+    f"{_Z}.zero_quantized_nontrainable_weights": _refused("ZeRO++ quantized frozen weights", True, by_validator=True),
+    f"{_Z}.zero_quantized_gradients": _refused("ZeRO++ quantized gradients", True, by_validator=True),
+    f"{_Z}.zeropp_loco_param": _refused("LoCo-ZeRO++", {"err_beta": 0.8}, by_validator=True),
+    f"{_Z}.mics_shard_size": _refused("MiCS", 4, by_validator=True),
+    f"{_Z}.mics_hierarchical_params_gather": _refused("MiCS", True, by_validator=True),
+    f"{_Z}.zenflow": _refused("ZenFlow", {"topk_ratio": 0.1}, by_validator=True),
+}
+
+
+def _value_at(config: Any, path: str) -> tuple[bool, Any]:
+    """(is the field at its default, its value). A missing optional section counts as default."""
+    *sections, name = path.split(".")
+    node = config
+    for section in sections:
+        node = getattr(node, section)
+        if node is None:
+            return True, None
+    value = getattr(node, name)
+    field = type(node).model_fields[name]
+    default = field.get_default(call_default_factory=True)
+    return value == default and isinstance(value, bool) == isinstance(default, bool), value
+
+
+def check_field_effects(config: ShardSpeedConfig) -> tuple[list[str], list[str]]:
+    """(warnings, problems) for the keys of ``config`` set to a non-default value that have no effect here."""
+    warnings, problems = [], []
+    for path, effect in FIELD_EFFECTS.items():
+        if effect.kind == "acts" or effect.by_validator:
+            continue
+        is_default, value = _value_at(config, path)
+        if is_default or (effect.falsy_is_off and not value):
+            continue
+        if effect.kind == "warns":
+            warnings.append(f'"{path}" = {show(value)} has no effect in shardspeed: {effect.why}')
+        else:
+            problems.append(
+                f'"{path}" = {show(value)} is a DeepSpeed option shardspeed does not support yet ({effect.why}); '
+                "remove it to use the default"
+            )
+    return warnings, problems
