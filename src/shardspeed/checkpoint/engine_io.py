@@ -87,6 +87,23 @@ def _scalar(value: Any) -> dict[str, Any] | None:
     return None
 
 
+def _per_element(key: str, value: Any, stepped: torch.Tensor) -> bool:
+    """Whether optimizer state ``key`` holds one value per element of ``stepped`` (Adam's moments) rather than
+    one per tensor (``step``).
+
+    [Note: per-element vs per-tensor state] The shape tells them apart: per-element state has the stepped
+    tensor's shape, per-tensor scalars are 0-dim. Counting elements does not: a 1-element shard slice's
+    ``exp_avg`` has one element like ``step``, and at stage 0 a 0-dim parameter (CLIP's logit scale) is stepped
+    itself, so its moments are 0-dim too. Saved as a scalar, such state loads as a 0-dim tensor into a flat
+    shard slice at another stage, and the first step fails on a shape error on the ranks holding it (the others
+    hang). Only for a 0-dim stepped tensor is the shape ambiguous; there ``step``, the per-tensor counter every
+    torch optimizer keeps under that name, is the scalar.
+    """
+    if not isinstance(value, torch.Tensor) or value.shape != stepped.shape:
+        return False
+    return stepped.dim() > 0 or key != "step"
+
+
 def save(
     engine: ShardSpeedEngine, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool
 ) -> Path:
@@ -107,7 +124,7 @@ def save(
         if piece.opt_tensor is None:
             continue
         for key, value in optimizer.state.get(piece.opt_tensor, {}).items():
-            if isinstance(value, torch.Tensor) and value.numel() == piece.opt_tensor.numel() and value.numel() > 1:
+            if _per_element(key, value, piece.opt_tensor):
                 part = value.view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
                 writer.add(f"optim/{piece.name}/{key}", piece.full_shape, piece.start, part.detach().contiguous())
             elif (scalar := _scalar(value)) is not None:
