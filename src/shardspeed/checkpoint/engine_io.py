@@ -123,7 +123,8 @@ def save(
         writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
         if piece.opt_tensor is None:
             continue
-        for key, value in optimizer.state.get(piece.opt_tensor, {}).items():
+        states = optimizer.state.get(piece.opt_tensor, {}) if optimizer is not None else {}
+        for key, value in states.items():
             if _per_element(key, value, piece.opt_tensor):
                 part = value.view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
                 writer.add(f"optim/{piece.name}/{key}", piece.full_shape, piece.start, part.detach().contiguous())
@@ -151,8 +152,8 @@ def save(
             "zero_stage": engine.config.zero_optimization.stage,
             "dp_world_size": axis.size,
             "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
-            "optimizer_class": _optimizer_name(optimizer),
-            "param_groups": [_plain_group(g) for g in optimizer.param_groups],
+            "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
+            "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
             "optimizer_scalars": merged_scalars,
             "lr_scheduler": _plain(engine.lr_scheduler.state_dict(), "the LR scheduler's state")
             if engine.lr_scheduler is not None
@@ -211,7 +212,10 @@ def load(
     pieces = _all_pieces(engine)
     model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
     _check_names(reader, pieces, model_names, strict, load_dir / tag)
-    with_optimizer = load_optimizer_states and not load_module_only
+    # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
+    # checkpoint such an engine saved (it holds no optimizer states)
+    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
     if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
         raise ValueError(
             f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
