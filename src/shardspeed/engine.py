@@ -90,7 +90,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         comm = CommContext(
             axis=topology.data,
             collectives=self.collectives,
-            comm_dtype=config.communication_data_type or torch.float32,
+            comm_dtype=config.grad_comm_dtype,
             scaling=GradScaling.for_config(
                 topology.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
             ),
