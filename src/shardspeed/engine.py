@@ -368,6 +368,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
                 "Ranks would step on different gradients and diverge."
             )
+        getattr(self.states, "verify_unit_order", lambda: None)()  # ZeRO-3's deferred unit-id checks
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0

@@ -29,6 +29,7 @@ def build_model_states(
             prefetch_numel=zero.prefetch_bucket_size,
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            reduce_bucket_numel=zero.reduce_bucket_size,
             device=device,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
