@@ -346,8 +346,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         with self.timers.phase("backward"):
             try:
                 (loss.float() * scale).backward(retain_graph=retain_graph)
-            except BaseException:
+            except BaseException as err:
                 reducer.abort_backward()
+                explained = getattr(self.states, "explain_backward_error", lambda *_: None)(err, loss)
+                if explained is not None:  # ZeRO-3: a parameter read as an empty placeholder, named
+                    raise explained from err
                 raise
             reducer.after_backward()
         return loss

@@ -103,7 +103,7 @@ class DataTypesConfig(ConfigModel):
     def _fp32_only(cls, value: torch.dtype | None) -> torch.dtype | None:
         if value not in (None, torch.float32):
             raise ValueError(
-                f'shardspeed accumulates gradients in fp32 only; got {str(value).removeprefix("torch.")}. Remove '
+                f"shardspeed accumulates gradients in fp32 only; got {str(value).removeprefix('torch.')}. Remove "
                 'the key or set it to "fp32" (bf16/fp16 accumulation would drop the low bits of small gradients)'
             )
         return value

@@ -102,7 +102,7 @@ class UnitGrads:
                 f"ZeRO-3 parameter '{name}' got a gradient of {grad.numel()} elements for its "
                 f"{tuple(self.unit.shapes[local_index])} values: it was read outside its module's forward (e.g. a "
                 "penalty over model.parameters() after forward), where ZeRO-3 parameters are empty placeholders. "
-                "Compute such terms inside the module's forward, or wrap them in "
+                "Compute such terms inside the module's forward, or run them and the backward inside "
                 "shardspeed.zero.GatheredParameters(params)."
             )
         param.grad = None  # this unit keeps the gradient until its reduce-scatter is staged

@@ -31,6 +31,7 @@ from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
 from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices
+from shardspeed.zero.stage3.placeholder import explain as explain_placeholder
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
@@ -330,6 +331,11 @@ class Stage3States:
 
     def zero_grads(self) -> None:
         self.reducer.zero()
+
+    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> Exception | None:
+        """A clear error naming the parameter when ``error`` came from reading an empty placeholder."""
+        names = {id(p): n for u in self.units for p, n in zip(u.params, u.names)}
+        return explain_placeholder(error, loss, names)
 
     def verify_unit_order(self) -> None:
         """The step boundary: read the queued unit-id checks of this step (one host read; see id_check.py)."""
