@@ -147,7 +147,7 @@ def _grad_traffic(rank: int, world: int, stage: int, comm: str | None) -> dict:
     return {"grad_bytes": sum(t.bytes for k, t in log.items() if k.endswith(":grads"))}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_bf16_gradients_travel_in_bf16_by_default(dist_run, stage: int) -> None:
     """DeepSpeed's default: the training dtype on the wire — half the bytes of fp32 — unless the config says
     "fp32"."""
@@ -167,6 +167,7 @@ def _final_loss(rank: int, world: int, comm: str) -> float:
     return float(losses[-1])
 
 
+@pytest.mark.slow
 def test_bf16_reductions_track_fp32_reductions(dist_run) -> None:
     """20 AdamW steps under bf16: reducing in bf16 instead of fp32 moves the final loss by < 1%."""
     bf16 = dist_run(_final_loss, 2, "bf16")
@@ -190,7 +191,7 @@ def _bucketed(rank: int, world: int, bucket: int, bf16: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_stage3_staging_is_bounded_by_reduce_bucket_size(dist_run, bf16: bool) -> None:
     elem = 2 if bf16 else 4
     small = dist_run(_bucketed, 2, 64, bf16)
