@@ -348,10 +348,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 (loss.float() * scale).backward(retain_graph=retain_graph)
             except BaseException as err:
                 reducer.abort_backward()
-                explained = getattr(self.states, "explain_backward_error", lambda *_: None)(err, loss)
-                if explained is not None:  # ZeRO-3: a parameter read as an empty placeholder, named
-                    raise explained from err
-                raise
+                # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
+                explained = getattr(self.states, "explain_backward_error", lambda e, _: e)(err, loss)
+                if explained is err:
+                    raise
+                raise explained from err
             reducer.after_backward()
         return loss
 

@@ -332,10 +332,12 @@ class Stage3States:
     def zero_grads(self) -> None:
         self.reducer.zero()
 
-    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> Exception | None:
-        """A clear error naming the parameter when ``error`` came from reading an empty placeholder."""
+    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
+        """A clear error naming the parameter when ``error`` came from reading an empty placeholder, else
+        ``error`` itself."""
         names = {id(p): n for u in self.units for p, n in zip(u.params, u.names)}
-        return explain_placeholder(error, loss, names)
+        explained = explain_placeholder(error, loss, names)
+        return error if explained is None else explained
 
     def verify_unit_order(self) -> None:
         """The step boundary: read the queued unit-id checks of this step (one host read; see id_check.py)."""
