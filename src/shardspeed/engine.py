@@ -26,6 +26,7 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.log import configure_logger
 from shardspeed.optim import build_optimizer, is_elementwise
+from shardspeed.optim.absent import require_optimizer
 from shardspeed.optim.build import state_bytes_per_element
 from shardspeed.optim.lamb import Lamb
 from shardspeed.precision.grad_norm import clip_coefficient
@@ -89,7 +90,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         comm = CommContext(
             axis=topology.data,
             collectives=self.collectives,
-            comm_dtype=config.communication_data_type or torch.float32,
+            comm_dtype=config.grad_comm_dtype,
             scaling=GradScaling.for_config(
                 topology.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
             ),
@@ -103,13 +104,17 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self.states = build_model_states(zero, self.module, packed, comm, self.device)
         self._offload_params()
         self._host_grads: Any = None  # offload's HostGradients, when gradients are copied to the host per bucket
-        self.optimizer = self._build_optimizer(optimizer, groups)
-        if hasattr(self.states, "bind_optimizer"):  # stages 0-2: buckets re-laid out from the first backward
+        # No optimizer anywhere: an evaluation/inference engine (DeepSpeed allows it; see optim/absent.py).
+        self.optimizer = (
+            None if optimizer is None and config.optimizer is None else self._build_optimizer(optimizer, groups)
+        )
+        if self.optimizer is not None and hasattr(self.states, "bind_optimizer"):
+            # Stages 0-2: buckets are re-laid out from the first backward's arrival order (zero/arrival_order.py).
             self.states.bind_optimizer(self.optimizer, groups)
         self.lr_scheduler = build_scheduler(
             config.scheduler.type if config.scheduler else None,
             config.scheduler.params if config.scheduler else None,
-            self.optimizer,
+            require_optimizer(self.optimizer, "lr_scheduler") if config.scheduler or lr_scheduler else None,
             lr_scheduler,
         )
         fp16 = config.fp16
@@ -145,7 +150,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             zero.stage,
             precision="fp32" if config.compute_dtype == torch.float32 else "mixed",
             accounting="shardspeed",
-            optimizer_state_bytes_per_param=state_bytes_per_element(self.optimizer)
+            optimizer_state_bytes_per_param=(state_bytes_per_element(self.optimizer) if self.optimizer else 0)
             + (4 if config.compute_dtype != torch.float32 else 0),
             padded_numel=max(self.states.padded_numel, trainable_numel),
         )
@@ -328,6 +333,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss / GAS`` (× loss scale); reduces gradients on the accumulation boundary."""
+        require_optimizer(self.optimizer, "backward")
         if loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self._last_loss = loss.detach()
@@ -343,14 +349,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         with self.timers.phase("backward"):
             try:
                 (loss.float() * scale).backward(retain_graph=retain_graph)
-            except BaseException:
+            except BaseException as err:
                 reducer.abort_backward()
-                raise
+                # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
+                explained = getattr(self.states, "explain_backward_error", lambda e, _: e)(err, loss)
+                if explained is err:
+                    raise
+                raise explained from err
             reducer.after_backward()
         return loss
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        require_optimizer(self.optimizer, "step")
         if self.is_gradient_accumulation_boundary():
             with self.timers.phase("step"):
                 self._boundary_step()
@@ -364,6 +375,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
                 "Ranks would step on different gradients and diverge."
             )
+        getattr(self.states, "verify_unit_order", lambda: None)()  # ZeRO-3's deferred unit-id checks
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
@@ -471,7 +483,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         return self.train(False)
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm of the last optimizer step, before clipping (unscaled for fp16). None before the first
@@ -540,7 +552,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             if role != "params":
                 tensors = tensors if isinstance(tensors, list) else [tensors]
                 out[role] = sum(t.numel() * t.element_size() for t in tensors)
-        states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        opt_state = self.optimizer.state.values() if self.optimizer is not None else ()
+        states = [t for s in opt_state for t in s.values() if isinstance(t, torch.Tensor)]
         # a streamed (offloaded) optimizer's state lives in its store; what it keeps on the device it reports
         out["optimizer_states"] = _unique_storage_bytes(states) + getattr(self.optimizer, "resident_state_bytes", 0)
         out["peak_bucket_bytes"] = self.states.peak_bucket_bytes

@@ -253,7 +253,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
         ("hybrid_engine", {"enabled": True}),
         ("autotuning", {"enabled": True}),
         ("checkpoint", {"load_universal": True}),
-        ("data_types", {"grad_accum_dtype": "fp32"}),
         ("elasticity", {"enabled": True}),
         ("gradient_allreduce_op", "sum"),
         ("tensor_parallel", {"autotp_size": 2}),
@@ -282,6 +281,7 @@ def test_unsupported_deepspeed_keys_are_errors_when_on(key: str, value: Any) -> 
         ("managed_gradient_accumulation", True),
         ("compile", {"deepcompile": False}),
         ("data_types", {"grad_accum_dtype": None}),
+        ("data_types", {"grad_accum_dtype": "fp32"}),
     ],
 )
 def test_unsupported_keys_switched_off_are_accepted_silently(key: str, value: Any) -> None:
@@ -838,3 +838,16 @@ def test_parsed_config_is_immutable() -> None:
         cfg.train_batch_size = 99  # type: ignore[misc]
     with pytest.raises(pydantic.ValidationError):
         cfg.zero_optimization.stage = 1  # type: ignore[misc]
+
+
+def test_gradient_communication_dtype_defaults_to_the_training_dtype() -> None:
+    """DeepSpeed's rule: ``communication_data_type`` unset means the training dtype; an explicit "fp32" wins."""
+    assert load().grad_comm_dtype == torch.float32
+    assert load({"bf16": {"enabled": True}}).grad_comm_dtype == torch.bfloat16
+    assert load({"fp16": {"enabled": True}}).grad_comm_dtype == torch.float16
+    assert load({"bf16": {"enabled": True}, "communication_data_type": "fp32"}).grad_comm_dtype == torch.float32
+
+
+def test_grad_accum_dtype_other_than_fp32_is_refused() -> None:
+    message = error_of({**MICRO1, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert "data_types.grad_accum_dtype" in message and "accumulates gradients in fp32 only" in message

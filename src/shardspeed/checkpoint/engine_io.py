@@ -87,6 +87,23 @@ def _scalar(value: Any) -> dict[str, Any] | None:
     return None
 
 
+def _per_element(key: str, value: Any, stepped: torch.Tensor) -> bool:
+    """Whether optimizer state ``key`` holds one value per element of ``stepped`` (Adam's moments) rather than
+    one per tensor (``step``).
+
+    [Note: per-element vs per-tensor state] The shape tells them apart: per-element state has the stepped
+    tensor's shape, per-tensor scalars are 0-dim. Counting elements does not: a 1-element shard slice's
+    ``exp_avg`` has one element like ``step``, and at stage 0 a 0-dim parameter (CLIP's logit scale) is stepped
+    itself, so its moments are 0-dim too. Saved as a scalar, such state loads as a 0-dim tensor into a flat
+    shard slice at another stage, and the first step fails on a shape error on the ranks holding it (the others
+    hang). Only for a 0-dim stepped tensor is the shape ambiguous; there ``step``, the per-tensor counter every
+    torch optimizer keeps under that name, is the scalar.
+    """
+    if not isinstance(value, torch.Tensor) or value.shape != stepped.shape:
+        return False
+    return stepped.dim() > 0 or key != "step"
+
+
 def save(
     engine: ShardSpeedEngine, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool
 ) -> Path:
@@ -106,8 +123,9 @@ def save(
         writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
         if piece.opt_tensor is None:
             continue
-        for key, value in optimizer.state.get(piece.opt_tensor, {}).items():
-            if isinstance(value, torch.Tensor) and value.numel() == piece.opt_tensor.numel() and value.numel() > 1:
+        states = optimizer.state.get(piece.opt_tensor, {}) if optimizer is not None else {}
+        for key, value in states.items():
+            if _per_element(key, value, piece.opt_tensor):
                 part = value.view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
                 writer.add(f"optim/{piece.name}/{key}", piece.full_shape, piece.start, part.detach().contiguous())
             elif (scalar := _scalar(value)) is not None:
@@ -134,8 +152,8 @@ def save(
             "zero_stage": engine.config.zero_optimization.stage,
             "dp_world_size": axis.size,
             "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
-            "optimizer_class": _optimizer_name(optimizer),
-            "param_groups": [_plain_group(g) for g in optimizer.param_groups],
+            "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
+            "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
             "optimizer_scalars": merged_scalars,
             "lr_scheduler": _plain(engine.lr_scheduler.state_dict(), "the LR scheduler's state")
             if engine.lr_scheduler is not None
@@ -194,7 +212,10 @@ def load(
     pieces = _all_pieces(engine)
     model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
     _check_names(reader, pieces, model_names, strict, load_dir / tag)
-    with_optimizer = load_optimizer_states and not load_module_only
+    # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
+    # checkpoint such an engine saved (it holds no optimizer states)
+    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
     if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
         raise ValueError(
             f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "

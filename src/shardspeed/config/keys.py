@@ -152,7 +152,6 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     "amp": KeyRule("NVIDIA Apex AMP mixed precision", _enabled_false, _ENABLED_OFF),
     "torch_autocast": KeyRule("torch.autocast mixed precision", _enabled_false, _ENABLED_OFF),
     "fp8": KeyRule("fp8 training", _enabled_false, _ENABLED_OFF),
-    "data_types": KeyRule("overriding gradient-accumulation / parameter dtypes", _all_falsy, _REMOVE),
     "fp16.fp16_master_weights_and_grads": KeyRule("fp16 master weights", _false, _SET_FALSE),
     "bf16.bf16_master_weights_and_grads": KeyRule("bf16 master weights", _false, _SET_FALSE),
     "bf16.bf16_optimizer_states": KeyRule("bf16 optimizer states", _false, _SET_FALSE),

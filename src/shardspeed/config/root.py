@@ -12,7 +12,7 @@ from .activation import ActivationCheckpointingConfig
 from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
-from .precision import BF16Config, DtypeName, FP16Config
+from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
@@ -62,7 +62,12 @@ class ShardSpeedConfig(ConfigModel):
 
     communication_data_type: DtypeName = None
     """dtype gradients are reduced in: "fp32"/"float32", "fp16"/"float16"/"half" or "bf16"/"bfloat16"
-    (case-insensitive). DeepSpeed default: none, meaning the training dtype."""
+    (case-insensitive). DeepSpeed default: none, meaning the training dtype (``grad_comm_dtype``; see
+    [Note: gradient dtypes] in config/precision.py)."""
+
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """``grad_accum_dtype``: shardspeed accumulates in fp32 (only "fp32" or null accepted). DeepSpeed default:
+    the training dtype."""
 
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce instead of after (overflow headroom for
@@ -122,6 +127,11 @@ class ShardSpeedConfig(ConfigModel):
                 "enable at most one",
             )
         return self
+
+    @property
+    def grad_comm_dtype(self) -> torch.dtype:
+        """dtype of gradient reductions: ``communication_data_type``, else the training dtype (DeepSpeed's rule)."""
+        return self.communication_data_type or self.compute_dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -32,6 +32,7 @@ def build_model_states(
             prefetch_numel=zero.prefetch_bucket_size,
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            reduce_bucket_numel=zero.reduce_bucket_size,
             device=device,
             leaves=leaf_paths(
                 module,

@@ -1,13 +1,24 @@
-"""ZeRO-3 gradients of one unit: staged whole only while its backward finishes, then reduce-scattered.
+"""ZeRO-3 gradients of one unit: held as they arrive, reduce-scattered in bucket-sized pieces once all are in.
 
-Each parameter's gradient is folded into the unit's staging buffer (wire dtype, padded) as it arrives and the
-parameter's own ``.grad`` is dropped; when every trainable parameter of the unit has arrived, the buffer is
-reduce-scattered (asynchronously) and this rank's slice is added into the fp32 gradient shard. The staging
-buffer is freed as soon as the collective finishes. Like gathers, every reduce-scatter carries the unit-id check
-(see [Note: unit-id check] in unit.py).
+Each parameter's gradient is taken off the parameter as it arrives (``absorb``: the parameter's ``.grad`` is
+dropped, the tensor kept here). When every trainable parameter of the unit has arrived, ``launch`` reduce-
+scatters the unit in pieces ([Note: bucketed reduce-scatter]) and this rank's slice of each piece is added into
+the fp32 gradient shard. Like gathers, a unit's reduce-scatter carries the unit-id check ([Note: unit-id check]
+in id_check.py).
+
+[Note: bucketed reduce-scatter] ``reduce_bucket_size`` bounds what is staged in the wire dtype, as in stages
+0-2. A piece covers shard elements [lo, hi) of every rank (hi - lo ≤ reduce_bucket_size / N), so its input is
+the N slices [r·S + lo, r·S + hi) of the unit's padded flat gradient copied next to each other — at most
+reduce_bucket_size elements — and its output is exactly this rank's [lo, hi). All pieces share one
+``StagingBudget``: before a piece is staged, the oldest launched pieces (of any unit) are completed until the
+live staging fits in reduce_bucket_size × the wire dtype's size (or one piece, when a bucket is smaller than
+N elements). ``StagingBudget.peak_bytes`` is the figure tests read.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -19,76 +30,139 @@ from shardspeed.zero.stage3.unit import ParamUnit
 _MAPPED_MIN_NUMEL = 1 << 18  # 1 MiB of fp32
 
 
+class PlaceholderGradientError(RuntimeError):
+    """A ZeRO-3 parameter was used while it was an empty placeholder (outside its module's forward)."""
+
+
+@dataclass
+class _Piece:
+    owner: UnitGrads
+    lo: int  # shard range this piece reduces
+    hi: int
+    staging: torch.Tensor  # the input: must outlive the asynchronous collective
+    out: torch.Tensor
+    work: Work
+
+
+class StagingBudget:
+    """Live wire-dtype staging of every unit's launched reduce-scatter pieces, bounded by ``limit_bytes``."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._launched: deque[_Piece] = deque()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` of staging by completing the oldest launched pieces."""
+        while self._launched and self.live_bytes + nbytes > self.limit_bytes:
+            self._complete(self._launched.popleft())
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def add(self, piece: _Piece) -> None:
+        self._launched.append(piece)
+
+    def complete_all_of(self, owner: UnitGrads) -> None:
+        mine = [p for p in self._launched if p.owner is owner]
+        if mine:
+            self._launched = deque(p for p in self._launched if p.owner is not owner)
+        for piece in mine:
+            self._complete(piece)
+
+    def _complete(self, piece: _Piece) -> None:
+        piece.work.wait()
+        self.live_bytes -= piece.staging.numel() * piece.staging.element_size()
+        piece.owner.add_reduced(piece.lo, piece.hi, piece.out)
+
+
 class UnitGrads:
-    def __init__(self, unit: ParamUnit, ctx: CommContext) -> None:
-        self.unit, self.ctx = unit, ctx
+    def __init__(self, unit: ParamUnit, ctx: CommContext, budget: StagingBudget, bucket_numel: int) -> None:
+        self.unit, self.ctx, self.budget = unit, ctx, budget
         self.trainable = {i for i, p in enumerate(unit.params) if p.requires_grad}
         self.grad_shard = _zeros(unit.shard_numel if self.trainable else 0, unit.device)
         self.arrived: set[int] = set()
         self.launched = False
-        self._staging: torch.Tensor | None = None
-        self._pending: tuple[Work, Work, torch.Tensor, torch.Tensor] | None = None
-        self._pending_input: torch.Tensor | None = None  # the staged input must outlive the async collective
+        self._held: dict[int, torch.Tensor] = {}  # local parameter index → its gradient this backward
+        self._awaiting = False  # launched pieces not yet finished
+        width = max(1, bucket_numel // ctx.axis.size)
+        self.pieces = [(lo, min(lo + width, unit.shard_numel)) for lo in range(0, unit.shard_numel, width)]
 
     @property
     def complete(self) -> bool:
-        return bool(self.trainable) and self.arrived >= self.trainable
-
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.zeros(self.unit.padded_numel, dtype=self.ctx.comm_dtype, device=self.unit.device)
-        return self._staging
+        return len(self.trainable) > 0 and self.arrived >= self.trainable
 
     def absorb(self, local_index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
-        off, n = self.unit.offsets[local_index], self.unit.numels[local_index]
-        self._staging_buffer()[off : off + n].add_(grad.reshape(-1))
-        param.grad = None
+        if grad.numel() != self.unit.numels[local_index]:
+            name = self.unit.names[local_index]
+            raise PlaceholderGradientError(
+                f"ZeRO-3 parameter '{name}' got a gradient of {grad.numel()} elements for its "
+                f"{tuple(self.unit.shapes[local_index])} values: it was read outside its module's forward (e.g. a "
+                "penalty over model.parameters() after forward), where ZeRO-3 parameters are empty placeholders. "
+                "Compute such terms inside the module's forward, or run them and the backward inside "
+                "shardspeed.zero.GatheredParameters(params)."
+            )
+        param.grad = None  # this unit keeps the gradient until its reduce-scatter is staged
+        held = self._held.get(local_index)
+        self._held[local_index] = grad if held is None else held + grad
         self.arrived.add(local_index)
 
     def launch(self) -> None:
-        """Reduce-scatter the staged gradients (zeros for parameters that got none this backward)."""
+        """Reduce-scatter the held gradients piece by piece (zeros for parameters that got none)."""
         assert not self.launched, f"gradients of unit '{self.unit.name}' reduced twice in one backward"
         self.launched = True
         if not self.trainable:
             return
-        staged = self._staging_buffer()
-        self._staging = None
-        if self.ctx.scaling.pre != 1.0:
-            staged.mul_(self.ctx.scaling.pre)
-        axis = self.ctx.axis
-        ids = torch.empty(axis.size, dtype=torch.int64, device=staged.device)
-        mine = torch.full((1,), self.unit.index, dtype=torch.int64, device=staged.device)
-        id_work = self.ctx.collectives.all_gather(ids, mine, axis, async_op=True, tag="unit_ids")
-        out = torch.empty(self.unit.shard_numel, dtype=staged.dtype, device=staged.device)
-        work = self.ctx.collectives.reduce_scatter(out, staged, axis, async_op=True, tag="grads")
-        self._pending = (id_work, work, ids, out)
-        self._pending_input = staged
+        self.unit.id_check.launch(self.unit.index, "gradient reduce-scatter", self.unit.device)
+        for lo, hi in self.pieces:
+            self._launch_piece(lo, hi)
+        self._held.clear()
+        self._awaiting = True
 
-    def finish(self) -> bool:
-        """Wait for the launched reduce-scatter and add it into the shard; False if none was pending."""
-        if self._pending is None:
-            return False
-        id_work, work, ids, out = self._pending
-        id_work.wait()
-        self.unit.check_same_unit(ids, "gradient reduce-scatter")
-        work.wait()
+    def _launch_piece(self, lo: int, hi: int) -> None:
+        unit, world, width = self.unit, self.ctx.axis.size, hi - lo
+        dtype = self.ctx.comm_dtype
+        self.budget.reserve(world * width * dtype.itemsize)
+        staging = torch.zeros(world * width, dtype=dtype, device=unit.device)
+        for r in range(world):  # rank r's slice of the unit: [r·S + lo, r·S + hi) of the padded flat gradient
+            seg_lo, seg_hi = r * unit.shard_numel + lo, r * unit.shard_numel + hi
+            for i, grad in self._held.items():
+                off = unit.offsets[i]
+                a, b = max(seg_lo, off), min(seg_hi, off + unit.numels[i])
+                if a < b:
+                    dst = r * width + a - seg_lo
+                    staging[dst : dst + b - a].copy_(grad.reshape(-1)[a - off : b - off])
+        if self.ctx.scaling.pre != 1.0:
+            staging.mul_(self.ctx.scaling.pre)
+        out = torch.empty(width, dtype=dtype, device=unit.device)
+        work = self.ctx.collectives.reduce_scatter(out, staging, self.ctx.axis, async_op=True, tag="grads")
+        self.budget.add(_Piece(self, lo, hi, staging, out, work))
+
+    def add_reduced(self, lo: int, hi: int, out: torch.Tensor) -> None:
         if self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
-        self.grad_shard.add_(out)
-        self._pending = None
-        self._pending_input = None
+        self.grad_shard[lo:hi].add_(out)
+
+    def finish(self) -> bool:
+        """Wait for this unit's launched pieces and add them into the shard; False if none was pending."""
+        if not self._awaiting:
+            return False
+        self.budget.complete_all_of(self)
+        self._awaiting = False
+        self.unit.id_check.after_wait()
         return True
 
     def reset_backward(self) -> None:
         self.arrived.clear()
         self.launched = False
+        self._held.clear()  # an aborted backward's gradients never reach the next one
 
     def zero(self) -> None:
         self.grad_shard.zero_()
-        self._staging = None
+        self._held.clear()
 
 
 def _zeros(numel: int, device: torch.device) -> torch.Tensor:

@@ -27,10 +27,12 @@ from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
-from shardspeed.zero.stage3.grads import UnitGrads
+from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
+from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
 from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices
+from shardspeed.zero.stage3.placeholder import explain as explain_placeholder
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
@@ -50,6 +52,7 @@ class Stage3States:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        reduce_bucket_numel: int,
         device: torch.device | None = None,
         leaves: Sequence[str] = (),
         model_persistence_threshold: int | None = None,
@@ -68,6 +71,9 @@ class Stage3States:
         deferred = has_deferred_tensors(module)  # built under zero.Init: still on the meta device
         if deferred and device is None:
             device = _default_device()
+        id_device = device if device is not None else next(module.parameters(), torch.empty(0)).device
+        # the ids of a CPU collective cost nothing to read: check each at once (see id_check.py)
+        self.id_check = UnitIdCheck(ctx.axis, ctx.collectives, unit_names, immediate=id_device.type == "cpu")
 
         def build_unit(index: int, params: list[torch.nn.Parameter], full: torch.Tensor | None) -> ParamUnit:
             spec = plan.units[index]
@@ -78,7 +84,7 @@ class Stage3States:
                 ordered[index],
                 ctx.axis,
                 ctx.collectives,
-                unit_names,
+                self.id_check,
                 device=device,
                 full=full,
             )
@@ -98,7 +104,9 @@ class Stage3States:
                 unit.gather()
                 unit.wait()
         named = dict(module.named_parameters())
-        self.grads = [UnitGrads(u, ctx) for u in self.units]
+        # one staging budget for every unit's reduce-scatter pieces: reduce_bucket_size in the wire dtype
+        self.staging = StagingBudget(reduce_bucket_numel * ctx.comm_dtype.itemsize)
+        self.grads = [UnitGrads(u, ctx, self.staging, reduce_bucket_numel) for u in self.units]
         self.reducer = Stage3Runtime(
             self.units,
             self.grads,
@@ -337,6 +345,22 @@ class Stage3States:
 
     def zero_grads(self) -> None:
         self.reducer.zero()
+
+    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
+        """A clear error naming the parameter when ``error`` came from reading an empty placeholder, else
+        ``error`` itself."""
+        names = {id(p): n for u in self.units for p, n in zip(u.params, u.names)}
+        explained = explain_placeholder(error, loss, names)
+        return error if explained is None else explained
+
+    def verify_unit_order(self) -> None:
+        """The step boundary: read the queued unit-id checks of this step (one host read; see id_check.py)."""
+        self.id_check.verify()
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """Peak wire-dtype bytes staged for gradient reduce-scatters: at most reduce_bucket_size × dtype size."""
+        return self.staging.peak_bytes
 
     def buffers(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {

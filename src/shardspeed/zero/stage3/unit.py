@@ -8,10 +8,8 @@ In SHARDED each parameter's ``.data`` is an empty placeholder (``numel() == 0``,
 its flat shard. In UNSHARDED the parameters are views of one gathered flat buffer. The unit never writes
 attributes onto its parameters; everything it knows lives here.
 
-[Note: unit-id check] gloo and NCCL match collectives by call order and size only. If two ranks gathered two
-different same-sized units at the same point (different control flow), weights would silently swap. So every
-gather also all-gathers the unit's id (N integers, launched just before the data); after it completes each rank
-checks that all ranks named the same unit and otherwise raises — on every rank, naming both units.
+Every gather carries the unit-id check ([Note: unit-id check] in id_check.py): immediate on the CPU, read in
+one batch at the step boundary on a device, so no gather waits on the host.
 
 [Note: offloaded shard] With ``offload_param`` (param_offload.py) a unit has an ``offloader`` and its shard has
 a sub-state orthogonal to the one above: *resident* (``shard`` holds the values; memory is the truth) or not
@@ -35,19 +33,18 @@ import torch
 from shardspeed.comm import Collectives, Work
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.layout import padded_size
+from shardspeed.zero.stage3.id_check import UnitIdCheck, UnitMismatchError
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.param_offload import ParamOffloader
+
+__all__ = ["ParamUnit", "UnitMismatchError", "UnitState"]
 
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
-
-
-class UnitMismatchError(RuntimeError):
-    """Ranks reached different ZeRO-3 units at the same collective (different control flow)."""
 
 
 class ParamUnit:
@@ -59,7 +56,7 @@ class ParamUnit:
         names: Sequence[str],
         axis: AxisGroup,
         collectives: Collectives,
-        all_names: Sequence[str],
+        id_check: UnitIdCheck,
         *,
         device: torch.device | None = None,
         full: torch.Tensor | None = None,
@@ -69,7 +66,7 @@ class ParamUnit:
         self.index, self.name = index, name
         self.params, self.names = list(params), list(names)
         self.axis, self.collectives = axis, collectives
-        self._all_unit_names = all_names  # for error messages naming the other rank's unit
+        self.id_check = id_check  # shared by every unit and its gradients
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
@@ -86,8 +83,6 @@ class ParamUnit:
         self.full: torch.Tensor | None = full
         self.state = UnitState.UNSHARDED  # parameters are whole until shard_from_params()
         self._work: Work | None = None
-        self._ids: torch.Tensor | None = None
-        self._id_work: Work | None = None
         self.persistent = False
         self.offloader: ParamOffloader | None = None  # set by Stage3States.offload_params
         self.shard_resident = True
@@ -127,19 +122,16 @@ class ParamUnit:
         """Launch the all-gather of this unit (asynchronous); ``wait()`` makes the parameters whole."""
         self._to(UnitState.GATHERING, UnitState.SHARDED)
         self.fetch_shard()
-        self._ids = torch.empty(self.axis.size, dtype=torch.int64, device=self.device)
-        mine = torch.full((1,), self.index, dtype=torch.int64, device=self.device)
-        self._id_work = self.collectives.all_gather(self._ids, mine, self.axis, async_op=True, tag="unit_ids")
+        self.id_check.launch(self.index, "gather", self.device)
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         self._work = self.collectives.all_gather(self.full, self.shard, self.axis, async_op=True, tag="params")
 
     def wait(self) -> None:
         self._to(UnitState.UNSHARDED, UnitState.GATHERING)
-        assert self._id_work is not None and self._work is not None and self._ids is not None
-        self._id_work.wait()
-        self.check_same_unit(self._ids, "gather")
+        assert self._work is not None
         self._work.wait()
-        self._work = self._id_work = self._ids = None
+        self._work = None
+        self.id_check.after_wait()
         self.evict_shard()  # the gathered buffer holds a copy now
         self._point_params_at(self.full)
 
@@ -156,17 +148,6 @@ class ParamUnit:
         self._to(UnitState.SHARDED, UnitState.UNSHARDED)
         self._point_params_at(None)
         self.full = None
-
-    def check_same_unit(self, ids: torch.Tensor, what: str) -> None:
-        others = ids.tolist()
-        for rank_index, other in enumerate(others):
-            if other != self.index:
-                theirs = self._all_unit_names[other] if 0 <= other < len(self._all_unit_names) else f"#{other}"
-                raise UnitMismatchError(
-                    f"ZeRO-3 {what} order differs between ranks: this rank reached unit '{self.name}' while "
-                    f"data-parallel rank {self.axis.ranks[rank_index]} reached unit '{theirs}'. All ranks must run "
-                    "the model's modules in the same order (data-dependent control flow must agree across ranks)."
-                )
 
     @torch.no_grad()
     def write_full(self, flat: torch.Tensor) -> None:
