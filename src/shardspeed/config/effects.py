@@ -73,6 +73,7 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "fp16.min_loss_scale": _acts("LossScaler"),
     "bf16.enabled": _acts("compute dtype"),
     "communication_data_type": _acts("gradient reduction dtype (CommContext)"),
+    "data_types.grad_accum_dtype": _acts("validated: fp32 (what shardspeed always accumulates in) or null"),
     "prescale_gradients": _acts("GradScaling"),
     "gradient_predivide_factor": _acts("GradScaling"),
     "zero_allow_untested_optimizer": _acts("engine: non-element-wise optimizers under ZeRO"),
@@ -99,7 +100,7 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     # --- zero_optimization ----------------------------------------------------------------------------------------
     f"{_Z}.stage": _acts("which model states (zero/__init__.py)"),
     f"{_Z}.overlap_comm": _acts("reducers launch asynchronously or one bucket at a time"),
-    f"{_Z}.reduce_bucket_size": _acts("bucket size, stages 0-2 (stage 3 reduces one unit at a time)"),
+    f"{_Z}.reduce_bucket_size": _acts("bucket size (stages 0-2); stage 3 reduce-scatters each unit in pieces of at most this many elements"),
     f"{_Z}.allgather_bucket_size": _acts("bucket size, stages 1-2"),
     f"{_Z}.offload_param.device": _acts("stage3/param_offload.py"),
     f"{_Z}.offload_param.nvme_path": _acts("stage3/param_offload.py"),
