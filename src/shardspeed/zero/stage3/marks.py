@@ -16,9 +16,11 @@ of the graph its inner backward runs, and work like the ones of an ordinary forw
 ``_UseStart`` returns ``t.detach()`` rather than a view: an output that is a view created inside a custom
 Function may not be modified in place (``x = self.embed(t); x += self.pos``, ``torch.relu_(self.fc(x))``), a
 detached alias may (DeepSpeed does the same). The alias shares the tensor's version counter, so an in-place change
-of an output the module saved for backward (tanh, relu) is still caught by autograd. An output that already *is*
-a view keeps ``view_as``: modifying a detached alias of a view would change its base behind autograd's back, so
-there torch's error is the right answer. (``ctx.mark_dirty`` would return the tensors themselves, but it bumps
+of an output the module saved for backward (tanh, relu) is still caught by autograd. Outputs that share memory
+with each other (a tensor and a view of it, both returned) keep ``view_as``: modifying a detached alias of one
+would change the other behind autograd's back, so there torch's error is the right answer. A lone output that is
+a view of a module-internal tensor (``nn.Linear`` on 3-D input returns one) is detached: nothing else sees its
+base, so the in-place change stays exact. (``ctx.mark_dirty`` would return the tensors themselves, but it bumps
 their version, which breaks every module whose last op saves its output.)
 """
 
@@ -45,8 +47,11 @@ class BackwardUse:
         self.handle: RemovableHandle | None = None  # the input hook, removed once it fired or the backward ended
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    return t.view_as(t) if t._is_view() else t.detach()
+def _aliases(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Detached aliases, except for tensors sharing memory with another one of ``tensors`` (see module docstring)."""
+    storages = [t.untyped_storage().data_ptr() if t.layout is torch.strided else None for t in tensors]
+    shared = {s for s in storages if s is not None and storages.count(s) > 1}
+    return tuple(t.view_as(t) if s in shared else t.detach() for t, s in zip(tensors, storages))
 
 
 class _UseStart(torch.autograd.Function):
@@ -56,7 +61,7 @@ class _UseStart(torch.autograd.Function):
     def forward(ctx: Any, on_start: Callable[[BackwardUse], None], use: BackwardUse, *tensors: torch.Tensor) -> Any:
         ctx.on_start, ctx.use = on_start, use
         ctx.set_materialize_grads(False)
-        return tuple(_alias(t) for t in tensors)
+        return _aliases(tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:

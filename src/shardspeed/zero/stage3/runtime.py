@@ -98,7 +98,9 @@ class Stage3Runtime:
             pre = functools.partial(self._pre_forward, ids, stack)
             self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(functools.partial(self._post_forward, ids, stack)))
-        self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
+        # The root's own hooks bracket its unit hooks (a root that owns parameters is a unit root too): the pass
+        # is reset before the root unit is acquired, and ends after it was released.
+        self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(module.register_forward_hook(self._root_post_forward))
         for u, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
@@ -227,7 +229,12 @@ class Stage3Runtime:
         """Gather the next units of the previous pass's order while this one computes — only while this pass has
         followed that order exactly (so every rank prefetches the same units, in the same order). With offloaded
         parameters, start reading the shard of the unit after those too, so its read overlaps this compute."""
-        if not now or previous[: len(now)] != now:
+        if not now:
+            return
+        if previous[: len(now)] != now:  # the pass left the recorded order: what was fetched ahead is not coming
+            for u in range(len(self.units)):
+                if u != now[-1]:
+                    self._release_if_idle(u)
             return
         budget = self.prefetch_numel
         live = self._live()
@@ -268,6 +275,8 @@ class Stage3Runtime:
         if self.max_reuse_distance <= 0:
             return False
         order, position = self._fwd_order, len(self._fwd_now)
+        if order[:position] != self._fwd_now:  # off the recorded order: positions in it mean nothing
+            return False
         distance = 0
         for later in order[position:]:
             if later == u:
