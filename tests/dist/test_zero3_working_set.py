@@ -13,6 +13,7 @@ from torch import nn
 
 import shardspeed
 from shardspeed import checkpointing
+from shardspeed.zero.stage3.unit import UnitState
 
 V, D, R, BLOCKS, SEQ, MB, STEPS = 32, 16, 4, 8, 4, 2, 3
 ADAM = {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-6}
@@ -101,21 +102,46 @@ def _config(case: str, limited: bool) -> dict:
     }
 
 
+class Probe:
+    """Gathered elements, sampled at every module's forward entry and exit (recomputations included) and whenever
+    a module output's gradient is computed in backward; the peak per phase. Only reads unit states, so it measures
+    any runtime the same way (the runtime's own ``peak_live_forward/backward`` must agree)."""
+
+    def __init__(self, engine: object) -> None:
+        self.units = engine.states.units
+        self.phase = "forward"
+        self.peak = {"forward": 0, "backward": 0}
+        for m in engine.module.modules():
+            m.register_forward_pre_hook(lambda *_: self.sample())
+            m.register_forward_hook(self._after)
+
+    def sample(self, *_: object) -> None:
+        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+        self.peak[self.phase] = max(self.peak[self.phase], live)
+
+    def _after(self, module: nn.Module, args: object, output: object) -> None:
+        self.sample()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self.sample)
+
+
 def _train(rank: int, world: int, case: str, limited: bool) -> dict:
     checkpointing.set_default_context(None)
     model = make_net(case)
     engine, *_ = shardspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=_config(case, limited)
     )
-    runtime = engine.states.reducer
+    probe = Probe(engine)
     forward, backward = [], []
     for step, (tokens, targets) in enumerate(batches(world)):
-        runtime.reset_peaks()
+        probe.peak = {"forward": 0, "backward": 0}
         rows = slice(rank * MB, (rank + 1) * MB)
+        probe.phase = "forward"
         loss = engine(tokens[rows], targets[rows])
-        forward.append(runtime.peak_live_forward)
+        probe.phase = "backward"
         engine.backward(loss)
-        backward.append(runtime.peak_live_backward)
+        forward.append(probe.peak["forward"])
+        backward.append(probe.peak["backward"])
         engine.step()
         engine.module.step = step + 1
     return {

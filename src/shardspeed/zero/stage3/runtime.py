@@ -231,10 +231,7 @@ class Stage3Runtime:
         parameters, start reading the shard of the unit after those too, so its read overlaps this compute."""
         if not now:
             return
-        if previous[: len(now)] != now:  # the pass left the recorded order: what was fetched ahead is not coming
-            for u in range(len(self.units)):
-                if u != now[-1]:
-                    self._release_if_idle(u)
+        if previous[: len(now)] != now:  # units fetched ahead stay until used, evicted (max live) or the pass ends
             return
         budget = self.prefetch_numel
         live = self._live()
