@@ -17,7 +17,7 @@ from shardspeed.zero.stage3.unit import UnitState
 
 V, D, R, BLOCKS, SEQ, MB, STEPS = 32, 16, 4, 8, 4, 2, 3
 ADAM = {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-6}
-CASES = ["plain", "shardspeed_ckpt", "torch_ckpt", "reentrant_ckpt", "lora", "called_twice", "skipped"]
+CASES = ["plain", "shardspeed_ckpt", "torch_ckpt", "reentrant_ckpt", "lora", "called_twice", "skipped", "reused_far"]
 
 
 class Block(nn.Module):
@@ -58,6 +58,9 @@ class Net(nn.Module):
             h = h + self._run(block, h)
             if self.case == "called_twice" and k == 3:
                 h = h + self._run(block, h)
+        if self.case == "reused_far":  # blocks 0 and 1 again: kept gathered for reuse until the limit says no
+            h = h + self._run(self.blocks[0], h)
+            h = h + self._run(self.blocks[1], h)
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
     def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -180,7 +183,10 @@ def _limited_and_not(rank: int, world: int, case: str) -> dict:
 # block is gathered for its backward anyway). Deterministic: program order decides every gather and release.
 TWO_BLOCKS = 2 * 1072 / (8 * 1072 + 512 + 544)  # the block in use and the one prefetched ahead
 TWO_LORA_BLOCKS = 2 * 1200 / (8 * 1200 + 512 + 544)
-FRACTIONS = {case: (TWO_BLOCKS, TWO_BLOCKS) for case in CASES} | {"lora": (TWO_LORA_BLOCKS, TWO_LORA_BLOCKS)}
+FRACTIONS = {case: (TWO_BLOCKS, TWO_BLOCKS) for case in CASES} | {
+    "lora": (TWO_LORA_BLOCKS, TWO_LORA_BLOCKS),
+    "reused_far": (2 * TWO_BLOCKS, 2 * TWO_BLOCKS),  # + blocks 0 and 1, kept for their other call (reuse distance)
+}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -196,6 +202,8 @@ def test_working_set_is_bounded_by_max_live_parameters(dist_run, case: str) -> N
         r, free = both["limited"], both["unlimited"]
         assert all(0 < f <= limit + r["biggest_unit"] for f in r["forward"]), (r["forward"], limit)
         assert all(0 < b <= limit + r["biggest_unit"] for b in r["backward"]), (r["backward"], limit)
+        if case == "reused_far":  # one block needed at a time: the units kept for reuse make room, not the limit
+            assert max(r["forward"]) <= limit and max(r["backward"]) <= limit, (r["forward"], r["backward"], limit)
         fractions = (max(free["forward"]) / free["model_numel"], max(free["backward"]) / free["model_numel"])
         print(f"{case}: peak gathered fraction forward {fractions[0]:.4f} backward {fractions[1]:.4f}")
         assert fractions == pytest.approx(FRACTIONS[case], abs=1e-4), fractions

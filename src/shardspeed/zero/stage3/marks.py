@@ -37,7 +37,7 @@ class BackwardUse:
     """One forward call of a module that needs ``units`` in its backward. ``marked``: its inputs are watched, so
     the end of its backward is observed; otherwise the units' gradients tell (runtime.py)."""
 
-    __slots__ = ("ended", "handle", "marked", "started", "units")
+    __slots__ = ("ended", "handle", "marked", "node", "started", "units")
 
     def __init__(self, units: tuple[int, ...]) -> None:
         self.units = units
@@ -45,6 +45,7 @@ class BackwardUse:
         self.started = False
         self.ended = False
         self.handle: RemovableHandle | None = None  # the input hook, removed once it fired or the backward ended
+        self.node: Any = None  # the output mark's autograd node: whether and when this backward will reach it
 
 
 def _aliases(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -87,7 +88,9 @@ def mark_outputs(output: Any, use: BackwardUse, on_start: Callable[[BackwardUse]
     ``_UseStart``; whether any was (if none, nothing in backward needs this call)."""
     if isinstance(output, torch.Tensor):
         if output.requires_grad:
-            return _UseStart.apply(on_start, use, output)[0], True
+            wrapped = _UseStart.apply(on_start, use, output)[0]
+            use.node = wrapped.grad_fn
+            return wrapped, True
         return output, False
     if isinstance(output, (tuple, list, dict)):
         items = list(output.values()) if isinstance(output, dict) else list(output)
@@ -95,6 +98,7 @@ def mark_outputs(output: Any, use: BackwardUse, on_start: Callable[[BackwardUse]
         if not slots:
             return output, False
         wrapped = _UseStart.apply(on_start, use, *(items[i] for i in slots))
+        use.node = wrapped[0].grad_fn
         for i, t in zip(slots, wrapped):
             items[i] = t
         if isinstance(output, dict):

@@ -13,7 +13,10 @@ what comes next. What needs a unit:
   (torch's non-reentrant checkpoint stops as soon as the last saved tensor is rebuilt), so nothing is counted there;
 - ``expected - arrived``: trainable parameters whose gradient accumulation autograd will still run in this
   backward (``torch._C._will_engine_execute_node`` on their accumulators, asked when a use starts): a parameter's
-  storage must be whole when its gradient is accumulated, so the unit stays until they are in.
+  storage must be whole when its gradient is accumulated, so the unit stays until they are in — unless another
+  backward use of the unit is still to come (a module called twice): that use gathers it again before the
+  accumulation can run, so in between the unit is kept only like a unit reused in forward (within
+  ``stage3_max_reuse_distance``, and first to go under ``stage3_max_live_parameters``).
 
 Units nobody needs but that are gathered (prefetched ahead, kept for reuse in forward) are released when their
 turn ends, at the end of forward / backward, or first when a gather would exceed ``stage3_max_live_parameters``.
@@ -38,10 +41,13 @@ class UnitNeeds:
         return not self.expected <= self.arrived
 
     @property
+    def busy(self) -> bool:
+        """A call is using the unit right now (forward, backward, or a recomputation for a backward)."""
+        return bool(self.forward_calls or self.backward_uses or self.unmarked_uses or self.recompute_hold)
+
+    @property
     def needed(self) -> bool:
-        return bool(
-            self.forward_calls or self.backward_uses or self.unmarked_uses or self.recompute_hold or self.grads_pending
-        )
+        return self.busy or self.grads_pending
 
     def end_use(self) -> None:
         """A marked backward use ended: the recomputation that served it (if any) is done too."""

@@ -36,6 +36,11 @@ _Calls = list[BackwardUse | None]  # one hooked module's calls in progress (None
 REDUCE_SCATTERS_IN_FLIGHT = 2  # overlap a reduce-scatter with the next units' backward, without holding them all
 
 
+def _will_run(node: Any) -> bool:
+    """Whether the running backward will execute autograd ``node``."""
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
 def _during_backward() -> bool:
     """Whether the autograd engine is running this code (a recomputation inside backward)."""
     return torch._C._current_graph_task_id() != -1
@@ -61,6 +66,7 @@ class Stage3Runtime:
         self._needs = [UnitNeeds() for _ in self.units]
         self._stacks: list[_Calls] = []  # per hooked module: its calls in progress
         self._uses: list[BackwardUse] = []  # uses with an input hook, removed when the backward ends
+        self._unstarted: list[list[BackwardUse]] = [[] for _ in self.units]  # marked uses whose backward is to come
         self._gathered_at = [0] * len(self.units)  # when the runtime last gathered each unit (eviction order)
         self._clock = 0
         self._fwd_order: list[int] = []  # units in the order the previous forward acquired them
@@ -123,6 +129,8 @@ class Stage3Runtime:
             stack.clear()
         for needs in self._needs:
             needs.forward_calls = 0
+        for uses in self._unstarted:  # a forward without backward must not grow these (dropping them only keeps
+            uses.clear()  # a unit gathered longer: its next use is then unknown)
         self._saved_views.enter()  # see [Note: saved views]
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -165,7 +173,10 @@ class Stage3Runtime:
                 if not self._reused_soon(u):
                     self._release_if_idle(u)
         if use is not None and torch.is_grad_enabled():
-            output, _ = mark_outputs(output, use, self._use_started)
+            output, marked = mark_outputs(output, use, self._use_started)
+            if marked:
+                for u in unit_ids:
+                    self._unstarted[u].append(use)
         return output
 
     def _acquire(self, u: int, backward: bool) -> None:
@@ -212,7 +223,7 @@ class Stage3Runtime:
         idle = [
             v
             for v, unit in enumerate(self.units)
-            if v != keep and not unit.persistent and unit.state is not UnitState.SHARDED and not self._needs[v].needed
+            if v != keep and not unit.persistent and unit.state is not UnitState.SHARDED and not self._must_stay(v)
         ]
         for v in sorted(idle, key=lambda v: self._gathered_at[v]):
             self.units[v].release()
@@ -222,8 +233,34 @@ class Stage3Runtime:
 
     def _release_if_idle(self, u: int) -> None:
         unit = self.units[u]
-        if not unit.persistent and unit.state is not UnitState.SHARDED and not self._needs[u].needed:
-            unit.release()
+        if unit.persistent or unit.state is UnitState.SHARDED or self._must_stay(u):
+            return
+        if self._needs[u].grads_pending:  # another use of the unit comes before its gradients: keep it if soon
+            distance = self._next_use_distance(u)
+            if distance is not None and distance <= self.max_reuse_distance:
+                return
+        unit.release()
+
+    def _must_stay(self, u: int) -> bool:
+        """Needed now, or its gradients may be accumulated before anything would gather it again."""
+        needs = self._needs[u]
+        return needs.needed and not (needs.grads_pending and not needs.busy and self._next_use_distance(u) is not None)
+
+    def _next_use_distance(self, u: int) -> int | None:
+        """Gathered elements of other units whose backward uses start before unit u's next one, or None when no
+        backward use of u is still to come in this backward. A use to come re-gathers the unit before any of its
+        parameters' gradients can be accumulated (their accumulation waits for that use's nodes), so in between
+        the unit may be released like a unit kept for reuse in forward (``max_reuse_distance``). Order: autograd
+        runs later-created nodes first; every rank has the same graph, so every rank decides the same."""
+        coming = [use for use in self._unstarted[u] if not use.started and _will_run(use.node)]
+        if not coming:
+            return None
+        nxt = max(use.node._sequence_nr() for use in coming)
+        before: set[int] = set()
+        for v, uses in enumerate(self._unstarted):
+            if v != u and any(not x.started and x.node._sequence_nr() > nxt and _will_run(x.node) for x in uses):
+                before.add(v)
+        return sum(self.units[v].numel for v in before)
 
     def _prefetch_after(self, now: list[int], previous: list[int]) -> None:
         """Gather the next units of the previous pass's order while this one computes — only while this pass has
@@ -290,6 +327,9 @@ class Stage3Runtime:
             return  # several outputs' marks of one call share one use
         use.started, use.ended = True, False
         backward = _during_backward()
+        for u in use.units:
+            if use in self._unstarted[u]:
+                self._unstarted[u].remove(use)
         for u in use.units:
             needs = self._needs[u]
             if use.marked:
@@ -381,6 +421,8 @@ class Stage3Runtime:
             stack.clear()
         for needs in self._needs:
             needs.reset_backward()
+        for uses in self._unstarted:
+            uses.clear()
         for unit in self.units:
             if not unit.persistent and unit.state is not UnitState.SHARDED:
                 unit.release()
