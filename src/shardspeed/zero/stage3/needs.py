@@ -13,10 +13,10 @@ what comes next. What needs a unit:
   (torch's non-reentrant checkpoint stops as soon as the last saved tensor is rebuilt), so nothing is counted there;
 - ``expected - arrived``: trainable parameters whose gradient accumulation autograd will still run in this
   backward (``torch._C._will_engine_execute_node`` on their accumulators, asked when a use starts): a parameter's
-  storage must be whole when its gradient is accumulated, so the unit stays until they are in — unless another
-  backward use of the unit is still to come (a module called twice): that use gathers it again before the
-  accumulation can run, so in between the unit is kept only like a unit reused in forward (within
-  ``stage3_max_reuse_distance``, and first to go under ``stage3_max_live_parameters``).
+  storage must be whole when its gradient is accumulated, so the unit stays until they are in. If another
+  backward use of the unit is still to come (a module called twice, a tied weight) that use gathers it again
+  before the accumulation can run, so in between the unit stays only like a unit kept for reuse in forward:
+  ``stage3_max_live_parameters`` may evict it (runtime.py ``_must_stay``).
 
 Units nobody needs but that are gathered (prefetched ahead, kept for reuse in forward) are released when their
 turn ends, at the end of forward / backward, or first when a gather would exceed ``stage3_max_live_parameters``.

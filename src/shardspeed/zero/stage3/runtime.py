@@ -232,35 +232,23 @@ class Stage3Runtime:
                 return
 
     def _release_if_idle(self, u: int) -> None:
+        """Release unit u unless something needs it, or it waits between two backward uses (see ``_must_stay``)."""
         unit = self.units[u]
-        if unit.persistent or unit.state is UnitState.SHARDED or self._must_stay(u):
-            return
-        if self._needs[u].grads_pending:  # another use of the unit comes before its gradients: keep it if soon
-            distance = self._next_use_distance(u)
-            if distance is not None and distance <= self.max_reuse_distance:
-                return
-        unit.release()
+        if not unit.persistent and unit.state is not UnitState.SHARDED and not self._needs[u].needed:
+            unit.release()
 
     def _must_stay(self, u: int) -> bool:
-        """Needed now, or its gradients may be accumulated before anything would gather it again."""
+        """Whether ``stage3_max_live_parameters`` may not evict unit u: it is in use, or its gradients may be
+        accumulated before anything gathers it again. A unit whose gradients are pending but whose next backward
+        use is still to come (a module called twice, a tied weight) may go: that use gathers it again before the
+        accumulation can run (it waits for that use's nodes). Until room is needed it stays, like a unit kept for
+        reuse in forward: it would only be gathered again."""
         needs = self._needs[u]
-        return needs.needed and not (needs.grads_pending and not needs.busy and self._next_use_distance(u) is not None)
+        return needs.busy or (needs.grads_pending and not self._use_coming(u))
 
-    def _next_use_distance(self, u: int) -> int | None:
-        """Gathered elements of other units whose backward uses start before unit u's next one, or None when no
-        backward use of u is still to come in this backward. A use to come re-gathers the unit before any of its
-        parameters' gradients can be accumulated (their accumulation waits for that use's nodes), so in between
-        the unit may be released like a unit kept for reuse in forward (``max_reuse_distance``). Order: autograd
-        runs later-created nodes first; every rank has the same graph, so every rank decides the same."""
-        coming = [use for use in self._unstarted[u] if not use.started and _will_run(use.node)]
-        if not coming:
-            return None
-        nxt = max(use.node._sequence_nr() for use in coming)
-        before: set[int] = set()
-        for v, uses in enumerate(self._unstarted):
-            if v != u and any(not x.started and x.node._sequence_nr() > nxt and _will_run(x.node) for x in uses):
-                before.add(v)
-        return sum(self.units[v].numel for v in before)
+    def _use_coming(self, u: int) -> bool:
+        """Whether a backward use of unit u created in forward is still to start in this backward."""
+        return any(not use.started and _will_run(use.node) for use in self._unstarted[u])
 
     def _prefetch_after(self, now: list[int], previous: list[int]) -> None:
         """Gather the next units of the previous pass's order while this one computes — only while this pass has
