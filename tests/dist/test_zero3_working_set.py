@@ -17,7 +17,18 @@ from shardspeed.zero.stage3.unit import UnitState
 
 V, D, R, BLOCKS, SEQ, MB, STEPS = 32, 16, 4, 8, 4, 2, 3
 ADAM = {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-6}
-CASES = ["plain", "shardspeed_ckpt", "torch_ckpt", "reentrant_ckpt", "lora", "called_twice", "skipped", "reused_far"]
+CASES = [
+    "plain",
+    "shardspeed_ckpt",  # non-reentrant (the default)
+    "shardspeed_reentrant_ckpt",  # DeepSpeed's CheckpointFunction
+    "torch_ckpt",
+    "reentrant_ckpt",
+    "lora",
+    "called_twice",
+    "skipped",
+    "reused_far",
+]
+CHECKPOINTED = ("shardspeed_ckpt", "shardspeed_reentrant_ckpt", "torch_ckpt", "reentrant_ckpt")
 
 
 class Block(nn.Module):
@@ -64,7 +75,7 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
     def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if self.case == "shardspeed_ckpt":
+        if self.case in ("shardspeed_ckpt", "shardspeed_reentrant_ckpt"):
             return checkpointing.checkpoint(block, h)
         if self.case == "torch_ckpt":
             return torch_checkpoint.checkpoint(block, h, use_reentrant=False)
@@ -130,6 +141,7 @@ class Probe:
 
 def _train(rank: int, world: int, case: str, limited: bool) -> dict:
     checkpointing.set_default_context(None)
+    checkpointing.configure(use_reentrant=case == "shardspeed_reentrant_ckpt")
     model = make_net(case)
     engine, *_ = shardspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=_config(case, limited)
@@ -158,7 +170,7 @@ def _train(rank: int, world: int, case: str, limited: bool) -> dict:
 
 
 def _reference(case: str, world: int) -> dict[str, torch.Tensor]:
-    model = make_net("plain" if case in ("shardspeed_ckpt", "torch_ckpt", "reentrant_ckpt") else case)
+    model = make_net("plain" if case in CHECKPOINTED else case)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, **ADAM)
     for step, (tokens, targets) in enumerate(batches(world)):
