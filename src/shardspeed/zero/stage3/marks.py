@@ -26,6 +26,7 @@ their version, which breaks every module whose last op saves its output.)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,13 @@ class BackwardUse:
         self.started = False
         self.ended = False
         self.handle: RemovableHandle | None = None  # the input hook, removed once it fired or the backward ended
-        self.node: Any = None  # the output mark's autograd node: whether and when this backward will reach it
+        # the output mark's autograd node (weakly: a use must not keep a discarded graph and its activations alive)
+        self.node: weakref.ref[Any] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Its backward may still come: the graph holding its output mark is alive and the use has not started."""
+        return not self.started and self.node is not None and self.node() is not None
 
 
 def _aliases(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -89,7 +96,7 @@ def mark_outputs(output: Any, use: BackwardUse, on_start: Callable[[BackwardUse]
     if isinstance(output, torch.Tensor):
         if output.requires_grad:
             wrapped = _UseStart.apply(on_start, use, output)[0]
-            use.node = wrapped.grad_fn
+            use.node = weakref.ref(wrapped.grad_fn)
             return wrapped, True
         return output, False
     if isinstance(output, (tuple, list, dict)):
@@ -98,7 +105,7 @@ def mark_outputs(output: Any, use: BackwardUse, on_start: Callable[[BackwardUse]
         if not slots:
             return output, False
         wrapped = _UseStart.apply(on_start, use, *(items[i] for i in slots))
-        use.node = wrapped[0].grad_fn
+        use.node = weakref.ref(wrapped[0].grad_fn)
         for i, t in zip(slots, wrapped):
             items[i] = t
         if isinstance(output, dict):

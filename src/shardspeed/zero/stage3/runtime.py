@@ -129,8 +129,7 @@ class Stage3Runtime:
             stack.clear()
         for needs in self._needs:
             needs.forward_calls = 0
-        for uses in self._unstarted:  # a forward without backward must not grow these (dropping them only keeps
-            uses.clear()  # a unit gathered longer: its next use is then unknown)
+        self._prune_uses()
         self._saved_views.enter()  # see [Note: saved views]
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -248,7 +247,7 @@ class Stage3Runtime:
 
     def _use_coming(self, u: int) -> bool:
         """Whether a backward use of unit u created in forward is still to start in this backward."""
-        return any(not use.started and _will_run(use.node) for use in self._unstarted[u])
+        return any(use.pending and _will_run(use.node()) for use in self._unstarted[u])
 
     def _prefetch_after(self, now: list[int], previous: list[int]) -> None:
         """Gather the next units of the previous pass's order while this one computes — only while this pass has
@@ -415,6 +414,19 @@ class Stage3Runtime:
             if not unit.persistent and unit.state is not UnitState.SHARDED:
                 unit.release()
         self._cancel_reads_ahead()
+
+    def _prune_uses(self) -> None:
+        """Forget uses whose graph is gone (a forward with grad but no backward): their backward never comes."""
+        for uses in self._unstarted:
+            uses[:] = [use for use in uses if use.pending]
+        alive = []
+        for use in self._uses:
+            if use.pending or (use.started and not use.ended):
+                alive.append(use)
+            elif use.handle is not None:
+                use.handle.remove()
+                use.handle = None
+        self._uses = alive
 
     def _drop_uses(self) -> None:
         for use in self._uses:
