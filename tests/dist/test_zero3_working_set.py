@@ -272,3 +272,34 @@ def test_in_place_ops_on_module_outputs(dist_run) -> None:
     for state in results:
         for name, value in model.state_dict().items():
             assert (state[name] - value).abs().max().item() <= 1e-5, name
+
+
+def _no_backward_then_two_losses(rank: int, world: int) -> dict:
+    """Forwards with grad but no backward (an evaluation loop without no_grad) leave nothing gathered; then one
+    backward through two forwards' losses trains like plain torch."""
+    checkpointing.set_default_context(None)
+    model = make_net("plain")
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config("plain", True))
+    (tokens, targets), rows = batches(world)[0], slice(rank * MB, (rank + 1) * MB)
+    for _ in range(3):
+        engine(tokens[rows], targets[rows])
+    gathered = engine.states.unsharded_units()
+    half = slice(rank * MB, rank * MB + 1), slice(rank * MB + 1, (rank + 1) * MB)
+    loss = (engine(tokens[half[0]], targets[half[0]]) + engine(tokens[half[1]], targets[half[1]])) / 2
+    engine.backward(loss)
+    engine.step()
+    return {"gathered": gathered, "state": engine.module_state_dict()}
+
+
+def test_forward_without_backward_and_two_forwards_per_backward(dist_run) -> None:
+    results = dist_run(_no_backward_then_two_losses, 2)
+    model = make_net("plain")
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    tokens, targets = batches(2)[0]
+    loss = sum(model(tokens[i : i + 1], targets[i : i + 1]) for i in range(2 * MB)) / (2 * MB)
+    loss.backward()
+    opt.step()
+    for r in results:
+        assert r["gathered"] == []
+        for name, value in model.state_dict().items():
+            assert (r["state"][name] - value).abs().max().item() <= 1e-5, name
