@@ -38,12 +38,13 @@ class BackwardUse:
     """One forward call of a module that needs ``units`` in its backward. ``marked``: its inputs are watched, so
     the end of its backward is observed; otherwise the units' gradients tell (runtime.py)."""
 
-    __slots__ = ("ended", "handle", "marked", "node", "started", "units")
+    __slots__ = ("ended", "handle", "marked", "node", "started", "started_in", "units")
 
     def __init__(self, units: tuple[int, ...]) -> None:
         self.units = units
         self.marked = False
         self.started = False
+        self.started_in = -1  # which backward (runtime's count) started it: a retained graph is run again
         self.ended = False
         self.handle: RemovableHandle | None = None  # the input hook, removed once it fired or the backward ended
         # the output mark's autograd node (weakly: a use must not keep a discarded graph and its activations alive)

@@ -75,6 +75,7 @@ class Stage3Runtime:
         self._bwd_now: list[int] = []
         self._bwd_seen: set[int] = set()
         self._in_backward = False
+        self._backward_index = 0  # before_backward calls so far (a retained graph's uses start again)
         self._communicate = True
         self._reduced = False
         self._final = False  # before_backward(final=...)
@@ -310,9 +311,9 @@ class Stage3Runtime:
     # --- backward ----------------------------------------------------------------------------------------
     def _use_started(self, use: BackwardUse) -> None:
         """A call's backward begins (its output mark fired): its units are needed until the use ends."""
-        if use.started and not use.ended:
+        if use.started_in == self._backward_index and not use.ended:
             return  # several outputs' marks of one call share one use
-        use.started, use.ended = True, False
+        use.started, use.ended, use.started_in = True, False, self._backward_index
         backward = _during_backward()
         for u in use.units:
             if use in self._unstarted[u]:
@@ -377,6 +378,7 @@ class Stage3Runtime:
         """``final``: this backward's reduction is the last before the optimizer step (``on_final`` fires)."""
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._reduced = True, communicate, False
+        self._backward_index += 1
         self._final = final and communicate
         self._bwd_now, self._launched = [], []
         self._bwd_seen = set()
