@@ -5,6 +5,8 @@ plain torch; in-place ops on ZeRO-3 module outputs."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -275,20 +277,24 @@ def test_in_place_ops_on_module_outputs(dist_run) -> None:
 
 
 def _no_backward_then_two_losses(rank: int, world: int) -> dict:
-    """Forwards with grad but no backward (an evaluation loop without no_grad) leave nothing gathered; then one
-    backward through two forwards' losses trains like plain torch."""
+    """Forwards with grad but no backward (an evaluation loop without no_grad) leave nothing gathered and keep no
+    graph alive ([Note: saved views]: no reference cycle through the pack hook); then one backward through two
+    forwards' losses trains like plain torch."""
     checkpointing.set_default_context(None)
     model = make_net("plain")
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config("plain", True))
     (tokens, targets), rows = batches(world)[0], slice(rank * MB, (rank + 1) * MB)
+    saved: list[weakref.ref] = []  # an activation the graph saves for backward: alive exactly as long as the graph
+    engine.module.blocks[1].up.register_forward_hook(lambda m, args, out: saved.append(weakref.ref(args[0])))
     for _ in range(3):
-        engine(tokens[rows], targets[rows])
+        engine(tokens[rows], targets[rows])  # the loss is dropped: its graph must go with it
+    freed = [ref() is None for ref in saved]
     gathered = engine.states.unsharded_units()
     half = slice(rank * MB, rank * MB + 1), slice(rank * MB + 1, (rank + 1) * MB)
     loss = (engine(tokens[half[0]], targets[half[0]]) + engine(tokens[half[1]], targets[half[1]])) / 2
     engine.backward(loss)
     engine.step()
-    return {"gathered": gathered, "state": engine.module_state_dict()}
+    return {"freed": freed, "gathered": gathered, "state": engine.module_state_dict()}
 
 
 def test_forward_without_backward_and_two_forwards_per_backward(dist_run) -> None:
@@ -300,6 +306,6 @@ def test_forward_without_backward_and_two_forwards_per_backward(dist_run) -> Non
     loss.backward()
     opt.step()
     for r in results:
-        assert r["gathered"] == []
+        assert r["gathered"] == [] and r["freed"] == [True, True, True]
         for name, value in model.state_dict().items():
             assert (r["state"][name] - value).abs().max().item() <= 1e-5, name
