@@ -45,7 +45,6 @@ never push the pool past ``buffer_count``; one nobody consumed is dropped at the
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -195,7 +194,6 @@ class ParamOffloader:
         self._stored: dict[str, int] = {}  # key → bytes last written to ``store``
         self._ahead: dict[int, tuple[torch.Tensor, SwapHandle]] = {}  # unit index → (pool buffer, read in flight)
         self._ready: dict[int, torch.Tensor] = {}  # unit index → a read-ahead buffer handed out, already filled
-        self.reads_issued: deque[int] = deque(maxlen=1024)  # unit indices, in the order their reads were issued
 
     @staticmethod
     def key(unit: ParamUnit) -> str:
@@ -246,7 +244,6 @@ class ParamOffloader:
         if buffer is None:
             return False
         self._ahead[unit.index] = (buffer, self.store.swap_in(self.key(unit), buffer))
-        self.reads_issued.append(unit.index)
         return True
 
     def _take_ahead(self, unit: ParamUnit) -> torch.Tensor | None:
