@@ -100,7 +100,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     # --- zero_optimization ----------------------------------------------------------------------------------------
     f"{_Z}.stage": _acts("which model states (zero/__init__.py)"),
     f"{_Z}.overlap_comm": _acts("reducers launch asynchronously or one bucket at a time"),
-    f"{_Z}.reduce_bucket_size": _acts("bucket size (stages 0-2); stage 3 reduce-scatters each unit in pieces of at most this many elements"),
+    f"{_Z}.reduce_bucket_size": _acts(
+        "bucket size (stages 0-2); stage 3 reduce-scatters each unit in pieces of at most this many elements"
+    ),
     f"{_Z}.allgather_bucket_size": _acts("bucket size, stages 1-2"),
     f"{_Z}.offload_param.device": _acts("stage3/param_offload.py"),
     f"{_Z}.offload_param.nvme_path": _acts("stage3/param_offload.py"),

@@ -33,6 +33,14 @@ The DeepSpeed tuning keys apply to ``device: "nvme"`` (with ``"cpu"`` nothing is
   so host memory for swapped shards stays bounded. A shard larger than ``buffer_size`` is a ``ConfigError``.
   When more shards are in memory at once than there are buffers (prefetch depth, a ``GatheredParameters`` over
   many units) the extra ones get a temporary buffer, counted in ``pool_overflows``, with one warning.
+
+[Note: read-ahead] ``gather()`` reads the shard and waits for the read before launching the all-gather, so a read
+issued there blocks the hook that issues it. The runtime therefore also calls ``read_ahead`` for the next unit of
+the recorded order *past* the ones it gathers (prefetch): the read is issued asynchronously through the swapper
+and runs while the current unit computes; when that unit's turn comes, ``empty_shard`` hands out the filled
+buffer and ``read`` has nothing left to do. Reads ahead only take a *free* pool buffer (``try_acquire``), so they
+never push the pool past ``buffer_count``; one nobody consumed is dropped at the end of each forward / backward
+(``cancel_reads_ahead``), and a write to the store drops the unit's read ahead (its values would be old).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from shardspeed.log import logger
 from shardspeed.offload.aio_config import AioSettings
 from shardspeed.offload.host_store import HostStore, StateStore
 from shardspeed.offload.setup import open_swapper_on_every_rank
-from shardspeed.offload.swapper import TensorSwapper, aligned_empty
+from shardspeed.offload.swapper import SwapHandle, TensorSwapper, aligned_empty
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
@@ -136,6 +144,13 @@ class ShardBufferPool:
         self.peak_in_use = max(self.peak_in_use, len(self._in_use))
         return buffer[:nbytes].view(dtype)
 
+    def try_acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Like ``acquire``, but None instead of a temporary buffer when every pool buffer is in use: reading
+        ahead is optional, and must never push the pool past ``buffer_count``."""
+        if not self._free and self.allocated >= self.buffer_count:
+            return None
+        return self.acquire(numel, dtype)
+
     def release(self, tensor: torch.Tensor) -> None:
         """Return ``tensor``'s buffer to the pool; a temporary (overflow) or foreign tensor is just dropped."""
         buffer = self._in_use.pop(tensor.data_ptr(), None)
@@ -177,6 +192,8 @@ class ParamOffloader:
         self.in_cpu_units = frozenset(u.index for u in in_cpu)  # kept in host memory by max_in_cpu
         self.in_cpu_bytes = sum(u.shard_numel * u.dtype.itemsize for u in in_cpu)
         self._stored: dict[str, int] = {}  # key → bytes last written to ``store``
+        self._ahead: dict[int, tuple[torch.Tensor, SwapHandle]] = {}  # unit index → (pool buffer, read in flight)
+        self._ready: dict[int, torch.Tensor] = {}  # unit index → a read-ahead buffer handed out, already filled
 
     @staticmethod
     def key(unit: ParamUnit) -> str:
@@ -217,9 +234,49 @@ class ParamOffloader:
             return self.pool.acquire(unit.shard_numel, unit.dtype)
         return torch.empty(unit.shard_numel, dtype=unit.dtype)
 
+    # --- read-ahead ([Note: read-ahead]) ------------------------------------------------------------------------
+    def read_ahead(self, unit: ParamUnit) -> bool:
+        """Start reading ``unit``'s shard from the swap file into a free pool buffer, without waiting; False when it
+        does not apply (not an NVMe unit, already reading) or no pool buffer is free."""
+        if unit.index in self._ahead or unit.index in self.in_cpu_units or self.pool is None or self.store is None:
+            return False
+        buffer = self.pool.try_acquire(unit.shard_numel, unit.dtype)
+        if buffer is None:
+            return False
+        self._ahead[unit.index] = (buffer, self.store.swap_in(self.key(unit), buffer))
+        return True
+
+    def _take_ahead(self, unit: ParamUnit) -> torch.Tensor | None:
+        """The read-ahead buffer of ``unit`` once its read completed (None if none was started)."""
+        ahead = self._ahead.pop(unit.index, None)
+        if ahead is None:
+            return None
+        buffer, handle = ahead
+        try:
+            handle.wait()
+        except BaseException:
+            self.release_shard(buffer)
+            raise
+        return buffer
+
+    def cancel_reads_ahead(self) -> None:
+        """Drop reads ahead nobody consumed (the pass went elsewhere, or ended): wait for them, free the buffers."""
+        for index in list(self._ahead):
+            buffer, handle = self._ahead.pop(index)
+            try:
+                handle.wait()
+            finally:
+                self.release_shard(buffer)
+        self._ready.clear()  # handed out: those buffers are their units' shards now, released by the units
+
     def empty_shard(self, unit: ParamUnit) -> torch.Tensor:
-        """A buffer for ``unit``'s shard, on its device; hand it back with ``release_shard`` when done."""
+        """A buffer for ``unit``'s shard, on its device; hand it back with ``release_shard`` when done. A host
+        shard whose read-ahead completed comes back already filled (``read`` then has nothing left to do)."""
         if unit.device.type == "cpu":
+            ready = self._take_ahead(unit)
+            if ready is not None:
+                self._ready[unit.index] = ready
+                return ready
             return self._host_shard(unit)
         return torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
 
@@ -231,6 +288,10 @@ class ParamOffloader:
     def write(self, unit: ParamUnit, shard: torch.Tensor) -> None:
         """Store ``shard`` (blocking: the caller frees it right after)."""
         store, key = self._store_for(unit), self.key(unit)
+        stale = self._take_ahead(unit)  # read before this write: its values are old
+        if stale is not None:
+            self.release_shard(stale)
+        self._ready.pop(unit.index, None)
         if shard.device.type == "cpu" or isinstance(store, HostStore):
             store.swap_out(key, shard).wait()
         else:  # device → swap file through a host buffer
@@ -242,8 +303,15 @@ class ParamOffloader:
             self._stored[key] = shard.numel() * shard.element_size()
 
     def read(self, unit: ParamUnit, out: torch.Tensor) -> None:
-        """Fill ``out`` with ``unit``'s stored shard (blocking)."""
+        """Fill ``out`` with ``unit``'s stored shard (blocking; a read started ahead is only waited for)."""
+        if self._ready.pop(unit.index, None) is out:
+            return
         store, key = self._store_for(unit), self.key(unit)
+        ahead = self._take_ahead(unit)
+        if ahead is not None:  # a device shard: the read went to a host buffer ahead of time
+            out.copy_(ahead)
+            self.release_shard(ahead)
+            return
         if out.device.type == "cpu" or isinstance(store, HostStore):
             store.swap_in(key, out).wait()
             return
@@ -254,6 +322,7 @@ class ParamOffloader:
 
     def close(self) -> None:
         """Release the stores (for NVMe: the swap file)."""
+        self.cancel_reads_ahead()
         for store in (self.store, self.host_store):
             if store is not None:
                 store.close()

@@ -1,15 +1,20 @@
-"""ZeRO-3 runtime: module hooks that gather units before they run and release them after, plus the backward
-protocol the engine drives (same interface as zero/reducer.py's GradReducer).
+"""ZeRO-3 runtime: module hooks that gather units before they run and release them when nothing needs them, plus
+the backward protocol the engine drives (same interface as zero/reducer.py's GradReducer).
 
-Per forward pass:  unit-root pre-forward → acquire (gather, wait; prefetch the next units of the order
-recorded in the previous pass) · post-forward → release (unless reused soon) and wrap the outputs in an
-identity autograd function whose backward re-gathers the unit before its gradients are computed.
-Per backward:      pre-backward (from that function) → gather again, prefetch along the recorded backward
-order · every trainable parameter's gradient hook → stage it; when a unit's gradients are all in → launch its
-reduce-scatter (waiting for all but the newest REDUCE_SCATTERS_IN_FLIGHT, whose staging buffers would otherwise
-add up to the whole model) and release its parameters · after autograd returns → reduce leftover units (unused
-parameters: zero gradients) in unit order, wait, release everything not persistent.
+Per forward pass:  unit-root pre-forward → acquire (gather, wait; prefetch the next units of the order recorded
+in the previous pass; read ahead the shard after those when parameters are offloaded) and watch the call's
+inputs · post-forward → release (unless reused soon) and mark the outputs, whose backward re-gathers the unit.
+Per backward:      a call's output mark → its backward use starts: gather, prefetch along the recorded backward
+order · its inputs' gradients computed → the use ends · every trainable gradient → stage it; when a unit's
+gradients are all in → launch its reduce-scatter (waiting for all but the newest REDUCE_SCATTERS_IN_FLIGHT, whose
+staging buffers would otherwise add up to the whole model) · a unit nobody needs any more is released ([Note:
+unit lifetime] in needs.py, [Note: backward uses] in marks.py) · after autograd returns → reduce leftover units
+(unused parameters: zero gradients) in unit order, wait, release everything not persistent.
+Forward passes that run *during* backward are recomputations (activation checkpointing): they gather what they
+use and hold it until the backward use they serve ends, and never count on their post-forward hook being reached.
 Evaluation (``torch.no_grad()``) uses only the forward half: nothing waits for a backward that never comes.
+Every gather is issued in an order all ranks share (program order of hooks and autograd nodes), so the
+collectives stay matched; releases only decide *when* a unit is gathered again, never in which order.
 """
 
 from __future__ import annotations
@@ -21,25 +26,24 @@ from typing import Any
 import torch
 
 from shardspeed.zero.stage3.grads import UnitGrads
+from shardspeed.zero.stage3.marks import BackwardUse, mark_outputs, watch_inputs
+from shardspeed.zero.stage3.needs import UnitNeeds
 from shardspeed.zero.stage3.saved_views import SavedViewHooks
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 
-
-class _PreBackward(torch.autograd.Function):
-    """Identity in forward; its backward runs just before the wrapped module's backward and gathers its units."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: Stage3Runtime, unit_ids: tuple[int, ...], *tensors: torch.Tensor) -> Any:
-        ctx.runtime, ctx.unit_ids = runtime, unit_ids
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.runtime.pre_backward(ctx.unit_ids)
-        return (None, None, *grads)
-
+_Calls = list[BackwardUse | None]  # one hooked module's calls in progress (None: a call without grad)
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # overlap a reduce-scatter with the next units' backward, without holding them all
+
+
+def _will_run(node: Any) -> bool:
+    """Whether the running backward will execute autograd ``node``."""
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
+def _during_backward() -> bool:
+    """Whether the autograd engine is running this code (a recomputation inside backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Stage3Runtime:
@@ -59,12 +63,19 @@ class Stage3Runtime:
         self.max_reuse_distance = max_reuse_distance
         self.names = list(names)
         self.overlap = True
-        self._refs = [0] * len(self.units)
+        self._needs = [UnitNeeds() for _ in self.units]
+        self._stacks: list[_Calls] = []  # per hooked module: its calls in progress
+        self._uses: list[BackwardUse] = []  # uses with an input hook, removed when the backward ends
+        self._unstarted: list[list[BackwardUse]] = [[] for _ in self.units]  # marked uses whose backward is to come
+        self._gathered_at = [0] * len(self.units)  # when the runtime last gathered each unit (eviction order)
+        self._clock = 0
         self._fwd_order: list[int] = []  # units in the order the previous forward acquired them
         self._fwd_now: list[int] = []
         self._bwd_order: list[int] = []
         self._bwd_now: list[int] = []
+        self._bwd_seen: set[int] = set()
         self._in_backward = False
+        self._backward_index = 0  # before_backward calls so far (a retained graph's uses start again)
         self._communicate = True
         self._reduced = False
         self._final = False  # before_backward(final=...)
@@ -74,6 +85,8 @@ class Stage3Runtime:
         self._arrived_since_zero: set[str] = set()
         self._handles: list[Any] = []
         self.peak_live_numel = 0
+        self.peak_live_forward = 0  # gathered elements at most, while forward passes ran
+        self.peak_live_backward = 0  # ... while backward ran (recomputation included)
         self._saved_views = SavedViewHooks(self.units)
         # Units holding a ZeRO-3 leaf (plan.UnitSpec.data_dependent): ranks may get gradients for different subsets
         # of their parameters, so "all arrived" happens at different points per rank; they are reduced with the
@@ -98,9 +111,14 @@ class Stage3Runtime:
         for path, unit_ids in needs.items():
             m = modules[path]
             ids = tuple(unit_ids)
-            self._handles.append(m.register_forward_pre_hook(eager(functools.partial(self._pre_forward, ids))))
-            self._handles.append(m.register_forward_hook(eager(functools.partial(self._post_forward, ids))))
-        self._handles.append(module.register_forward_pre_hook(eager(self._root_pre_forward)))
+            stack: _Calls = []
+            self._stacks.append(stack)
+            pre = eager(functools.partial(self._pre_forward, ids, stack))
+            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(eager(functools.partial(self._post_forward, ids, stack))))
+        # The root's own hooks bracket its unit hooks (a root that owns parameters is a unit root too): the pass
+        # is reset before the root unit is acquired, and ends after it was released.
+        self._handles.append(module.register_forward_pre_hook(eager(self._root_pre_forward), prepend=True))
         self._handles.append(module.register_forward_hook(eager(self._root_post_forward)))
         for u, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
@@ -112,67 +130,186 @@ class Stage3Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._drop_uses()
 
     # --- forward -----------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if _during_backward():  # the whole model recomputed: its unit hooks do the work
+            return
         self._fwd_now = []
+        for stack in self._stacks:  # calls a raised exception left open (a failed forward, a stopped recompute)
+            stack.clear()
+        for needs in self._needs:
+            needs.forward_calls = 0
+        self._prune_uses()
         self._saved_views.enter()  # see [Note: saved views]
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _during_backward():
+            return
         self._saved_views.leave()
         if self._fwd_now:
             self._fwd_order = self._fwd_now
         # Units kept for reuse or prefetched but never used this pass are released now: nothing leaks.
-        for u, unit in enumerate(self.units):
-            if not unit.persistent and self._refs[u] == 0 and unit.state is not UnitState.SHARDED:
-                unit.release()
+        for u in range(len(self.units)):
+            self._release_if_idle(u)
+        self._cancel_reads_ahead()
 
-    def _pre_forward(self, unit_ids: tuple[int, ...], module: torch.nn.Module, args: Any) -> None:
+    def _pre_forward(
+        self, unit_ids: tuple[int, ...], stack: _Calls, module: torch.nn.Module, args: Any, kwargs: Any
+    ) -> None:
+        recompute = _during_backward()
         for u in unit_ids:
-            self._acquire(u, self._fwd_now, self._fwd_order)
-
-    def _post_forward(self, unit_ids: tuple[int, ...], module: torch.nn.Module, args: Any, output: Any) -> Any:
-        for u in unit_ids:
-            self._refs[u] -= 1
-            if self._refs[u] == 0 and not self._reused_soon(u):
-                self.units[u].release()
+            if recompute:  # held until the backward use it serves ends (its post-forward may never run)
+                self._needs[u].recompute_hold = True
+            else:
+                self._needs[u].forward_calls += 1
+            self._acquire(u, backward=recompute)
+        use = None
         if torch.is_grad_enabled():
-            output = _wrap_outputs(output, self, unit_ids)
+            use = BackwardUse(unit_ids)
+            use.handle = watch_inputs(args, kwargs, use, self._use_ended)
+            if use.handle is not None:
+                self._uses.append(use)
+        stack.append(use)
+
+    def _post_forward(
+        self, unit_ids: tuple[int, ...], stack: _Calls, module: torch.nn.Module, args: Any, output: Any
+    ) -> Any:
+        use = stack.pop() if stack else None
+        if not _during_backward():
+            for u in unit_ids:
+                needs = self._needs[u]
+                needs.forward_calls = max(0, needs.forward_calls - 1)
+                if not self._reused_soon(u):
+                    self._release_if_idle(u)
+        if use is not None and torch.is_grad_enabled():
+            output, marked = mark_outputs(output, use, self._use_started)
+            if marked:
+                for u in unit_ids:
+                    self._unstarted[u].append(use)
         return output
 
-    def _acquire(self, u: int, now: list[int], previous: list[int]) -> None:
+    def _acquire(self, u: int, backward: bool) -> None:
         unit = self.units[u]
+        now, previous = (self._bwd_now, self._bwd_order) if backward else (self._fwd_now, self._fwd_order)
         if not unit.persistent:
-            now.append(u)
-        self._refs[u] += 1
+            if not backward:
+                now.append(u)
+            elif u not in self._bwd_seen:
+                self._bwd_seen.add(u)
+                now.append(u)
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit.numel, keep=u)
+            self._stamp(u)
         unit.ensure_unsharded()
         self._prefetch_after(now, previous)
-        live = sum(x.numel for x in self.units if x.state is not UnitState.SHARDED)
+        self._note_live(backward)
+
+    def _stamp(self, u: int) -> None:
+        self._clock += 1
+        self._gathered_at[u] = self._clock
+
+    def _live(self) -> int:
+        return sum(x.numel for x in self.units if x.state is not UnitState.SHARDED)
+
+    def _note_live(self, backward: bool) -> None:
+        live = self._live()
         self.peak_live_numel = max(self.peak_live_numel, live)
+        if backward:
+            self.peak_live_backward = max(self.peak_live_backward, live)
+        else:
+            self.peak_live_forward = max(self.peak_live_forward, live)
+
+    def reset_peaks(self) -> None:
+        self.peak_live_numel = self.peak_live_forward = self.peak_live_backward = 0
+
+    def _make_room(self, numel: int, keep: int) -> None:
+        """Before gathering ``numel`` more elements past ``stage3_max_live_parameters``: release gathered units
+        nobody needs (kept for reuse, prefetched), the longest-gathered first. What is needed stays, so the limit
+        can still be passed by what one call needs at once."""
+        live = self._live()
+        if live + numel <= self.max_live_numel:
+            return
+        idle = [
+            v
+            for v, unit in enumerate(self.units)
+            if v != keep and not unit.persistent and unit.state is not UnitState.SHARDED and not self._must_stay(v)
+        ]
+        for v in sorted(idle, key=lambda v: self._gathered_at[v]):
+            self.units[v].release()
+            live -= self.units[v].numel
+            if live + numel <= self.max_live_numel:
+                return
+
+    def _release_if_idle(self, u: int) -> None:
+        """Release unit u unless something needs it, or it waits between two backward uses (see ``_must_stay``)."""
+        unit = self.units[u]
+        if not unit.persistent and unit.state is not UnitState.SHARDED and not self._needs[u].needed:
+            unit.release()
+
+    def _must_stay(self, u: int) -> bool:
+        """Whether ``stage3_max_live_parameters`` may not evict unit u: it is in use, or its gradients may be
+        accumulated before anything gathers it again. A unit whose gradients are pending but whose next backward
+        use is still to come (a module called twice, a tied weight) may go: that use gathers it again before the
+        accumulation can run (it waits for that use's nodes). Until room is needed it stays, like a unit kept for
+        reuse in forward: it would only be gathered again."""
+        needs = self._needs[u]
+        return needs.busy or (needs.grads_pending and not self._use_coming(u))
+
+    def _use_coming(self, u: int) -> bool:
+        """Whether a backward use of unit u created in forward is still to start in this backward."""
+        return any(use.pending and _will_run(use.node()) for use in self._unstarted[u])
 
     def _prefetch_after(self, now: list[int], previous: list[int]) -> None:
         """Gather the next units of the previous pass's order while this one computes — only while this pass has
-        followed that order exactly (so every rank prefetches the same units, in the same order)."""
-        if self.prefetch_numel <= 0 or not now or previous[: len(now)] != now:
+        followed that order exactly (so every rank prefetches the same units, in the same order). With offloaded
+        parameters, start reading the shard of the unit after those too, so its read overlaps this compute."""
+        if not now:
+            return
+        if previous[: len(now)] != now:  # units fetched ahead stay until used, evicted (max live) or the pass ends
             return
         budget = self.prefetch_numel
-        live = sum(x.numel for x in self.units if x.state is not UnitState.SHARDED)
-        for u in previous[len(now) :]:
+        live = self._live()
+        position = len(now)
+        for u in previous[len(now) :] if budget > 0 else ():
             unit = self.units[u]
             if unit.state is UnitState.SHARDED:
                 if unit.numel > budget or live + unit.numel > self.max_live_numel:
-                    return
+                    break
                 unit.gather()
+                self._stamp(u)
                 live += unit.numel
             budget -= unit.numel
+            position += 1
             if budget <= 0:
+                break
+        self._read_ahead(previous[position:])
+
+    def _read_ahead(self, upcoming: list[int]) -> None:
+        """Start the offload read of the next unit still sharded in ``upcoming`` (param_offload.py): a local read,
+        no collective, so it needs no agreement between ranks."""
+        for u in upcoming:
+            unit = self.units[u]
+            if unit.state is UnitState.SHARDED:
+                if unit.offloader is not None and not unit.shard_resident:
+                    unit.offloader.read_ahead(unit)
                 return
+
+    def _cancel_reads_ahead(self) -> None:
+        seen: set[int] = set()
+        for unit in self.units:
+            if unit.offloader is not None and id(unit.offloader) not in seen:
+                seen.add(id(unit.offloader))
+                unit.offloader.cancel_reads_ahead()
 
     def _reused_soon(self, u: int) -> bool:
         """Whether unit u is used again later in this forward within max_reuse_distance gathered elements."""
         if self.max_reuse_distance <= 0:
             return False
         order, position = self._fwd_order, len(self._fwd_now)
+        if order[:position] != self._fwd_now:  # off the recorded order: positions in it mean nothing
+            return False
         distance = 0
         for later in order[position:]:
             if later == u:
@@ -183,19 +320,44 @@ class Stage3Runtime:
         return False
 
     # --- backward ----------------------------------------------------------------------------------------
-    def pre_backward(self, unit_ids: tuple[int, ...]) -> None:
-        for u in unit_ids:
-            if self.grads[u].launched:
-                continue
-            if self.units[u].state is not UnitState.UNSHARDED or u not in self._bwd_now:
-                self._acquire_for_backward(u)
+    def _use_started(self, use: BackwardUse) -> None:
+        """A call's backward begins (its output mark fired): its units are needed until the use ends."""
+        if use.started_in == self._backward_index and not use.ended:
+            return  # several outputs' marks of one call share one use
+        use.started, use.ended, use.started_in = True, False, self._backward_index
+        backward = _during_backward()
+        for u in use.units:
+            if use in self._unstarted[u]:
+                self._unstarted[u].remove(use)
+        for u in use.units:
+            needs = self._needs[u]
+            if use.marked:
+                needs.backward_uses += 1
+            else:
+                needs.unmarked_uses += 1
+            needs.expected |= self._grads_to_come(u)
+            self._acquire(u, backward=backward)
 
-    def _acquire_for_backward(self, u: int) -> None:
-        unit = self.units[u]
-        if not unit.persistent and u not in self._bwd_now:
-            self._bwd_now.append(u)
-        unit.ensure_unsharded()
-        self._prefetch_after(self._bwd_now, self._bwd_order)
+    def _use_ended(self, use: BackwardUse) -> None:
+        """The gradients of a call's inputs are computed: the module's backward for that call is done."""
+        if not use.started or use.ended:
+            return  # a recomputation's discarded graph, or a second firing
+        use.ended = True
+        for u in use.units:
+            self._needs[u].end_use()
+            self._release_if_idle(u)
+
+    def _grads_to_come(self, u: int) -> set[int]:
+        """Trainable parameters of unit u whose gradient this backward will still accumulate."""
+        arrived = self._needs[u].arrived
+        out = set()
+        for i in self.grads[u].trainable:
+            if i in arrived:
+                continue
+            node = torch.autograd.graph.get_gradient_edge(self.units[u].params[i]).node
+            if torch._C._will_engine_execute_node(node):
+                out.add(i)
+        return out
 
     def _on_grad(self, u: int, i: int, param: torch.nn.Parameter) -> None:
         grads = self.grads[u]
@@ -209,10 +371,8 @@ class Stage3Runtime:
         if self._communicate and grads.complete:
             if u not in self.reduce_after_backward:
                 self._launch(u)
-            unit = self.units[u]
-            frozen_inside = len(grads.trainable) < len(unit.params)
-            if not unit.persistent and not frozen_inside:
-                unit.release()
+        self._needs[u].grad_arrived(i)
+        self._release_if_idle(u)
 
     def _launch(self, u: int) -> None:
         self.grads[u].launch()
@@ -233,11 +393,15 @@ class Stage3Runtime:
         """``final``: this backward's reduction is the last before the optimizer step (``on_final`` fires)."""
         assert not self._in_backward, "before_backward called twice without after_backward"
         self._in_backward, self._communicate, self._reduced = True, communicate, False
+        self._backward_index += 1
         self._final = final and communicate
         self._bwd_now, self._launched = [], []
+        self._bwd_seen = set()
         self._finished_count = 0  # _launched[:_finished_count] have been finished already
         for g in self.grads:
             g.reset_backward()
+        for needs in self._needs:
+            needs.reset_backward()
 
     def after_backward(self) -> None:
         assert self._in_backward, "after_backward without before_backward"
@@ -252,9 +416,41 @@ class Stage3Runtime:
                 if g.trainable:
                     self._finish_grads(u)
             self._reduced = True
+        self._end_backward()
+
+    def _end_backward(self) -> None:
+        """Units whose backward never ran (or whose use no mark could end) are released here."""
+        self._drop_uses()
+        for stack in self._stacks:
+            stack.clear()
+        for needs in self._needs:
+            needs.reset_backward()
+        for uses in self._unstarted:
+            uses.clear()
         for unit in self.units:
             if not unit.persistent and unit.state is not UnitState.SHARDED:
                 unit.release()
+        self._cancel_reads_ahead()
+
+    def _prune_uses(self) -> None:
+        """Forget uses whose graph is gone (a forward with grad but no backward): their backward never comes."""
+        for uses in self._unstarted:
+            uses[:] = [use for use in uses if use.pending]
+        alive = []
+        for use in self._uses:
+            if use.pending or (use.started and not use.ended):
+                alive.append(use)
+            elif use.handle is not None:
+                use.handle.remove()
+                use.handle = None
+        self._uses = alive
+
+    def _drop_uses(self) -> None:
+        for use in self._uses:
+            if use.handle is not None:
+                use.handle.remove()
+                use.handle = None
+        self._uses.clear()
 
     def abort_backward(self) -> None:
         if not self._in_backward:
@@ -262,9 +458,7 @@ class Stage3Runtime:
         self._in_backward = False
         for g in self.grads:
             g.finish()
-        for unit in self.units:
-            if not unit.persistent and unit.state is not UnitState.SHARDED:
-                unit.release()
+        self._end_backward()
 
     @property
     def reduced(self) -> bool:
@@ -281,29 +475,3 @@ class Stage3Runtime:
         self._reduced = False
         for g in self.grads:
             g.zero()
-
-
-def _wrap_outputs(output: Any, runtime: Stage3Runtime, unit_ids: tuple[int, ...]) -> Any:
-    """Route the module's differentiable outputs through _PreBackward (tensors, or tuples/lists/dicts of them)."""
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            return _PreBackward.apply(runtime, unit_ids, output)[0]
-        return output
-    if isinstance(output, (tuple, list, dict)):
-        items = list(output.values()) if isinstance(output, dict) else list(output)
-        slots = [i for i, t in enumerate(items) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not slots:
-            return output
-        wrapped = _PreBackward.apply(runtime, unit_ids, *(items[i] for i in slots))
-        for i, t in zip(slots, wrapped):
-            items[i] = t
-        if isinstance(output, dict):
-            return type(output)(zip(output.keys(), items)) if type(output) is dict else _rebuild_mapping(output, items)
-        return type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
-    return output
-
-
-def _rebuild_mapping(output: Any, items: list[Any]) -> Any:
-    for key, value in zip(list(output.keys()), items):
-        output[key] = value
-    return output

@@ -37,8 +37,12 @@ class SavedViewHooks:
         self._active: Any = None
 
     def pack(self, tensor: torch.Tensor) -> Any:
+        # Tensors kept as they are go back detached: a pack hook returning the tensor itself closes a reference
+        # cycle for a node that saves its own output (tanh, relu: node → saved tensor → its grad_fn → node) that
+        # no garbage collector sees, so a graph whose backward never runs (a forward with grad but no backward)
+        # would keep its activations alive for good. Autograd re-attaches the history on unpack.
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
-            return tensor
+            return tensor.detach()
         ptr = tensor.untyped_storage().data_ptr()
         for index, unit in enumerate(self.units):
             full = unit.full
@@ -46,7 +50,7 @@ class SavedViewHooks:
                 continue
             if full.untyped_storage().data_ptr() == ptr:
                 return UnitRef(index, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
-        return tensor
+        return tensor.detach()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, UnitRef):
