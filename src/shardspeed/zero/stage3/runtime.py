@@ -368,9 +368,8 @@ class Stage3Runtime:
                 "was already reduced in this backward. Compute one loss per backward."
             )
         grads.absorb(i, param)
-        if self._communicate and grads.complete:
-            if u not in self.reduce_after_backward:
-                self._launch(u)
+        if self._communicate and grads.complete and u not in self.reduce_after_backward:
+            self._launch(u)
         self._needs[u].grad_arrived(i)
         self._release_if_idle(u)
 
