@@ -17,8 +17,8 @@ def _split(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return [piece.clone() for piece in flat.split(sizes)]
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])
-def test_relayout_keeps_states_and_steps_like_torch(monkeypatch: pytest.MonkeyPatch, ratio: float) -> None:
+@pytest.mark.parametrize(("ratio", "fast_init"), [(1.0, False), (0.5, False), (1.0, True)])
+def test_relayout_keeps_states_and_steps_like_torch(monkeypatch: pytest.MonkeyPatch, ratio: float, fast_init: bool):
     """Two steps on one split of the elements, re-layout to another split (states carried through
     ``read_state``/``load_state``), two more steps: equal to torch AdamW on the whole tensor all along."""
     from shardspeed.config.offload import OffloadOptimizerConfig
@@ -36,7 +36,7 @@ def test_relayout_keeps_states_and_steps_like_torch(monkeypatch: pytest.MonkeyPa
         opened.append(HostStore(pin_memory=False))
         return opened[-1]
 
-    offload = OffloadOptimizerConfig(device="cpu", ratio=ratio)
+    offload = OffloadOptimizerConfig(device="cpu", ratio=ratio, fast_init=fast_init)
     optimizer = StreamedAdam(inner, reopen(), chunk_numel=16, offload=offload, reopen=reopen)
     host_grads = optimizer.host_grads
     for step in range(4):
