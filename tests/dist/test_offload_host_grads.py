@@ -58,6 +58,8 @@ def _run(rank: int, world: int, stage: int, tmp: str, bf16: bool, overlap: bool)
                 out["norms"].append(engine.get_global_grad_norm())
         out[label] = full_params(engine)
     out["tensors"] = len({id(c.tensor) for chunks in offloaded.optimizer.group_chunks for c in chunks})
+    # stages 1/2: the layout was planned from the first backward's arrival order despite the host copies
+    out["planned"] = getattr(reducer, "_planned", None)
     for engine in engines.values():
         engine.destroy()
     return out
@@ -71,5 +73,6 @@ def test_host_gradient_copies_per_bucket(dist_run, tmp_path: Path, stage: int, b
             assert (r["offloaded"][name] - p).abs().max().item() <= 1e-6, name
         assert all(norm > 0.05 for norm in r["norms"])  # every step clipped
         assert r["per_step"] == [(r["tensors"], 0)] * STEPS  # each tensor staged once per step, none late
+        assert stage == 3 or r["planned"]  # re-layout from arrival order ran (tests/dist/test_relayout_offload.py)
         if not overlap:  # each bucket completes as it is reduced: the first copies start inside backward
             assert any(r["during_backward"]), r["during_backward"]

@@ -28,6 +28,7 @@ class HostGradients:
     """Host (pinned, with an accelerator) copies of ``tensors``' ``.grad``, one buffer per stepped tensor."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], pin: bool) -> None:
+        self._pin = pin
         self._host = {id(t): torch.empty(t.numel(), dtype=torch.float32, pin_memory=pin) for t in tensors}
         accelerated = any(t.device.type == "cuda" for t in tensors)
         self._stream = torch.cuda.Stream() if accelerated else None
@@ -36,6 +37,13 @@ class HostGradients:
         self.staged = 0  # tensors copied when the stage reported them (this step)
         self.late_copies = 0  # tensors copied only when the step asked for them (this step)
         self.last_step: tuple[int, int] = (0, 0)  # (staged, late_copies) of the last step consumed
+
+    def rebind(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The stepped tensors were replaced (the bucket re-layout before the first step, zero/arrival_order.py):
+        host buffers for the new ones, the old freed first (so the peak stays one copy, not two)."""
+        assert not self._copied, "re-layout with host copies outstanding"
+        self._host.clear()
+        self._host = {id(t): torch.empty(t.numel(), dtype=torch.float32, pin_memory=self._pin) for t in tensors}
 
     @property
     def nbytes(self) -> int:

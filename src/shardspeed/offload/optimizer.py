@@ -73,11 +73,13 @@ class StreamedAdam:
         access: SteppedAccess | None = None,
         offload: OffloadOptimizerConfig | None = None,
         values_in_store: bool = False,
+        reopen: Callable[[], StateStore] | None = None,
     ) -> None:
         """``access``: how to reach the stepped tensors' values (default: the tensors themselves). ``offload``:
         the ``offload_optimizer`` section (``buffer_count``, ``pipeline_read``/``pipeline_write``, ``fast_init``,
         ``ratio``); default: its defaults. ``values_in_store``: mixed precision whose fp32 masters this optimizer
-        holds (see [Note: masters in the store]); ``access`` then reaches the low-precision copies."""
+        holds (see [Note: masters in the store]); ``access`` then reaches the low-precision copies. ``reopen``: a
+        fresh, empty store sized for the groups' current tensors (``relayout``)."""
         check_streamable(inner)
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel = {chunk_numel}; valid: a positive number of elements")
@@ -87,8 +89,17 @@ class StreamedAdam:
         self.adam_w_mode = type(inner) is torch.optim.AdamW
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
-        self.access: SteppedAccess = access if access is not None else DirectAccess()
         self.values_in_store = values_in_store
+        self.chunk_numel, self._offload = chunk_numel, offload
+        self.reopen = reopen
+        self.host_grads: HostGradients | None = None
+        self.state = SwappedState(self)
+        self._bind(store, access)
+
+    def _bind(self, store: StateStore, access: SteppedAccess | None) -> None:
+        """Cut the groups' current tensors into chunks and seed ``store`` with their values (zero moments)."""
+        chunk_numel, offload, values_in_store = self.chunk_numel, self._offload, self.values_in_store
+        self.access: SteppedAccess = access if access is not None else DirectAccess()
         self.steps = [0 for _ in self.param_groups]
         self.group_chunks: list[list[Chunk]] = []
         self.chunks_of: dict[int, list[Chunk]] = {}
@@ -119,14 +130,34 @@ class StreamedAdam:
         offloaded_tensors = list({id(c.tensor): c.tensor for c in every if c.offloaded}.values())
         on_device = any(t.device.type != "cpu" for t in offloaded_tensors)
         # device gradients cross to the host per bucket as they become final (host_grads.py); CPU ones are read
-        # where they are
-        self.host_grads = (
-            HostGradients(offloaded_tensors, pin=on_device) if on_device or self.FORCE_HOST_GRADS else None
-        )
+        # where they are. A rebind keeps the object (the engine and the stage's final-gradient hook hold it).
+        if self.host_grads is not None:
+            self.host_grads.rebind(offloaded_tensors)
+        elif on_device or self.FORCE_HOST_GRADS:
+            self.host_grads = HostGradients(offloaded_tensors, pin=on_device)
         fresh = {state_key(c.name, key) for c in every if c.offloaded for key in ("exp_avg", "exp_avg_sq")}
         self.store: StateStore = ZeroUntilWritten(store, fresh) if offload.fast_init else store  # type: ignore[assignment]
-        self.state = SwappedState(self)
+        self.state.forget()
         self._write_values(first=True)
+
+    def relayout(self, access: SteppedAccess | None) -> None:
+        """The stage re-laid its buckets out before the first step ([Note: arrival-order layout] in
+        zero/arrival_order.py) and put the new stepped tensors in ``param_groups``: drop the old store (an NVMe
+        swap file frees its space first) and build chunks and a fresh store (``reopen``: collective for NVMe) for
+        them, seeded with their values and zero moments. States to keep are written afterwards (``load_state``)."""
+        if self.reopen is None:
+            raise RuntimeError("this StreamedAdam was built without a way to reopen its store; it cannot re-lay out")
+        self.store.close()
+        self._bind(self.reopen(), access)
+
+    @torch.no_grad()
+    def load_state(self, tensor: torch.Tensor, entry: dict[str, Any], values: torch.Tensor | None = None) -> None:
+        """Make ``entry`` (torch Adam's ``step``, ``exp_avg``, ``exp_avg_sq``) ``tensor``'s state and, when given,
+        ``values`` (fp32) its values (with ``values_in_store`` those are the masters)."""
+        if values is not None:
+            self.write_values(tensor, values)
+        self.state.loading[id(tensor)] = entry
+        self._store_loaded(id(tensor))
 
     @staticmethod
     def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings, ratio: float = 1.0) -> int:

@@ -14,6 +14,7 @@ from .optimizer import StreamedAdam, check_streamable
 from .setup import open_swapper_on_every_rank
 from .stepped_access import SteppedAccess
 from .stream import plan_pipeline
+from .swapper import TensorSwapper
 
 
 def offload_optimizer(
@@ -40,22 +41,29 @@ def offload_optimizer(
         return inner
     check_streamable(inner)
     if device == "cpu":
-        return StreamedAdam(inner, HostStore(offload.pin_memory), chunk_numel, access, offload, values_in_store)
+        host = lambda: HostStore(offload.pin_memory)  # noqa: E731
+        return StreamedAdam(inner, host(), chunk_numel, access, offload, values_in_store, reopen=host)
     if device != "nvme":
         raise ValueError(f"offload_optimizer.device = {device!r}; valid: none, cpu, nvme")
     assert offload.nvme_path is not None
     plan_pipeline(offload.buffer_count, offload.pipeline_read, offload.pipeline_write)  # before any collective
-    swapper = open_swapper_on_every_rank(
-        offload.nvme_path,
-        lambda: StreamedAdam.bytes_needed(inner, chunk_numel, settings, offload.ratio),
-        settings,
-        key="zero_optimization.offload_optimizer.nvme_path",
-        job_prefix="shardspeed",
-        rank=rank,
-        agree=agree,
-    )
+    nvme_path = offload.nvme_path
+
+    def open_swapper() -> TensorSwapper:
+        """A swap file sized for ``inner``'s tensors as they are now (re-opened after a bucket re-layout)."""
+        return open_swapper_on_every_rank(
+            nvme_path,
+            lambda: StreamedAdam.bytes_needed(inner, chunk_numel, settings, offload.ratio),
+            settings,
+            key="zero_optimization.offload_optimizer.nvme_path",
+            job_prefix="shardspeed",
+            rank=rank,
+            agree=agree,
+        )
+
+    swapper = open_swapper()
     try:
-        return StreamedAdam(inner, swapper, chunk_numel, access, offload, values_in_store)
+        return StreamedAdam(inner, swapper, chunk_numel, access, offload, values_in_store, reopen=open_swapper)
     except BaseException:
         swapper.abort()
         raise

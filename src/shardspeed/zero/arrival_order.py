@@ -27,10 +27,11 @@ resumed from a checkpoint re-lays out too (its optimizer states and fp32 masters
 costs one all-gather per per-element tensor: zero/relayout_state.py).
 
 Later order changes (data-dependent control flow) are logged once and not re-laid out: masters and optimizer
-states follow the layout by then, and moving them every step would cost a gather. The re-layout is skipped (the
-initial layout stays; logged) when the optimizer's tensors cannot simply be swapped: a streamed offload optimizer
-(its stores are sized from the layout at construction) or per-bucket host gradient copies. (ZeRO-sharded Lamb's
-per-parameter segments are refreshed in place.) Checkpoints are by parameter name, so the layout never shows in them.
+states follow the layout by then, and moving them every step would cost a gather. A streamed offload optimizer
+(NVMe or CPU ``offload_optimizer``: chunks, store and per-bucket host gradient copies sized from the layout) is
+rebuilt for the new layout, keeping a loaded checkpoint's states ([Note: re-layout with a streamed optimizer] in
+zero/relayout_streamed.py). (ZeRO-sharded Lamb's per-parameter segments are refreshed in place.) Checkpoints are
+by parameter name, so the layout never shows in them.
 """
 
 from __future__ import annotations
@@ -80,15 +81,6 @@ def agree_on_order(
                 "bucket layout must be identical on every rank"
             )
     return list(order)
-
-
-def relayout_blocker(optimizer: object, reducer_has_final_hook: bool) -> str | None:
-    """Why the optimizer's tensors cannot be swapped for a new layout's, or None when they can."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return f"the {type(optimizer).__name__} optimizer's stores are sized from the initial layout"
-    if reducer_has_final_hook:
-        return "offloaded gradients are copied to the host per bucket of the initial layout"
-    return None
 
 
 def swap_optimizer_tensors(optimizer: torch.optim.Optimizer, stepped_groups: Callable[[], list[dict]]) -> None:

@@ -35,6 +35,7 @@ from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 from shardspeed.zero.relayout_state import carry_shard_states, reshard
+from shardspeed.zero.relayout_streamed import relayout_streamed
 from shardspeed.zero.states import FlatLayoutStates
 
 
@@ -137,6 +138,9 @@ class PartitionedStates(FlatLayoutStates):
             assert old_sync.shard_flat.count_nonzero() == 0, "stage 2 re-layout after a reduction"
             self.grad_sync.adopt(old_sync)
         self.reducer.set_layout(layout, self.grad_sync)
+
+    def _relayout_streamed(self, layout: ShardLayout, optimizer: Any, groups: list[dict[str, Any]]) -> None:
+        relayout_streamed(self, layout, optimizer, groups)
 
     def _masters_differ_from_params(self) -> bool:
         """Whether any rank's fp32 master shard holds more than its low-precision parameters (one scalar

@@ -6,8 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shardspeed.log import logger
-from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, relayout_blocker, swap_optimizer_tensors
+from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, swap_optimizer_tensors
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
@@ -74,22 +73,26 @@ class FlatLayoutStates:
         raise NotImplementedError
 
     def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
-        """The engine's optimizer exists: plan the layout from the first backward if its tensors can be swapped."""
-        blocker = relayout_blocker(optimizer, self.reducer.on_final is not None)
-        if blocker is not None:
-            if self.ctx.axis.rank == 0:
-                logger.info("gradient buckets keep the registration-order layout: %s", blocker)
-            return
+        """The engine's optimizer exists: plan the layout from the first backward. A torch optimizer's tensors are
+        swapped; a streamed offload optimizer is rebuilt for the new layout (zero/relayout_streamed.py)."""
 
         def plan(arrived: list[int]) -> bool:
             order = agree_on_order(arrived, self.packed.names, self.layout, self.ctx.collectives, self.ctx.axis)
             layout = self.planner.build(order)
-            if layout != self.layout:
+            if layout == self.layout:
+                return True
+            if isinstance(optimizer, torch.optim.Optimizer):
                 self._relayout(layout, optimizer)
                 swap_optimizer_tensors(optimizer, lambda: self.optimizer_groups(groups))
+            else:
+                self._relayout_streamed(layout, optimizer, groups)
             return True
 
         self.reducer.plan_layout = plan
+
+    def _relayout_streamed(self, layout: ShardLayout, optimizer: Any, groups: list[dict[str, Any]]) -> None:
+        """Re-lay out under a streamed offload optimizer (stages 1/2 only: the config refuses it at stage 0)."""
+        raise NotImplementedError(f"{type(optimizer).__name__} cannot follow a re-layout at this stage")
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raise NotImplementedError
