@@ -80,7 +80,7 @@ def split_by_max_in_cpu(shard_numels: Sequence[int], max_in_cpu: int) -> list[bo
 def shards_in_flight(numels: Sequence[int], swapped: Sequence[bool], prefetch_numel: int, max_live_numel: int) -> int:
     """How many swapped shards a pass holds at once, at least 1: after acquiring a unit the runtime has prefetched
     (``gather``, which reads the shard) the following units within ``prefetch_numel`` elements and under
-    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors runtime.py's
+    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors prefetch.py's
     ``_prefetch_after`` over the units in order (forward) and reversed (backward); a hint for ``buffer_count``."""
     most = 1
     for order in (list(range(len(numels))), list(reversed(range(len(numels))))):
