@@ -16,6 +16,7 @@ from harness import deleted_files_held
 from shardspeed.config import load_config
 from shardspeed.config.errors import ConfigError
 from shardspeed.offload.aio_config import PAGE_SIZE, AioSettings
+from shardspeed.offload.host_store import HostStore
 from shardspeed.zero.stage3.param_offload import (
     ShardBufferPool,
     build_param_offloader,
@@ -186,6 +187,19 @@ def test_pool_is_pinned_for_cuda_units(tmp_path: Path) -> None:
     offloader = _build(tmp_path, units)
     assert offloader.pool is not None and offloader.pool.pin
     offloader.close()
+
+
+def test_host_store_hands_out_the_tensor_it_holds() -> None:
+    """The offloader copies a shard kept in host memory to the device straight from the stored tensor (no
+    staging copy, non-blocking when pinned): ``held`` is that tensor, and a missing name is a named error."""
+    store = HostStore(pin_memory=False)
+    store.swap_out("unit3", torch.arange(6, dtype=torch.float32))
+    held = store.held("unit3")
+    assert torch.equal(held, torch.arange(6, dtype=torch.float32))
+    store.swap_out("unit3", torch.ones(6))  # rewritten in place: the same tensor, so nothing else ever reuses it
+    assert store.held("unit3").data_ptr() == held.data_ptr() and torch.equal(held, torch.ones(6))
+    with pytest.raises(KeyError, match="unit4"):
+        store.held("unit4")
 
 
 # --- build-time checks and the swap-file size ----------------------------------------------------------------

@@ -49,7 +49,10 @@ copy is issued with ``non_blocking=True`` and the hook returns at once; the all-
 is launched on the same (current) stream, so it runs after the copy. The host buffer must not be reused until the
 copy has read it: a CUDA event is recorded after the copy and the buffer goes back to the pool only when the event
 has completed (``release_after``; checked without waiting at each acquire, waited for only when the pool would
-otherwise overflow). On the CPU nothing changes: no copy to a device, no events, buffers released at once.
+otherwise overflow). Shards kept in (pinned) host memory (``device: "cpu"``, or ``max_in_cpu``) are copied to the
+device non-blocking too, straight from the ``HostStore`` tensor: it is never reused for another shard, and its
+only writer is ``write``'s device-to-host copy, queued behind. On the CPU nothing changes: no copy to a device, no
+events, buffers released at once.
 Device → host (``write``) stays blocking: the swap file write reads the host buffer right away, so a
 non-blocking copy would have to be waited for before it, gaining nothing. Verified on CUDA only by
 ``make gpu-check`` (the performance issue's GPU check); CPU tests cover the release bookkeeping with fake events.
@@ -246,6 +249,13 @@ class ParamOffloader:
         ahead = self._take_ahead(unit)
         if ahead is not None:  # a device shard: the read went to a host buffer ahead of time
             self._copy_to_device(out, ahead)
+            return
+        if isinstance(store, HostStore) and out.device.type == "cuda":
+            # The stored copy is never reused for anything else and is only rewritten by ``write`` with a copy
+            # from the device, queued on the stream behind this one: no event needed. Pinned (pin_memory) → the
+            # copy is asynchronous; verified on CUDA only by `make gpu-check`.
+            held = store.held(key)
+            out.view(-1).copy_(held, non_blocking=held.is_pinned())
             return
         if out.device.type == "cpu" or isinstance(store, HostStore):
             store.swap_in(key, out).wait()
