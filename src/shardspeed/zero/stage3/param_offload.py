@@ -15,10 +15,10 @@ Supported combinations (``check_param_offload``), chosen as the simplest that st
 - fp32: the optimizer's tensors *are* slices of the shard, so the shard can only leave memory if the optimizer
   can reach it elsewhere: this needs ``offload_optimizer`` with a streamed optimizer (``device: "nvme"``, or
   ``"cpu"`` with an accelerator), else it is a clear ``ConfigError``. The optimizer's stepped tensors become
-  storage-less stand-ins (``stand_in``) and ``ShardSlices`` tells ``StreamedAdam`` where their values are: it
-  reads the owning unit's shard just before the tensor's first chunk is written and writes it back right after
-  its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the fp32 values (it
-  steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
+  storage-less stand-ins (``stand_in``) and ``ShardSlices`` (shard_slices.py) tells ``StreamedAdam`` where their
+  values are: it reads the owning unit's shard just before the tensor's first chunk is written and writes it
+  back right after its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the
+  fp32 values (it steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
 
 The DeepSpeed tuning keys apply to ``device: "nvme"`` (with ``"cpu"`` nothing is read from a file):
 
@@ -70,7 +70,8 @@ from shardspeed.offload.aio_config import AioSettings
 from shardspeed.offload.host_store import HostStore, StateStore
 from shardspeed.offload.setup import open_swapper_on_every_rank
 from shardspeed.offload.swapper import SwapHandle, TensorSwapper
-from shardspeed.zero.stage3.shard_pool import KEY, ShardBufferPool
+from shardspeed.zero.stage3.shard_pool import KEY, ShardBufferPool, shards_in_flight
+from shardspeed.zero.stage3.shard_slices import ShardSlices as ShardSlices  # re-exported
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
@@ -88,25 +89,6 @@ def split_by_max_in_cpu(shard_numels: Sequence[int], max_in_cpu: int) -> list[bo
         total += numel  # counts the units that did not fit too, so once over the limit it stays over
         kept.append(total <= max_in_cpu)
     return kept
-
-
-def shards_in_flight(numels: Sequence[int], swapped: Sequence[bool], prefetch_numel: int, max_live_numel: int) -> int:
-    """How many swapped shards a pass holds at once, at least 1: after acquiring a unit the runtime has prefetched
-    (``gather``, which reads the shard) the following units within ``prefetch_numel`` elements and under
-    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors prefetch.py's
-    ``_prefetch_after`` over the units in order (forward) and reversed (backward); a hint for ``buffer_count``."""
-    most = 1
-    for order in (list(range(len(numels))), list(reversed(range(len(numels))))):
-        for position, current in enumerate(order):
-            budget, live, count = prefetch_numel, numels[current], 0
-            for ahead in order[position + 1 :]:
-                if numels[ahead] > budget or live + numels[ahead] > max_live_numel:
-                    break
-                live, budget, count = live + numels[ahead], budget - numels[ahead], count + swapped[ahead]
-                if budget <= 0:
-                    break
-            most = max(most, count)
-    return most
 
 
 class ParamOffloader:
@@ -288,35 +270,6 @@ class ParamOffloader:
         for store in (self.store, self.host_store):
             if store is not None:
                 store.close()
-
-
-class ShardSlices:
-    """``SteppedAccess`` (offload/stepped_access.py) for ZeRO-3 stand-ins (fp32 with offloaded shards, or mixed
-    precision whose masters the streamed optimizer holds): stand-in → (unit, range
-    of its shard). Tensors it does not know (those of units that stay in memory) hold their values themselves."""
-
-    def __init__(self) -> None:
-        self._where: dict[int, tuple[ParamUnit, int, int]] = {}
-
-    def add(self, tensor: torch.Tensor, unit: ParamUnit, start: int, end: int) -> None:
-        self._where[id(tensor)] = (unit, start, end)
-
-    def open(self, tensor: torch.Tensor, writing: bool) -> torch.Tensor:
-        where = self._where.get(id(tensor))
-        if where is None:
-            return tensor.view(-1)
-        unit, start, end = where
-        if writing:
-            shard = unit.writable_shard(keep_values=True)  # a tensor may cover only part of the shard
-        else:
-            unit.fetch_shard()
-            shard = unit.shard
-        return shard[start:end]
-
-    def close(self, tensor: torch.Tensor) -> None:
-        where = self._where.get(id(tensor))
-        if where is not None:
-            where[0].evict_shard()  # writes it back if it was opened for writing
 
 
 def needs_offloader(device: str, has_accelerator: bool) -> bool:

@@ -1,10 +1,11 @@
 """The host buffers that ``offload_param`` reads shards from the swap file into (param_offload.py): at most
 ``buffer_count`` reusable page-aligned buffers, pinned when the units live on a CUDA device, and the deferred
 release of a buffer an asynchronous host-to-device copy is still reading ([Note: asynchronous host-to-device
-copies] in param_offload.py)."""
+copies] in param_offload.py); ``shards_in_flight``, the buffer count a prefetch depth needs (the pool's hint)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -14,6 +15,25 @@ from shardspeed.offload.aio_config import PAGE_SIZE
 from shardspeed.offload.aligned import aligned_empty, round_up
 
 KEY = "zero_optimization.offload_param"
+
+
+def shards_in_flight(numels: Sequence[int], swapped: Sequence[bool], prefetch_numel: int, max_live_numel: int) -> int:
+    """How many swapped shards a pass holds at once, at least 1: after acquiring a unit the runtime has prefetched
+    (``gather``, which reads the shard) the following units within ``prefetch_numel`` elements and under
+    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors prefetch.py's
+    ``_prefetch_after`` over the units in order (forward) and reversed (backward); a hint for ``buffer_count``."""
+    most = 1
+    for order in (list(range(len(numels))), list(reversed(range(len(numels))))):
+        for position, current in enumerate(order):
+            budget, live, count = prefetch_numel, numels[current], 0
+            for ahead in order[position + 1 :]:
+                if numels[ahead] > budget or live + numels[ahead] > max_live_numel:
+                    break
+                live, budget, count = live + numels[ahead], budget - numels[ahead], count + swapped[ahead]
+                if budget <= 0:
+                    break
+            most = max(most, count)
+    return most
 
 
 class CopyDone(Protocol):
