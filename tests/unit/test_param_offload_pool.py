@@ -16,6 +16,7 @@ from harness import deleted_files_held
 from shardspeed.config import load_config
 from shardspeed.config.errors import ConfigError
 from shardspeed.offload.aio_config import PAGE_SIZE, AioSettings
+from shardspeed.offload.host_store import HostStore
 from shardspeed.zero.stage3.param_offload import (
     ShardBufferPool,
     build_param_offloader,
@@ -106,6 +107,99 @@ def test_pool_suggests_more_than_in_use_when_the_hint_is_low() -> None:
 def test_pool_rejects_a_shard_larger_than_its_buffers() -> None:
     with pytest.raises(ValueError, match="exceed"):
         ShardBufferPool(1, 64).acquire(17, torch.float32)
+
+
+# --- deferred release after asynchronous host-to-device copies -----------------------------------------------
+class _FakeCopy:
+    """Stands in for the ``torch.cuda.Event`` recorded after a non-blocking copy out of a pool buffer: the copy
+    is still running until ``finish`` (or ``synchronize``, which waits for it) is called."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+        self.waited = False
+
+    def finish(self) -> None:
+        self.done = True
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_pool_does_not_reuse_a_buffer_before_its_copy_completed() -> None:
+    pool = ShardBufferPool(2, 4096)
+    first = pool.acquire(1024, torch.float32)
+    copy = _FakeCopy()
+    pool.release_after(first, copy)  # a copy to the device still reads ``first``
+    assert pool.pending == 1 and pool.in_use == 1
+    second = pool.try_acquire(1024, torch.float32)
+    assert second is not None and second.data_ptr() != first.data_ptr() and pool.allocated == 2
+    assert pool.try_acquire(1024, torch.float32) is None  # read-ahead never waits for a copy
+    assert copy.queries >= 2 and not copy.waited and pool.overflows == 0
+    copy.finish()
+    third = pool.try_acquire(1024, torch.float32)  # the copy completed: its buffer is free again
+    assert third is not None and third.data_ptr() == first.data_ptr()
+    assert pool.pending == 0 and pool.allocated == 2 and not copy.waited and pool.waited_copies == 0
+
+
+def test_pool_waits_for_a_copy_rather_than_overflowing() -> None:
+    pool = ShardBufferPool(1, 4096)
+    first = pool.acquire(1024, torch.float32)
+    copy = _FakeCopy()
+    pool.release_after(first, copy)
+    again = pool.acquire(1024, torch.float32)  # every buffer handed out, one only waiting for its copy
+    assert copy.waited and again.data_ptr() == first.data_ptr()
+    assert pool.overflows == 0 and pool.waited_copies == 1 and pool.pending == 0
+
+
+def test_pool_keeps_a_temporary_buffer_alive_until_its_copy_completed() -> None:
+    pool = ShardBufferPool(1, 4096)
+    held = pool.acquire(1024, torch.float32)
+    temporary = pool.acquire(1024, torch.float32)  # an overflow buffer
+    copy = _FakeCopy()
+    pool.release_after(temporary, copy)
+    assert pool.pending == 1  # referenced here, so its memory outlives the copy
+    pool.release(held)
+    assert pool.acquire(8, torch.float32).data_ptr() == held.data_ptr() and not copy.waited
+    copy.finish()
+    pool.acquire(8, torch.float32)  # collects it (a temporary: dropped, the pool does not grow)
+    assert pool.pending == 0 and pool.allocated == 1
+
+
+def test_closing_the_offloader_waits_for_pending_copies(tmp_path: Path) -> None:
+    offloader = _build(tmp_path, _units([1000]))
+    assert offloader.pool is not None and not offloader.pool.pin  # CPU units: nothing to pin
+    buffer = offloader.pool.acquire(1000, torch.bfloat16)
+    copy = _FakeCopy()
+    offloader.pool.release_after(buffer, copy)
+    offloader.close()
+    assert copy.waited and offloader.pool.pending == 0 and offloader.pool.in_use == 0
+
+
+def test_pool_is_pinned_for_cuda_units(tmp_path: Path) -> None:
+    units = _units([1000])
+    units[0].device = torch.device("cuda", 0)  # nothing is allocated on it: the pool allocates on first acquire
+    offloader = _build(tmp_path, units)
+    assert offloader.pool is not None and offloader.pool.pin
+    offloader.close()
+
+
+def test_host_store_hands_out_the_tensor_it_holds() -> None:
+    """The offloader copies a shard kept in host memory to the device straight from the stored tensor (no
+    staging copy, non-blocking when pinned): ``held`` is that tensor, and a missing name is a named error."""
+    store = HostStore(pin_memory=False)
+    store.swap_out("unit3", torch.arange(6, dtype=torch.float32))
+    held = store.held("unit3")
+    assert torch.equal(held, torch.arange(6, dtype=torch.float32))
+    store.swap_out("unit3", torch.ones(6))  # rewritten in place: the same tensor, so nothing else ever reuses it
+    assert store.held("unit3").data_ptr() == held.data_ptr() and torch.equal(held, torch.ones(6))
+    with pytest.raises(KeyError, match="unit4"):
+        store.held("unit4")
 
 
 # --- build-time checks and the swap-file size ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 STAGE3 = Path(__file__).resolve().parents[2] / "src" / "shardspeed" / "zero" / "stage3"
-HOOK_PATH = ["unit.py", "grads.py", "runtime.py", "id_check.py", "saved_views.py"]
+HOOK_PATH = ["unit.py", "grads.py", "runtime.py", "prefetch.py", "id_check.py", "saved_views.py"]
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero", "is_nonzero", "any", "all"}
 SYNC_BUILTINS = {"bool", "int", "float"}  # on a tensor each is a host read; the hook path needs none
 ALLOWED = {("id_check.py", "verify")}  # the one batched host read, at the step boundary

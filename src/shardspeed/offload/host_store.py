@@ -64,6 +64,13 @@ class HostStore:
         out.view(-1).copy_(self._tensors[name])
         return DoneHandle(out)  # type: ignore[return-value]
 
+    def held(self, name: str) -> torch.Tensor:
+        """The tensor stored under ``name`` (pinned when ``pin_memory``), for a caller that copies it to a device
+        asynchronously itself (param_offload.py: [Note: asynchronous host-to-device copies])."""
+        if name not in self._tensors:
+            raise KeyError(f"held({name!r}): nothing stored under that name")
+        return self._tensors[name]
+
     def flush(self) -> None:
         return None
 

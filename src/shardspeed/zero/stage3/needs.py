@@ -16,7 +16,7 @@ what comes next. What needs a unit:
   storage must be whole when its gradient is accumulated, so the unit stays until they are in. If another
   backward use of the unit is still to come (a module called twice, a tied weight) that use gathers it again
   before the accumulation can run, so in between the unit stays only like a unit kept for reuse in forward:
-  ``stage3_max_live_parameters`` may evict it (runtime.py ``_must_stay``).
+  ``stage3_max_live_parameters`` may evict it (runtime.py ``_must_stay``, read by prefetch.py).
 
 Units nobody needs but that are gathered (prefetched ahead, kept for reuse in forward) are released when their
 turn ends, at the end of forward / backward, or first when a gather would exceed ``stage3_max_live_parameters``.

@@ -15,10 +15,10 @@ Supported combinations (``check_param_offload``), chosen as the simplest that st
 - fp32: the optimizer's tensors *are* slices of the shard, so the shard can only leave memory if the optimizer
   can reach it elsewhere: this needs ``offload_optimizer`` with a streamed optimizer (``device: "nvme"``, or
   ``"cpu"`` with an accelerator), else it is a clear ``ConfigError``. The optimizer's stepped tensors become
-  storage-less stand-ins (``stand_in``) and ``ShardSlices`` tells ``StreamedAdam`` where their values are: it
-  reads the owning unit's shard just before the tensor's first chunk is written and writes it back right after
-  its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the fp32 values (it
-  steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
+  storage-less stand-ins (``stand_in``) and ``ShardSlices`` (shard_slices.py) tells ``StreamedAdam`` where their
+  values are: it reads the owning unit's shard just before the tensor's first chunk is written and writes it
+  back right after its last, so one unit's shard is in memory at a time. The optimizer's store also keeps the
+  fp32 values (it steps from them); the unit's store holds the copy the all-gathers and checkpoints read.
 
 The DeepSpeed tuning keys apply to ``device: "nvme"`` (with ``"cpu"`` nothing is read from a file):
 
@@ -28,11 +28,12 @@ The DeepSpeed tuning keys apply to ``device: "nvme"`` (with ``"cpu"`` nothing is
   offloaded; with one they move to pinned host memory. The swap file is sized for the NVMe units only, and not
   opened at all when none go there. DeepSpeed's default (1e9) keeps every unit of a model below 1e9 elements per
   rank in host memory: set it lower (0: everything) to put parameters on NVMe.
-- ``buffer_count`` / ``buffer_size``: shards read from the swap file go into ``ShardBufferPool``, at most
-  ``buffer_count`` reusable page-aligned buffers (O_DIRECT reads into them in place) of ``buffer_size`` elements,
-  so host memory for swapped shards stays bounded. A shard larger than ``buffer_size`` is a ``ConfigError``.
-  When more shards are in memory at once than there are buffers (prefetch depth, a ``GatheredParameters`` over
-  many units) the extra ones get a temporary buffer, counted in ``pool_overflows``, with one warning.
+- ``buffer_count`` / ``buffer_size``: shards read from the swap file go into ``ShardBufferPool`` (shard_pool.py),
+  at most ``buffer_count`` reusable page-aligned buffers (O_DIRECT reads into them in place; pinned on a CUDA
+  device) of ``buffer_size`` elements, so host memory for swapped shards stays bounded. A shard larger than
+  ``buffer_size`` is a ``ConfigError``. When more shards are in memory at once than there are buffers (prefetch
+  depth, a ``GatheredParameters`` over many units) the extra ones get a temporary buffer, counted in
+  ``pool_overflows``, with one warning.
 
 [Note: read-ahead] ``gather()`` reads the shard and waits for the read before launching the all-gather, so a read
 issued there blocks the hook that issues it. The runtime therefore also calls ``read_ahead`` for the next unit of
@@ -41,6 +42,20 @@ and runs while the current unit computes; when that unit's turn comes, ``empty_s
 buffer and ``read`` has nothing left to do. Reads ahead only take a *free* pool buffer (``try_acquire``), so they
 never push the pool past ``buffer_count``; one nobody consumed is dropped at the end of each forward / backward
 (``cancel_reads_ahead``), and a write to the store drops the unit's read ahead (its values would be old).
+
+[Note: asynchronous host-to-device copies] On a CUDA device a shard read from the swap file lands in a pool buffer
+and is then copied to the device. The pool's buffers are pinned there (``ShardBufferPool(pin=True)``), so that
+copy is issued with ``non_blocking=True`` and the hook returns at once; the all-gather that reads the device shard
+is launched on the same (current) stream, so it runs after the copy. The host buffer must not be reused until the
+copy has read it: a CUDA event is recorded after the copy and the buffer goes back to the pool only when the event
+has completed (``release_after``; checked without waiting at each acquire, waited for only when the pool would
+otherwise overflow). Shards kept in (pinned) host memory (``device: "cpu"``, or ``max_in_cpu``) are copied to the
+device non-blocking too, straight from the ``HostStore`` tensor: it is never reused for another shard, and its
+only writer is ``write``'s device-to-host copy, queued behind. On the CPU nothing changes: no copy to a device, no
+events, buffers released at once.
+Device → host (``write``) stays blocking: the swap file write reads the host buffer right away, so a
+non-blocking copy would have to be waited for before it, gaining nothing. Verified on CUDA only by
+``make gpu-check`` (the performance issue's GPU check); CPU tests cover the release bookkeeping with fake events.
 """
 
 from __future__ import annotations
@@ -51,16 +66,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardspeed.config.errors import ConfigError
-from shardspeed.log import logger
 from shardspeed.offload.aio_config import AioSettings
 from shardspeed.offload.host_store import HostStore, StateStore
 from shardspeed.offload.setup import open_swapper_on_every_rank
-from shardspeed.offload.swapper import SwapHandle, TensorSwapper, aligned_empty
+from shardspeed.offload.swapper import SwapHandle, TensorSwapper
+from shardspeed.zero.stage3.shard_pool import KEY, ShardBufferPool, shards_in_flight
+from shardspeed.zero.stage3.shard_slices import ShardSlices as ShardSlices  # re-exported
 
 if TYPE_CHECKING:
     from shardspeed.zero.stage3.unit import ParamUnit
-
-KEY = "zero_optimization.offload_param"
 
 
 def split_by_max_in_cpu(shard_numels: Sequence[int], max_in_cpu: int) -> list[bool]:
@@ -75,100 +89,6 @@ def split_by_max_in_cpu(shard_numels: Sequence[int], max_in_cpu: int) -> list[bo
         total += numel  # counts the units that did not fit too, so once over the limit it stays over
         kept.append(total <= max_in_cpu)
     return kept
-
-
-def shards_in_flight(numels: Sequence[int], swapped: Sequence[bool], prefetch_numel: int, max_live_numel: int) -> int:
-    """How many swapped shards a pass holds at once, at least 1: after acquiring a unit the runtime has prefetched
-    (``gather``, which reads the shard) the following units within ``prefetch_numel`` elements and under
-    ``max_live_numel`` live ones; each stays read in until its all-gather is waited. Mirrors runtime.py's
-    ``_prefetch_after`` over the units in order (forward) and reversed (backward); a hint for ``buffer_count``."""
-    most = 1
-    for order in (list(range(len(numels))), list(reversed(range(len(numels))))):
-        for position, current in enumerate(order):
-            budget, live, count = prefetch_numel, numels[current], 0
-            for ahead in order[position + 1 :]:
-                if numels[ahead] > budget or live + numels[ahead] > max_live_numel:
-                    break
-                live, budget, count = live + numels[ahead], budget - numels[ahead], count + swapped[ahead]
-                if budget <= 0:
-                    break
-            most = max(most, count)
-    return most
-
-
-class ShardBufferPool:
-    """Up to ``buffer_count`` reusable page-aligned host buffers of ``buffer_bytes`` each, allocated on demand.
-
-    ``acquire`` hands out a free buffer (viewed as the asked dtype and length); ``release`` takes it back. When
-    all ``buffer_count`` are in use it does not block (the shards in use are waiting on collectives that only this
-    rank's progress completes) but returns a temporary buffer, counts it in ``overflows`` and warns once,
-    suggesting ``max(suggested_count, buffers in use + 1)`` buffers."""
-
-    def __init__(self, buffer_count: int, buffer_bytes: int, *, suggested_count: int = 0) -> None:
-        if buffer_count < 1 or buffer_bytes < 1:
-            raise ValueError(f"buffer_count = {buffer_count}, buffer_bytes = {buffer_bytes}; valid: both >= 1")
-        self.buffer_count, self.buffer_bytes = buffer_count, buffer_bytes
-        self.suggested_count = suggested_count
-        self._free: list[torch.Tensor] = []
-        self._in_use: dict[int, torch.Tensor] = {}  # data_ptr → the whole uint8 buffer handed out there
-        self.allocated = 0
-        self.peak_in_use = 0
-        self.overflows = 0
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Host memory the pool holds (temporary overflow buffers not included: they are freed when released)."""
-        return self.allocated * self.buffer_bytes
-
-    @property
-    def in_use(self) -> int:
-        """Pool buffers handed out and not yet released."""
-        return len(self._in_use)
-
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A page-aligned 1-D tensor of ``numel`` elements of ``dtype`` (uninitialised)."""
-        nbytes = numel * dtype.itemsize
-        if nbytes > self.buffer_bytes:
-            raise ValueError(
-                f"{numel} elements of {dtype} ({nbytes} bytes) exceed the {self.buffer_bytes}-byte buffers"
-            )
-        if self._free:
-            buffer = self._free.pop()
-        elif self.allocated < self.buffer_count:
-            buffer = aligned_empty(self.buffer_bytes, torch.uint8)
-            self.allocated += 1
-        else:
-            self._overflow()
-            return aligned_empty(numel, dtype)
-        self._in_use[buffer.data_ptr()] = buffer
-        self.peak_in_use = max(self.peak_in_use, len(self._in_use))
-        return buffer[:nbytes].view(dtype)
-
-    def try_acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Like ``acquire``, but None instead of a temporary buffer when every pool buffer is in use: reading
-        ahead is optional, and must never push the pool past ``buffer_count``."""
-        if not self._free and self.allocated >= self.buffer_count:
-            return None
-        return self.acquire(numel, dtype)
-
-    def release(self, tensor: torch.Tensor) -> None:
-        """Return ``tensor``'s buffer to the pool; a temporary (overflow) or foreign tensor is just dropped."""
-        buffer = self._in_use.pop(tensor.data_ptr(), None)
-        if buffer is not None:
-            self._free.append(buffer)
-
-    def _overflow(self) -> None:
-        self.overflows += 1
-        if self.overflows > 1:
-            return
-        needed = max(self.suggested_count, len(self._in_use) + 1)
-        logger.warning(
-            f"{KEY}.buffer_count = {self.buffer_count}: {len(self._in_use) + 1} parameter shards read from NVMe "
-            "were needed in memory at once (the unit being gathered, the units prefetched ahead within "
-            "stage3_prefetch_bucket_size, any held by GatheredParameters); the extra ones use temporary buffers "
-            f"(counted in pool_overflows). Set buffer_count to at least {needed}, or lower "
-            "stage3_prefetch_bucket_size, to keep them in the pool. Warned once."
-        )
 
 
 class ParamOffloader:
@@ -303,58 +223,53 @@ class ParamOffloader:
             self._stored[key] = shard.numel() * shard.element_size()
 
     def read(self, unit: ParamUnit, out: torch.Tensor) -> None:
-        """Fill ``out`` with ``unit``'s stored shard (blocking; a read started ahead is only waited for)."""
+        """Fill ``out`` with ``unit``'s stored shard (the file read blocks; a read started ahead is only waited
+        for; the copy to a CUDA device is asynchronous, see [Note: asynchronous host-to-device copies])."""
         if self._ready.pop(unit.index, None) is out:
             return
         store, key = self._store_for(unit), self.key(unit)
         ahead = self._take_ahead(unit)
         if ahead is not None:  # a device shard: the read went to a host buffer ahead of time
-            out.copy_(ahead)
-            self.release_shard(ahead)
+            self._copy_to_device(out, ahead)
+            return
+        if isinstance(store, HostStore) and out.device.type == "cuda":
+            # The stored copy is never reused for anything else and is only rewritten by ``write`` with a copy
+            # from the device, queued on the stream behind this one: no event needed. Pinned (pin_memory) → the
+            # copy is asynchronous; verified on CUDA only by `make gpu-check`.
+            held = store.held(key)
+            out.view(-1).copy_(held, non_blocking=held.is_pinned())
             return
         if out.device.type == "cpu" or isinstance(store, HostStore):
             store.swap_in(key, out).wait()
             return
         host = self._host_shard(unit)
-        store.swap_in(key, host).wait()
+        try:
+            store.swap_in(key, host).wait()
+        except BaseException:
+            self.release_shard(host)
+            raise
+        self._copy_to_device(out, host)
+
+    def _copy_to_device(self, out: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy a filled host buffer (from ``_host_shard``) into the device shard ``out``, then hand it back."""
+        if out.device.type == "cuda" and self.pool is not None and host.is_pinned():
+            # [Note: asynchronous host-to-device copies]; verified on CUDA only by `make gpu-check`.
+            out.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()  # on the current stream, right after the copy
+            self.pool.release_after(host, done)
+            return
         out.copy_(host)
         self.release_shard(host)
 
     def close(self) -> None:
         """Release the stores (for NVMe: the swap file)."""
         self.cancel_reads_ahead()
+        if self.pool is not None:
+            self.pool.settle()
         for store in (self.store, self.host_store):
             if store is not None:
                 store.close()
-
-
-class ShardSlices:
-    """``SteppedAccess`` (offload/stepped_access.py) for ZeRO-3 stand-ins (fp32 with offloaded shards, or mixed
-    precision whose masters the streamed optimizer holds): stand-in → (unit, range
-    of its shard). Tensors it does not know (those of units that stay in memory) hold their values themselves."""
-
-    def __init__(self) -> None:
-        self._where: dict[int, tuple[ParamUnit, int, int]] = {}
-
-    def add(self, tensor: torch.Tensor, unit: ParamUnit, start: int, end: int) -> None:
-        self._where[id(tensor)] = (unit, start, end)
-
-    def open(self, tensor: torch.Tensor, writing: bool) -> torch.Tensor:
-        where = self._where.get(id(tensor))
-        if where is None:
-            return tensor.view(-1)
-        unit, start, end = where
-        if writing:
-            shard = unit.writable_shard(keep_values=True)  # a tensor may cover only part of the shard
-        else:
-            unit.fetch_shard()
-            shard = unit.shard
-        return shard[start:end]
-
-    def close(self, tensor: torch.Tensor) -> None:
-        where = self._where.get(id(tensor))
-        if where is not None:
-            where[0].evict_shard()  # writes it back if it was opened for writing
 
 
 def needs_offloader(device: str, has_accelerator: bool) -> bool:
@@ -441,7 +356,10 @@ def build_param_offloader(
         itemsize = max(u.dtype.itemsize for u in to_nvme)
         swapped = [not kept for kept in in_cpu]
         suggested = shards_in_flight([u.numel for u in units], swapped, prefetch_numel, max_live_numel)
-        pool = ShardBufferPool(buffer_count, largest * itemsize, suggested_count=suggested)
+        # Pinned when the units live on a CUDA device: their host-to-device copies are then asynchronous ([Note:
+        # asynchronous host-to-device copies]); DeepSpeed's parameter swapper pins its buffers the same way.
+        pin = any(u.device.type == "cuda" for u in to_nvme)
+        pool = ShardBufferPool(buffer_count, largest * itemsize, suggested_count=suggested, pin=pin)
     return ParamOffloader(store, device, pool=pool, host_store=host_store, in_cpu=kept)
 
 

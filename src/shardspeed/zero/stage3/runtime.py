@@ -1,5 +1,7 @@
 """ZeRO-3 runtime: module hooks that gather units before they run and release them when nothing needs them, plus
-the backward protocol the engine drives (same interface as zero/reducer.py's GradReducer).
+the backward protocol the engine drives (same interface as zero/reducer.py's GradReducer). This file is the hook
+protocol (*when* a unit is needed); what is gathered ahead and what is evicted (prefetch, read-ahead, reuse,
+``stage3_max_live_parameters``, the peak figures) is prefetch.py's ``GatherPolicy``.
 
 Per forward pass:  unit-root pre-forward → acquire (gather, wait; prefetch the next units of the order recorded
 in the previous pass; read ahead the shard after those when parameters are offloaded) and watch the call's
@@ -28,6 +30,7 @@ import torch
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.marks import BackwardUse, mark_outputs, watch_inputs
 from shardspeed.zero.stage3.needs import UnitNeeds
+from shardspeed.zero.stage3.prefetch import GatherPolicy
 from shardspeed.zero.stage3.saved_views import SavedViewHooks
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 
@@ -58,22 +61,15 @@ class Stage3Runtime:
         names: Sequence[str],
     ) -> None:
         self.units, self.grads = list(units), list(grads)
-        self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.max_reuse_distance = max_reuse_distance
+        self._policy = GatherPolicy(
+            units, prefetch_numel=prefetch_numel, max_live_numel=max_live_numel, max_reuse_distance=max_reuse_distance
+        )
         self.names = list(names)
         self.overlap = True
         self._needs = [UnitNeeds() for _ in self.units]
         self._stacks: list[_Calls] = []  # per hooked module: its calls in progress
         self._uses: list[BackwardUse] = []  # uses with an input hook, removed when the backward ends
         self._unstarted: list[list[BackwardUse]] = [[] for _ in self.units]  # marked uses whose backward is to come
-        self._gathered_at = [0] * len(self.units)  # when the runtime last gathered each unit (eviction order)
-        self._clock = 0
-        self._fwd_order: list[int] = []  # units in the order the previous forward acquired them
-        self._fwd_now: list[int] = []
-        self._bwd_order: list[int] = []
-        self._bwd_now: list[int] = []
-        self._bwd_seen: set[int] = set()
         self._in_backward = False
         self._backward_index = 0  # before_backward calls so far (a retained graph's uses start again)
         self._communicate = True
@@ -84,9 +80,6 @@ class Stage3Runtime:
         self._finished_count = 0
         self._arrived_since_zero: set[str] = set()
         self._handles: list[Any] = []
-        self.peak_live_numel = 0
-        self.peak_live_forward = 0  # gathered elements at most, while forward passes ran
-        self.peak_live_backward = 0  # ... while backward ran (recomputation included)
         self._saved_views = SavedViewHooks(self.units)
         # Units holding a ZeRO-3 leaf (plan.UnitSpec.data_dependent): ranks may get gradients for different subsets
         # of their parameters, so "all arrived" happens at different points per rank; they are reduced with the
@@ -136,7 +129,7 @@ class Stage3Runtime:
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if _during_backward():  # the whole model recomputed: its unit hooks do the work
             return
-        self._fwd_now = []
+        self._policy.start_forward()
         for stack in self._stacks:  # calls a raised exception left open (a failed forward, a stopped recompute)
             stack.clear()
         for needs in self._needs:
@@ -148,12 +141,11 @@ class Stage3Runtime:
         if _during_backward():
             return
         self._saved_views.leave()
-        if self._fwd_now:
-            self._fwd_order = self._fwd_now
+        self._policy.end_forward()
         # Units kept for reuse or prefetched but never used this pass are released now: nothing leaks.
         for u in range(len(self.units)):
             self._release_if_idle(u)
-        self._cancel_reads_ahead()
+        self._policy.cancel_reads_ahead()
 
     def _pre_forward(
         self, unit_ids: tuple[int, ...], stack: _Calls, module: torch.nn.Module, args: Any, kwargs: Any
@@ -181,7 +173,7 @@ class Stage3Runtime:
             for u in unit_ids:
                 needs = self._needs[u]
                 needs.forward_calls = max(0, needs.forward_calls - 1)
-                if not self._reused_soon(u):
+                if not self._policy.reused_soon(u):
                     self._release_if_idle(u)
         if use is not None and torch.is_grad_enabled():
             output, marked = mark_outputs(output, use, self._use_started)
@@ -191,56 +183,7 @@ class Stage3Runtime:
         return output
 
     def _acquire(self, u: int, backward: bool) -> None:
-        unit = self.units[u]
-        now, previous = (self._bwd_now, self._bwd_order) if backward else (self._fwd_now, self._fwd_order)
-        if not unit.persistent:
-            if not backward:
-                now.append(u)
-            elif u not in self._bwd_seen:
-                self._bwd_seen.add(u)
-                now.append(u)
-        if unit.state is UnitState.SHARDED:
-            self._make_room(unit.numel, keep=u)
-            self._stamp(u)
-        unit.ensure_unsharded()
-        self._prefetch_after(now, previous)
-        self._note_live(backward)
-
-    def _stamp(self, u: int) -> None:
-        self._clock += 1
-        self._gathered_at[u] = self._clock
-
-    def _live(self) -> int:
-        return sum(x.numel for x in self.units if x.state is not UnitState.SHARDED)
-
-    def _note_live(self, backward: bool) -> None:
-        live = self._live()
-        self.peak_live_numel = max(self.peak_live_numel, live)
-        if backward:
-            self.peak_live_backward = max(self.peak_live_backward, live)
-        else:
-            self.peak_live_forward = max(self.peak_live_forward, live)
-
-    def reset_peaks(self) -> None:
-        self.peak_live_numel = self.peak_live_forward = self.peak_live_backward = 0
-
-    def _make_room(self, numel: int, keep: int) -> None:
-        """Before gathering ``numel`` more elements past ``stage3_max_live_parameters``: release gathered units
-        nobody needs (kept for reuse, prefetched), the longest-gathered first. What is needed stays, so the limit
-        can still be passed by what one call needs at once."""
-        live = self._live()
-        if live + numel <= self.max_live_numel:
-            return
-        idle = [
-            v
-            for v, unit in enumerate(self.units)
-            if v != keep and not unit.persistent and unit.state is not UnitState.SHARDED and not self._must_stay(v)
-        ]
-        for v in sorted(idle, key=lambda v: self._gathered_at[v]):
-            self.units[v].release()
-            live -= self.units[v].numel
-            if live + numel <= self.max_live_numel:
-                return
+        self._policy.acquire(u, backward, must_stay=self._must_stay)
 
     def _release_if_idle(self, u: int) -> None:
         """Release unit u unless something needs it, or it waits between two backward uses (see ``_must_stay``)."""
@@ -260,64 +203,6 @@ class Stage3Runtime:
     def _use_coming(self, u: int) -> bool:
         """Whether a backward use of unit u created in forward is still to start in this backward."""
         return any(use.pending and _will_run(use.node()) for use in self._unstarted[u])
-
-    def _prefetch_after(self, now: list[int], previous: list[int]) -> None:
-        """Gather the next units of the previous pass's order while this one computes — only while this pass has
-        followed that order exactly (so every rank prefetches the same units, in the same order). With offloaded
-        parameters, start reading the shard of the unit after those too, so its read overlaps this compute."""
-        if not now:
-            return
-        if previous[: len(now)] != now:  # units fetched ahead stay until used, evicted (max live) or the pass ends
-            return
-        budget = self.prefetch_numel
-        live = self._live()
-        position = len(now)
-        for u in previous[len(now) :] if budget > 0 else ():
-            unit = self.units[u]
-            if unit.state is UnitState.SHARDED:
-                if unit.numel > budget or live + unit.numel > self.max_live_numel:
-                    break
-                unit.gather()
-                self._stamp(u)
-                live += unit.numel
-            budget -= unit.numel
-            position += 1
-            if budget <= 0:
-                break
-        self._read_ahead(previous[position:])
-
-    def _read_ahead(self, upcoming: list[int]) -> None:
-        """Start the offload read of the next unit still sharded in ``upcoming`` (param_offload.py): a local read,
-        no collective, so it needs no agreement between ranks."""
-        for u in upcoming:
-            unit = self.units[u]
-            if unit.state is UnitState.SHARDED:
-                if unit.offloader is not None and not unit.shard_resident:
-                    unit.offloader.read_ahead(unit)
-                return
-
-    def _cancel_reads_ahead(self) -> None:
-        seen: set[int] = set()
-        for unit in self.units:
-            if unit.offloader is not None and id(unit.offloader) not in seen:
-                seen.add(id(unit.offloader))
-                unit.offloader.cancel_reads_ahead()
-
-    def _reused_soon(self, u: int) -> bool:
-        """Whether unit u is used again later in this forward within max_reuse_distance gathered elements."""
-        if self.max_reuse_distance <= 0:
-            return False
-        order, position = self._fwd_order, len(self._fwd_now)
-        if order[:position] != self._fwd_now:  # off the recorded order: positions in it mean nothing
-            return False
-        distance = 0
-        for later in order[position:]:
-            if later == u:
-                return True
-            distance += self.units[later].numel
-            if distance > self.max_reuse_distance:
-                return False
-        return False
 
     # --- backward ----------------------------------------------------------------------------------------
     def _use_started(self, use: BackwardUse) -> None:
@@ -394,8 +279,8 @@ class Stage3Runtime:
         self._in_backward, self._communicate, self._reduced = True, communicate, False
         self._backward_index += 1
         self._final = final and communicate
-        self._bwd_now, self._launched = [], []
-        self._bwd_seen = set()
+        self._policy.start_backward()
+        self._launched = []
         self._finished_count = 0  # _launched[:_finished_count] have been finished already
         for g in self.grads:
             g.reset_backward()
@@ -405,8 +290,7 @@ class Stage3Runtime:
     def after_backward(self) -> None:
         assert self._in_backward, "after_backward without before_backward"
         self._in_backward = False
-        if self._bwd_now:
-            self._bwd_order = self._bwd_now
+        self._policy.end_backward()
         if self._communicate:
             for g in self.grads:  # leftovers (unused parameters) in a fixed order on every rank
                 if not g.launched and g.trainable:
@@ -429,7 +313,7 @@ class Stage3Runtime:
         for unit in self.units:
             if not unit.persistent and unit.state is not UnitState.SHARDED:
                 unit.release()
-        self._cancel_reads_ahead()
+        self._policy.cancel_reads_ahead()
 
     def _prune_uses(self) -> None:
         """Forget uses whose graph is gone (a forward with grad but no backward): their backward never comes."""
@@ -458,6 +342,23 @@ class Stage3Runtime:
         for g in self.grads:
             g.finish()
         self._end_backward()
+
+    # --- figures (prefetch.py keeps them) -----------------------------------------------------------------------
+    @property
+    def peak_live_numel(self) -> int:
+        """Gathered elements at most, since the last ``reset_peaks``."""
+        return self._policy.peak_live_numel
+
+    @property
+    def peak_live_forward(self) -> int:
+        return self._policy.peak_live_forward
+
+    @property
+    def peak_live_backward(self) -> int:
+        return self._policy.peak_live_backward
+
+    def reset_peaks(self) -> None:
+        self._policy.reset_peaks()
 
     @property
     def reduced(self) -> bool:

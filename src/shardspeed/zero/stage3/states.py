@@ -31,11 +31,12 @@ from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
 from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
 from shardspeed.zero.stage3.materialize import materialize_units
-from shardspeed.zero.stage3.param_offload import ParamOffloader, ShardSlices
+from shardspeed.zero.stage3.param_offload import ParamOffloader
 from shardspeed.zero.stage3.placeholder import explain as explain_placeholder
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
 from shardspeed.zero.stage3.registry import merge_external_parameters, register_units
 from shardspeed.zero.stage3.runtime import Stage3Runtime
+from shardspeed.zero.stage3.shard_slices import ShardSlices
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 
 
