@@ -1,4 +1,5 @@
-"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32``.
+"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32``,
+``logger`` / ``log_dist``, ``RepeatingLoader`` and ``set_random_seed``.
 
 Imported lazily, so ``import shardspeed.utils`` does not load torch until one of them is used.
 """
@@ -12,6 +13,10 @@ _EXPORTS = {
     "get_fp32_state_dict_from_zero_checkpoint": "shardspeed.checkpoint.consolidate",
     "load_state_dict_from_zero_checkpoint": "shardspeed.checkpoint.consolidate",
     "convert_zero_checkpoint_to_fp32_state_dict": "shardspeed.checkpoint.consolidate",
+    "logger": "shardspeed.utils.logging",
+    "log_dist": "shardspeed.utils.logging",
+    "RepeatingLoader": "shardspeed.data",
+    "set_random_seed": "shardspeed.runtime.utils",
 }
 
 __all__ = list(_EXPORTS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.config import ZeroConfig
+from shardspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # DeepSpeed's zero.TiledLinear
 from shardspeed.zero.api import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import build_shard_layout
@@ -52,4 +53,6 @@ __all__ = [
     "full_numel",
     "full_shape",
     "register_external_parameter",
+    "TiledLinear",
+    "TiledLinearReturnBias",
 ]
