@@ -151,11 +151,11 @@ def init_distributed(
         environ = {key: value for key, value in environ.items() if not key.startswith("OMPI_COMM_WORLD_")}
     launch = detect_launch_env(environ)
     if rank >= 0 and world_size >= 1:
-        launch = LaunchEnv(
-            "arguments", rank, world_size, launch.local_rank, launch.master_addr, launch.master_port
-        )
+        launch = LaunchEnv("arguments", rank, world_size, launch.local_rank, launch.master_addr, launch.master_port)
     elif (rank >= 0) != (world_size >= 1):
-        raise ValueError(f"init_distributed: pass rank and world_size together (got rank={rank}, world_size={world_size})")
+        raise ValueError(
+            f"init_distributed: pass rank and world_size together (got rank={rank}, world_size={world_size})"
+        )
     if dist.is_initialized():
         return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(), launch.local_rank, None, None)
     if dist_init_required is False or (launch.world_size == 1 and launch.source == "none"):

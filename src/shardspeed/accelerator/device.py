@@ -136,7 +136,7 @@ class Accelerator:
 
     # ---- streams and events (CPU: none; stream() is a no-op context, as in DeepSpeed's CPU accelerator)
     @property
-    def Stream(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+    def Stream(self) -> Any:
         return torch.cuda.Stream if self._cuda else None
 
     def stream(self, stream: Any) -> Any:
@@ -149,7 +149,7 @@ class Accelerator:
         return torch.cuda.default_stream(device_index) if self._cuda else None
 
     @property
-    def Event(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+    def Event(self) -> Any:
         return torch.cuda.Event if self._cuda else None
 
     # ---- memory (CPU: the process's resident set size, peak tracked between resets)
@@ -269,31 +269,31 @@ class Accelerator:
 
     # ---- tensors
     @property
-    def BFloat16Tensor(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+    def BFloat16Tensor(self) -> Any:
         return self._tensor_type(torch.bfloat16)
 
     @property
-    def ByteTensor(self) -> Any:  # noqa: N802
+    def ByteTensor(self) -> Any:
         return self._tensor_type(torch.uint8)
 
     @property
-    def DoubleTensor(self) -> Any:  # noqa: N802
+    def DoubleTensor(self) -> Any:
         return self._tensor_type(torch.float64)
 
     @property
-    def FloatTensor(self) -> Any:  # noqa: N802
+    def FloatTensor(self) -> Any:
         return self._tensor_type(torch.float32)
 
     @property
-    def HalfTensor(self) -> Any:  # noqa: N802
+    def HalfTensor(self) -> Any:
         return self._tensor_type(torch.float16)
 
     @property
-    def IntTensor(self) -> Any:  # noqa: N802
+    def IntTensor(self) -> Any:
         return self._tensor_type(torch.int32)
 
     @property
-    def LongTensor(self) -> Any:  # noqa: N802
+    def LongTensor(self) -> Any:
         return self._tensor_type(torch.int64)
 
     def _tensor_type(self, dtype: torch.dtype) -> Callable[..., torch.Tensor]:

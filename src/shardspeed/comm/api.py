@@ -223,9 +223,7 @@ def all_to_all_single(
     if not _world():
         output.copy_(tensor)
         return None
-    return dist.all_to_all_single(
-        output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-    )
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 def send(

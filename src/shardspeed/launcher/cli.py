@@ -65,7 +65,9 @@ _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
     ("--ssh_port",): {"type": int, "help": "ssh port of the remote nodes (default: ssh's own, normally 22)"},
     ("--venv_script",): {"help": "script sourced on each remote node before starting (e.g. a venv's bin/activate)"},
     ("--enable_each_rank_log",): {"help": "write each rank's stdout+stderr to DIR/<timestamp>_rank<RANK>.log"},
-    ("--bind_core_list",): {"help": "cores to divide among a node's ranks, e.g. 0-15,32-47 (with --bind_cores_to_rank)"},
+    ("--bind_core_list",): {
+        "help": "cores to divide among a node's ranks, e.g. 0-15,32-47 (with --bind_cores_to_rank)"
+    },
     ("--autotuning",): {"help": "refused: autotuning is not implemented yet"},
     ("--min_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
     ("--max_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
@@ -134,11 +136,26 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], str | None, list[
     return launcher_words, argv[script_index], list(argv[script_index + 1 :])
 
 
+def _glue_values(words: list[str]) -> list[str]:
+    """``--opt VALUE`` → ``--opt=VALUE`` for long value options, so a value starting with "-" (``--launcher_args
+    "-o X"``, as DeepSpeed's docs write it) is read as the value, not as an unknown option."""
+    long_value_flags = {flag for flags in _VALUE_OPTIONS for flag in flags if flag.startswith("--")}
+    glued, index = [], 0
+    while index < len(words):
+        if words[index] in long_value_flags and index + 1 < len(words):
+            glued.append(f"{words[index]}={words[index + 1]}")
+            index += 2
+        else:
+            glued.append(words[index])
+            index += 1
+    return glued
+
+
 def parse_launch_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a launch command line; ``options.script`` / ``options.script_args`` hold the split-off script."""
     parser = build_parser()
     launcher_words, script, script_args = split_script_args(argv)
-    options = parser.parse_args(launcher_words)
+    options = parser.parse_args(_glue_values(launcher_words))
     if script is None:
         parser.error("missing the training script (shardspeed [launcher options] script.py [script args...])")
     options.script = script

@@ -72,7 +72,11 @@ class RankOptions:
 
     def words(self) -> list[str]:
         """``rank_exec.py``'s option words."""
-        words = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank") if getattr(self, name)]
+        words = [
+            f"--{name}"
+            for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank")
+            if getattr(self, name)
+        ]
         if self.bind_core_list is not None:
             words += ["--bind_core_list", self.bind_core_list]
         if self.each_rank_log is not None:

@@ -40,24 +40,22 @@ def parse_core_list(text: str) -> list[int]:
     """DeepSpeed's core list syntax: "0,2-4,7" → [0, 2, 3, 4, 7] (order kept, duplicates refused)."""
     cores: list[int] = []
     for piece in text.split(","):
-        piece = piece.strip()
-        try:
-            if "-" in piece:
-                first, last = (int(bound) for bound in piece.split("-", 1))
-                if last < first:
-                    raise RankExecError(f"--bind_core_list {text!r}: range {piece!r} runs backwards")
-                cores.extend(range(first, last + 1))
-            else:
-                cores.append(int(piece))
-        except ValueError:
-            raise RankExecError(f"--bind_core_list {text!r}: {piece!r} is not a core number or a range a-b") from None
-    if len(set(cores)) != len(cores) or any(core < 0 for core in cores):
-        raise RankExecError(f"--bind_core_list {text!r}: cores must be distinct and >= 0")
+        bounds = piece.strip().split("-", 1)
+        if not all(bound.isdigit() for bound in bounds):
+            raise RankExecError(f"--bind_core_list {text!r}: {piece!r} is not a core number or a range a-b")
+        first, last = int(bounds[0]), int(bounds[-1])
+        if last < first:
+            raise RankExecError(f"--bind_core_list {text!r}: range {piece!r} runs backwards")
+        cores.extend(range(first, last + 1))
+    if len(set(cores)) != len(cores):
+        raise RankExecError(f"--bind_core_list {text!r}: cores must be distinct")
     return cores
 
 
 def cores_for_rank(cores: list[int], local_rank: int, local_world_size: int) -> list[int]:
     """Local rank ``r``'s contiguous slice of ``cores`` (each rank gets ``len(cores) // local_world_size``)."""
+    if not 0 <= local_rank < local_world_size:
+        raise RankExecError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
     per_rank = len(cores) // local_world_size
     if per_rank < 1:
         raise RankExecError(

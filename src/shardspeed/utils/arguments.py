@@ -26,7 +26,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         action="store_true",
         help="Deprecated enable DeepSpeed (helper flag for user code, no impact on the shardspeed backend)",
     )
-    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file.")
+    group.add_argument(
+        "--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file."
+    )
     return parser
 
 

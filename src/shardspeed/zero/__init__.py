@@ -49,10 +49,10 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ModelStates",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "build_model_states",
     "full_numel",
     "full_shape",
     "register_external_parameter",
-    "TiledLinear",
-    "TiledLinearReturnBias",
 ]

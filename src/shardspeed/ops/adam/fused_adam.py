@@ -31,7 +31,9 @@ class FusedAdam(torch.optim.Optimizer):
         set_grad_none: bool = True,
     ) -> None:
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant (as in DeepSpeed); use torch.optim.AdamW")
+            raise RuntimeError(
+                "FusedAdam does not support the AMSGrad variant (as in DeepSpeed); use torch.optim.AdamW"
+            )
         if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"FusedAdam: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= beta < 1.0 for beta in betas):

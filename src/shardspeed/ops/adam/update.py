@@ -51,7 +51,9 @@ def _reference_update(
 
 
 @torch.no_grad()
-def adam_group_step(group: dict[str, Any], states: dict[torch.Tensor, Any], adam_w_mode: bool, state_dtype: Any) -> None:
+def adam_group_step(
+    group: dict[str, Any], states: dict[torch.Tensor, Any], adam_w_mode: bool, state_dtype: Any
+) -> None:
     """Step every parameter of ``group`` that has a gradient. ``state_dtype`` None: moments in the parameter's
     dtype; else that dtype (DeepSpeedCPUAdam's ``fp32_optimizer_states``)."""
     fast: dict[tuple[torch.dtype, torch.device, int], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]] = {}

@@ -91,7 +91,7 @@ class TiledLinear(torch.nn.Module):
             outputs.append(reduced)
         return self._combine_output_splits(outputs) if self.combine_out_splits else outputs
 
-    def _split_global_input(self, input: torch.Tensor, split_sizes: list[int]) -> Sequence[torch.Tensor]:  # noqa: A002
+    def _split_global_input(self, input: torch.Tensor, split_sizes: list[int]) -> Sequence[torch.Tensor]:
         """Cut the input's last dimension at the input tiles' boundaries (subclasses: other input types)."""
         return split_tensor_along_last_dim(input, split_sizes)
 
@@ -115,7 +115,9 @@ class TiledLinear(torch.nn.Module):
                 f"{(self.out_features, self.in_features)}"
             )
         if self.use_bias != (bias is not None):
-            raise ValueError(f"TiledLinear.copy_params_from: bias={self.use_bias} but the source has bias={bias is not None}")
+            raise ValueError(
+                f"TiledLinear.copy_params_from: bias={self.use_bias} but the source has bias={bias is not None}"
+            )
         for out_id in range(self.out_splits):
             row_start, row_stop = self.out_parts[out_id], self.out_parts[out_id + 1]
             for in_id in range(self.in_splits):
