@@ -195,7 +195,7 @@ def test_two_nodes_over_stub_ssh(tmp_path: Path) -> None:
             *[word for word in launch if word.startswith("--master_port=")],
             "--max_restarts=0",
             *[word for word in launch if word.endswith("/rank_exec.py")],
-            "--",
+            "--script",
             "worker.py",
             "--out",
             str(out_dir),

@@ -96,7 +96,7 @@ def _rank_words(argv: list[str]) -> list[str]:
 def test_default_command_runs_the_script_through_rank_exec(in_tmp: Path) -> None:
     [command] = _plan(["--num_procs", "2", "train.py", "--x", "1"]).commands
     assert command.argv[:3] == [PY, "-m", "torch.distributed.run"]
-    assert _rank_words(command.argv) == ["--", "train.py", "--x", "1"]
+    assert _rank_words(command.argv) == ["--script", "train.py", "--x", "1"]
 
 
 def test_per_rank_flags_reach_rank_exec(in_tmp: Path) -> None:
@@ -107,16 +107,16 @@ def test_per_rank_flags_reach_rank_exec(in_tmp: Path) -> None:
         "--bind_cores_to_rank",
         "--bind_core_list",
         "0-3,8",
-        "--",
+        "--script",
         "train.py",
     ]
 
 
 def test_module_and_no_python_do_not_need_a_file(in_tmp: Path) -> None:
     [command] = _plan(["--module", "package.train", "--epochs", "2"]).commands
-    assert _rank_words(command.argv) == ["--module", "--", "package.train", "--epochs", "2"]
+    assert _rank_words(command.argv) == ["--module", "--script", "package.train", "--epochs", "2"]
     [command] = _plan(["--no_python", "run.sh"]).commands
-    assert _rank_words(command.argv) == ["--no_python", "--", "run.sh"]
+    assert _rank_words(command.argv) == ["--no_python", "--script", "run.sh"]
     with pytest.raises(LauncherError, match="cannot be used together"):
         _plan(["--module", "--no_python", "x"])
 
@@ -178,7 +178,7 @@ def test_ssh_port_launcher_args_and_venv_script_over_ssh(in_tmp: Path) -> None:
         assert command.argv[:8] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-o", "StrictHostKeyChecking no", host]
         words = shlex.split(command.argv[8])
         assert words[:7] == ["cd", str(in_tmp), "&&", ".", "/opt/my env/activate", "&&", "exec"]
-        assert _rank_words(words) == ["--", "train.py"]
+        assert _rank_words(words) == ["--script", "train.py"]
 
 
 def test_ssh_port_and_launcher_args_over_pdsh(in_tmp: Path) -> None:
@@ -207,15 +207,15 @@ def test_save_pid_file_lives_while_the_launch_runs(tmp_path: Path) -> None:
 
 def test_rank_exec_builds_deepspeeds_per_rank_command() -> None:
     environ = {"LOCAL_RANK": "3"}
-    options, command = parse(["--", "train.py", "--lr", "1"])
+    options, command = parse(["--script", "train.py", "--lr", "1"])
     assert build_command(options, command, environ) == [PY, "-u", "train.py", "--local_rank=3", "--lr", "1"]
-    options, command = parse(["--module", "--", "pkg.train", "--lr", "1"])
+    options, command = parse(["--module", "--script", "pkg.train", "--lr", "1"])
     assert build_command(options, command, environ) == [PY, "-u", "-m", "pkg.train", "--local_rank=3", "--lr", "1"]
-    options, command = parse(["--no_python", "--no_local_rank", "--", "./run.sh", "x"])
+    options, command = parse(["--no_python", "--no_local_rank", "--script", "./run.sh", "x"])
     assert build_command(options, command, environ) == ["./run.sh", "x"]
-    options, command = parse(["--", "-odd.py"])  # python would read "-odd.py" as an option
+    options, command = parse(["--script", "-odd.py"])  # python would read "-odd.py" as an option
     assert build_command(options, command, environ)[2] == "./-odd.py"
-    for bad in (["train.py"], ["--"], ["--bogus", "--", "t.py"], ["--module", "--no_python", "--", "t"]):
+    for bad in (["train.py"], ["--script"], ["--bogus", "--script", "t.py"], ["--module", "--no_python", "--script", "t"]):
         with pytest.raises(RankExecError):
             parse(bad)
 
@@ -243,7 +243,7 @@ def test_rank_exec_runs_the_script_with_local_rank_log_and_binding(tmp_path: Pat
     env = {**os.environ, "LOCAL_RANK": "1", "RANK": "5", "LOCAL_WORLD_SIZE": "2"}
     core_list = f"{allowed[0]},{allowed[1]}"  # local rank 1 of 2 gets the second
     argv = [PY, RANK_EXEC_SCRIPT, "--bind_cores_to_rank", "--bind_core_list", core_list]
-    argv += ["--each_rank_log", str(tmp_path / "logs"), "--log_prefix", "P", "--", "probe.py", "a b"]
+    argv += ["--each_rank_log", str(tmp_path / "logs"), "--log_prefix", "P", "--script", "probe.py", "a b"]
     completed = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == ""  # everything went to the rank's log file
@@ -255,9 +255,9 @@ def test_rank_exec_runs_the_script_with_local_rank_log_and_binding(tmp_path: Pat
 
 def test_rank_exec_reports_bad_options_and_missing_programs(tmp_path: Path) -> None:
     bad = subprocess.run([PY, RANK_EXEC_SCRIPT, "t.py"], capture_output=True, text=True, timeout=60, check=False)
-    assert bad.returncode == 2 and "missing '--'" in bad.stderr
+    assert bad.returncode == 2 and "missing '--script'" in bad.stderr
     missing = subprocess.run(
-        [PY, RANK_EXEC_SCRIPT, "--no_python", "--", str(tmp_path / "nope")],
+        [PY, RANK_EXEC_SCRIPT, "--no_python", "--script", str(tmp_path / "nope")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardspeed.launcher.errors import LauncherError
+from shardspeed.launcher.rank_exec import SEPARATOR
 
 RANK_EXEC_SCRIPT = str(Path(__file__).resolve().with_name("rank_exec.py"))
 
@@ -109,4 +110,4 @@ def rank_options(options: argparse.Namespace, now: float | None = None) -> RankO
 
 def rank_program(rank: RankOptions, script: str, script_args: list[str]) -> tuple[str, list[str]]:
     """What torchrun runs per rank: ``rank_exec.py`` and its arguments, ending with the user's command."""
-    return RANK_EXEC_SCRIPT, [*rank.words(), "--", script, *script_args]
+    return RANK_EXEC_SCRIPT, [*rank.words(), SEPARATOR, script, *script_args]

@@ -1,6 +1,6 @@
 """What torchrun starts for each rank: it sets the rank up the way DeepSpeed's launcher does, then execs the script.
 
-``python <path>/rank_exec.py [options] -- SCRIPT [ARGS...]`` runs, in this process (``os.execvpe``, so torchrun
+``python <path>/rank_exec.py [options] --script SCRIPT [ARGS...]`` runs, in this process (``os.execvpe``, so torchrun
 supervises the script itself: its signals, its exit code)::
 
     python -u SCRIPT --local_rank=N ARGS...         (default; N is torchrun's LOCAL_RANK)
@@ -18,6 +18,9 @@ may run on), contiguous slices of ``len(cores) // LOCAL_WORLD_SIZE`` cores in lo
 affinity (inherited through exec; no numactl needed) and ``OMP_NUM_THREADS`` is set to the slice's size, as
 DeepSpeed does. ``--each_rank_log DIR --log_prefix P``: stdout and stderr go to ``DIR/P_rank{RANK}.log``.
 
+The separator is the word ``--script``, not ``--``: torchrun hands the words after its script over through
+argparse's REMAINDER, which drops a leading ``--``.
+
 Standard library only and run by file path: a rank should start without importing torch twice.
 """
 
@@ -26,9 +29,10 @@ from __future__ import annotations
 import os
 import sys
 
+SEPARATOR = "--script"
 USAGE = (
     "usage: rank_exec.py [--module] [--no_python] [--no_local_rank] [--bind_cores_to_rank] [--bind_core_list L] "
-    "[--each_rank_log DIR --log_prefix P] -- SCRIPT [ARGS...]"
+    "[--each_rank_log DIR --log_prefix P] --script SCRIPT [ARGS...]"
 )
 
 
@@ -65,13 +69,13 @@ def cores_for_rank(cores: list[int], local_rank: int, local_world_size: int) -> 
 
 
 def parse(argv: list[str]) -> tuple[dict[str, object], list[str]]:
-    """Split ``argv`` into this shim's options and the user's command (after ``--``)."""
-    if "--" not in argv:
-        raise RankExecError(f"missing '--' before the script\n{USAGE}")
-    split = argv.index("--")
+    """Split ``argv`` into this shim's options and the user's command (after ``--script``)."""
+    if SEPARATOR not in argv:
+        raise RankExecError(f"missing {SEPARATOR!r} before the script\n{USAGE}")
+    split = argv.index(SEPARATOR)
     words, command = argv[:split], argv[split + 1 :]
     if not command:
-        raise RankExecError(f"missing the script after '--'\n{USAGE}")
+        raise RankExecError(f"missing the script after {SEPARATOR!r}\n{USAGE}")
     options: dict[str, object] = {
         "module": False,
         "no_python": False,
