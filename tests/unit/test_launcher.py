@@ -637,5 +637,6 @@ def test_cli_module_runs_as_script(in_tmp: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(
-        f"--nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 {RANK_EXEC} --script train.py --a"
+        f"--nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 "
+        f"{RANK_EXEC} --script train.py --a"
     )

@@ -215,7 +215,12 @@ def test_rank_exec_builds_deepspeeds_per_rank_command() -> None:
     assert build_command(options, command, environ) == ["./run.sh", "x"]
     options, command = parse(["--script", "-odd.py"])  # python would read "-odd.py" as an option
     assert build_command(options, command, environ)[2] == "./-odd.py"
-    for bad in (["train.py"], ["--script"], ["--bogus", "--script", "t.py"], ["--module", "--no_python", "--script", "t"]):
+    for bad in (
+        ["train.py"],
+        ["--script"],
+        ["--bogus", "--script", "t.py"],
+        ["--module", "--no_python", "--script", "t"],
+    ):
         with pytest.raises(RankExecError):
             parse(bad)
 
