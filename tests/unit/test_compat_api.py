@@ -492,3 +492,16 @@ def test_tiled_linear_split_input_and_uncombined_output() -> None:
         TiledLinear(6, 4, in_splits=7)
     with pytest.raises(ValueError, match="weight is"):
         TiledLinear(5, 4).copy_params_from(linear)
+
+
+def test_deepspeed_memory_estimators_print_their_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+    from shardspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+
+    rows = estimate_zero3_model_states_mem_needs_all_live(torch.nn.Linear(100, 100), num_gpus_per_node=2)
+    assert {row["stage"] for row in rows} == {3}
+    plain = next(row for row in rows if not row["offload_optimizer"] and not row["offload_param"])
+    assert plain["gpu_bytes"] == 10_100 * 16 // 2  # mixed-precision Adam: 16 bytes per parameter over 2 ranks
+    rows = estimate_zero2_model_states_mem_needs_all_cold(1_000_000, num_nodes=2)
+    assert {row["stage"] for row in rows} == {2}
+    assert "offload_optimizer=cpu" in capsys.readouterr().out

@@ -14,7 +14,7 @@ _EXPORTS = {
     "TiledLinear": "shardspeed.runtime.zero.tiling",
     "TiledLinearReturnBias": "shardspeed.runtime.zero.tiling",
 }
-_SUBMODULES = ("partition_parameters", "tiling")
+_SUBMODULES = ("estimate", "partition_parameters", "stage3", "stage_1_and_2", "tiling")
 
 
 def __getattr__(name: str) -> Any:
