@@ -98,6 +98,7 @@ def test_launched_run_destroys_its_group_and_gets_local_rank(tmp_path: Path) -> 
     assert [report["group_alive_at_exit"] for report in reports] == [False, False]
 
 
+@pytest.mark.slow  # ~12 s of torch start-up; `make test-all` runs it
 @pytest.mark.timeout(90)
 def test_a_group_the_user_created_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "user.py").write_text(USER_GROUP_SCRIPT)
@@ -110,6 +111,7 @@ def test_a_group_the_user_created_is_left_alone(tmp_path: Path) -> None:
     assert json.loads(report.read_text()) == {"group_alive_at_exit": True}
 
 
+@pytest.mark.slow  # two processes and a 2 s wait; `make test-all` runs it
 @pytest.mark.timeout(120)
 def test_exit_does_not_wait_for_a_dead_peer(tmp_path: Path) -> None:
     (tmp_path / "peer.py").write_text(PEER_DIES_SCRIPT)
