@@ -8,6 +8,10 @@ Modes, decided in this order:
   torchrun with ``--nnodes 1`` — like DeepSpeed, a single host is assumed to be this machine.
 - several hosts: one torchrun per host over ssh/pdsh (see ``multinode.py``).
 
+Per rank, torchrun runs ``rank_exec.py`` (``deepspeed_flags.rank_program``), which execs the script as DeepSpeed's
+launcher would: ``python -u SCRIPT --local_rank=N ARGS`` by default. DeepSpeed's other runner flags are checked
+first (``deepspeed_flags.check_refused``): refused ones stop the launch before anything starts.
+
 Processes per node: the hostfile's slots (capped by ``--num_gpus``/``--num_procs``); without a hostfile,
 ``--num_procs N`` (N processes, no device check), ``--num_gpus N`` (≤ CUDA devices when there are any), or by
 default one per CUDA device — and one process, with a note, on a machine without CUDA.
