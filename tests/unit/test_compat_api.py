@@ -505,3 +505,22 @@ def test_deepspeed_memory_estimators_print_their_stage(capsys: pytest.CaptureFix
     rows = estimate_zero2_model_states_mem_needs_all_cold(1_000_000, num_nodes=2)
     assert {row["stage"] for row in rows} == {2}
     assert "offload_optimizer=cpu" in capsys.readouterr().out
+
+
+def test_init_distributed_takes_deepspeeds_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="pass rank and world_size together"):
+        shardspeed.init_distributed(rank=0)
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    # auto_mpi_discovery=False ignores Open MPI's variables: a lone process, no group created
+    launch = shardspeed.init_distributed(auto_mpi_discovery=False, distributed_port=1234, verbose=False)
+    assert (launch.source, launch.rank, launch.world_size) == ("none", 0, 1)
+    assert not dist.is_initialized()
+    # dist_init_required=False: the caller owns initialization; Open MPI's layout is reported, nothing joined
+    launch = shardspeed.init_distributed(dist_init_required=False)
+    assert (launch.source, launch.rank, launch.world_size) == ("mpi", 1, 4)
+    assert not dist.is_initialized()
