@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--baseline", action="store_true", help="unregister shardspeed's exit hook (before the fix)")
+    parser.add_argument("--keep-failures", metavar="DIR", help="write each failing run's full stderr to DIR/run<N>.txt")
     args = parser.parse_args()
     exit_codes: collections.Counter[int] = collections.Counter()
     aborts = port_retries = 0
@@ -100,6 +101,9 @@ def main() -> int:
             exit_codes[returncode] += 1
             aborts += ABORT_SIGNATURE in stderr
             tail = " | ".join(stderr.strip().splitlines()[-3:]) if returncode != 0 else ""
+            if returncode != 0 and args.keep_failures:
+                Path(args.keep_failures).mkdir(parents=True, exist_ok=True)
+                Path(args.keep_failures, f"run{index + 1}.txt").write_text(stderr)
             print(f"run {index + 1}/{args.runs}: exit code {returncode} {tail}".rstrip(), file=sys.stderr, flush=True)
     summary = {
         "runs": args.runs,
