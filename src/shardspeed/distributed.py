@@ -10,7 +10,9 @@ sometimes calls ``std::terminate`` ("terminate called without an active exceptio
 2-process runs did, after the script had finished. So the group *we* create in ``init_distributed`` is destroyed
 from an ``atexit`` hook, while Python and torch are still whole. Only ours: a group the user created is theirs to
 destroy. The hook only destroys — no barrier, no collective — so a rank whose peer already died still exits at
-once instead of waiting for a partner that will never come.
+once instead of waiting for a partner that will never come. Measured (benchmarks/bench_clean_exit.py, 2 ranks on
+CPU): 99 of 100 runs exited 0; the one failure was still a SIGABRT with "terminate called", so a rarer teardown race
+remains (its full stderr was not kept; ``--keep-failures DIR`` keeps it now).
 """
 
 from __future__ import annotations
