@@ -1,6 +1,12 @@
 """shardspeed: DeepSpeed's training system as a pure-Python library on torch.distributed.
 
 Public names are imported lazily so `shardspeed --help` and the launcher start without importing torch.
+
+DeepSpeed's top-level names are here too, so ``import shardspeed as deepspeed`` keeps a DeepSpeed script working:
+``add_config_arguments``, ``init_distributed`` (DeepSpeed's parameters), ``DeepSpeedEngine``, ``DeepSpeedConfig``,
+``get_accelerator``, ``log_dist`` / ``logger``, and the subpackages ``comm``, ``accelerator``, ``ops``,
+``runtime``, ``utils``, ``zero``, ``checkpointing``. ``pipe`` / ``PipelineModule`` and ``moe`` raise ImportError:
+not implemented yet.
 """
 
 from __future__ import annotations
@@ -18,9 +24,21 @@ _EXPORTS = {
     "MeshShape": "shardspeed.topology",
     "Topology": "shardspeed.topology",
     "estimate_zero_memory": "shardspeed.zero.memory",
+    # DeepSpeed's top-level names (deepspeed/__init__.py)
+    "add_config_arguments": "shardspeed.utils.arguments",
+    "DeepSpeedEngine": "shardspeed.runtime.engine",
+    "DeepSpeedConfig": "shardspeed.runtime.config",
+    "DeepSpeedConfigError": "shardspeed.runtime.config",
+    "DeepSpeedDataLoader": "shardspeed.runtime.dataloader",
+    "get_accelerator": "shardspeed.accelerator",
+    "log_dist": "shardspeed.utils.logging",
+    "logger": "shardspeed.utils.logging",
+    "PipelineModule": "shardspeed.pipe",  # raises ImportError: pipeline parallelism is not implemented yet
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+version = __version__  # DeepSpeed exposes both
+
+__all__ = [*(name for name in _EXPORTS if name != "PipelineModule"), "__version__", "version"]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,26 +28,35 @@ def initialize(
     model_parameters: Any = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
-    config: Any = None,
-    collate_fn: Any = None,
+    distributed_port: int = 29500,
     mpu: Any = None,
     dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
 ) -> tuple[ShardSpeedEngine, torch.optim.Optimizer, Any, Any]:
     """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed.
 
-    ``config`` is a dict or a path to a DeepSpeed JSON file; as in DeepSpeed it may also come from
-    ``args.deepspeed_config`` or the older ``config_params``.
+    Parameters in DeepSpeed's order. ``config`` is a dict or a path to a DeepSpeed JSON file; as in DeepSpeed it
+    may also come from ``args.deepspeed_config`` (or the deprecated ``args.deepscale_config``) or the older
+    ``config_params``. ``distributed_port`` is the rendezvous port when the launcher sets none (SLURM, MPI).
     """
     if model is None:
         raise ValueError("initialize() needs model=…")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...): sequence-parallel device meshes are not implemented yet")
     if config is None and config_params is not None:
         config = config_params
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "shardspeed_config", None)
+        config = (
+            getattr(args, "deepspeed_config", None)
+            or getattr(args, "deepscale_config", None)
+            or getattr(args, "shardspeed_config", None)
+        )
     if config is None:
         raise ValueError("initialize() needs config=… (a dict or a DeepSpeed JSON path), or args.deepspeed_config")
-    init_distributed(dist_init_required=dist_init_required)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     topology = _topology_from_mpu(mpu) if mpu is not None else Topology.build()
     cfg = load_config(config, dp_world_size=topology.dp_world_size)
     engine = ShardSpeedEngine(

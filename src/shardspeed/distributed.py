@@ -1,12 +1,23 @@
 """Process-group start-up: read the rank layout from torchrun, SLURM or Open MPI and call init_process_group.
 
-`init_distributed` is DeepSpeed's `deepspeed.init_distributed`: nccl when CUDA is available, else gloo. A lone
-process with no launcher environment becomes a world of one (no process group is created: every collective on a
-size-1 axis is skipped), so the same script runs on a laptop and on a cluster.
+`init_distributed` is DeepSpeed's `deepspeed.init_distributed` (same parameters): nccl when CUDA is available,
+else gloo. A lone process with no launcher environment becomes a world of one (no process group is created: every
+collective on a size-1 axis is skipped), so the same script runs on a laptop and on a cluster.
+
+[Note: clean exit] A process that leaves the interpreter with a gloo process group still alive destroys it from
+C++ static destructors, after Python has finalized; gloo's worker threads are then torn down in an order that
+sometimes calls ``std::terminate`` ("terminate called without an active exception", SIGABRT) — about 6% of clean
+2-process runs did, after the script had finished. So the group *we* create in ``init_distributed`` is destroyed
+from an ``atexit`` hook, while Python and torch are still whole. Only ours: a group the user created is theirs to
+destroy. The hook only destroys — no barrier, no collective — so a rank whose peer already died still exits at
+once instead of waiting for a partner that will never come. Measured (benchmarks/bench_clean_exit.py, 2 ranks on
+CPU): 99 of 100 runs exited 0; the one failure was still a SIGABRT with "terminate called", so a rarer teardown race
+remains (its full stderr was not kept; ``--keep-failures DIR`` keeps it now).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Mapping
@@ -87,18 +98,66 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# The default process group init_distributed created, if any (see [Note: clean exit]).
+_created_group: dist.ProcessGroup | None = None
+_exit_hook_registered = False
+
+
+def _destroy_created_group_at_exit() -> None:
+    """atexit: destroy the default group if it is still the one init_distributed created. Never raises, never
+    communicates (see [Note: clean exit])."""
+    global _created_group
+    group, _created_group = _created_group, None
+    if group is None:
+        return
+    try:
+        if dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+    except Exception as error:  # exiting anyway: a teardown problem must not turn success into failure
+        logger.debug("destroying the process group at exit failed: %s", error)
+
+
+def _remember_created_group() -> None:
+    global _created_group, _exit_hook_registered
+    _created_group = dist.group.WORLD
+    if not _exit_hook_registered:
+        atexit.register(_destroy_created_group_at_exit)
+        _exit_hook_registered = True
+
+
 def init_distributed(
     dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = int(DEFAULT_MASTER_PORT),
+    verbose: bool = True,
     timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
+    config: object = None,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> LaunchEnv:
-    """Join (or create) the default process group. Safe to call more than once.
+    """Join (or create) the default process group. Safe to call more than once. DeepSpeed's parameters:
+
+    ``auto_mpi_discovery=False`` ignores Open MPI's variables; ``distributed_port`` is the MASTER_PORT used when
+    the launcher (SLURM, Open MPI) sets none; ``verbose`` logs the group on rank 0; ``rank``/``world_size`` (both
+    >= 0) override the environment, e.g. with ``init_method="tcp://host:port"``. ``config`` is accepted for
+    DeepSpeed's signature and unused (comms logging is configured by the engine from the same config).
 
     An already-initialized process group is respected as is. ``dist_init_required=False`` means the caller takes
     charge of initialization: if there is no process group we run as a world of one.
     """
-    launch = detect_launch_env(os.environ)
+    del config  # see docstring
+    environ = dict(os.environ)
+    if not auto_mpi_discovery:
+        environ = {key: value for key, value in environ.items() if not key.startswith("OMPI_COMM_WORLD_")}
+    launch = detect_launch_env(environ)
+    if rank >= 0 and world_size >= 1:
+        launch = LaunchEnv("arguments", rank, world_size, launch.local_rank, launch.master_addr, launch.master_port)
+    elif (rank >= 0) != (world_size >= 1):
+        raise ValueError(
+            f"init_distributed: pass rank and world_size together (got rank={rank}, world_size={world_size})"
+        )
     if dist.is_initialized():
         return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(), launch.local_rank, None, None)
     if dist_init_required is False or (launch.world_size == 1 and launch.source == "none"):
@@ -111,7 +170,7 @@ def init_distributed(
                 "and could not be derived; export MASTER_ADDR (and MASTER_PORT)"
             )
         os.environ.setdefault("MASTER_ADDR", launch.master_addr or "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", launch.master_port or DEFAULT_MASTER_PORT)
+        os.environ.setdefault("MASTER_PORT", launch.master_port or str(distributed_port))
         os.environ.setdefault("RANK", str(launch.rank))
         os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
@@ -126,6 +185,7 @@ def init_distributed(
         world_size=launch.world_size,
         **kwargs,
     )
-    if launch.rank == 0:
+    _remember_created_group()
+    if verbose and launch.rank == 0:
         logger.info("initialized %s process group: world %d (from %s)", backend, launch.world_size, launch.source)
     return launch

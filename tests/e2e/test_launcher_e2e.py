@@ -51,7 +51,7 @@ dist.destroy_process_group()
 # Rank 0 records its pid and then would sleep far past the test's patience; rank 1 fails once it has.
 FAILING_SCRIPT = """
 import os, sys, time
-out_dir = sys.argv[1]
+out_dir = sys.argv[-1]  # after the launcher's --local_rank=N
 if os.environ["RANK"] == "1":
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(out_dir, "sleeper.pid")) and time.monotonic() < deadline:
@@ -125,7 +125,16 @@ def test_single_node_two_procs_all_reduce_and_forward_args(tmp_path: Path) -> No
     for result in results:
         assert result["world_size"] == 2
         assert result["sum"] == 1.0 + 2.0
-        assert result["argv"] == ["--out", str(out_dir), "--foo", "bar", "--num_procs", "5"]
+        # DeepSpeed's convention: --local_rank=N first, then the script's own arguments untouched
+        assert result["argv"] == [
+            f"--local_rank={result['local_rank']}",
+            "--out",
+            str(out_dir),
+            "--foo",
+            "bar",
+            "--num_procs",
+            "5",
+        ]
 
 
 def _install_stub_ssh(tmp_path: Path) -> tuple[Path, Path]:
@@ -185,6 +194,8 @@ def test_two_nodes_over_stub_ssh(tmp_path: Path) -> None:
             "--master_addr=localhost",
             *[word for word in launch if word.startswith("--master_port=")],
             "--max_restarts=0",
+            *[word for word in launch if word.endswith("/rank_exec.py")],
+            "--script",
             "worker.py",
             "--out",
             str(out_dir),
@@ -198,7 +209,7 @@ def test_two_nodes_over_stub_ssh(tmp_path: Path) -> None:
         assert result["local_rank"] == 0
         assert result["node_ranks"] == ["0", "1"]
         assert result["sum"] == 3.0
-        assert result["argv"] == ["--out", str(out_dir), *hostile]
+        assert result["argv"] == ["--local_rank=0", "--out", str(out_dir), *hostile]
         assert result["cwd"] == str(tmp_path)
     assert not list(tmp_path.glob("INJECTED*"))
 

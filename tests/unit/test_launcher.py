@@ -29,6 +29,7 @@ from shardspeed.launcher.subcommands import (
 
 PY = sys.executable
 REMOTE_NODE = str(Path(cli.__file__).resolve().parent / "remote_node.py")
+RANK_EXEC = str(Path(cli.__file__).resolve().parent / "rank_exec.py")
 
 
 # ---------------------------------------------------------------------------------------------- hostfile
@@ -230,6 +231,8 @@ def test_single_node_cpu_command(in_tmp: Path) -> None:
         "--master_addr=127.0.0.1",
         "--master_port=1234",
         "--max_restarts=0",
+        RANK_EXEC,  # each rank: python -u train.py --local_rank=N ..., as DeepSpeed's launcher runs it
+        "--script",
         "train.py",
         "--foo",
         "bar baz",
@@ -340,6 +343,8 @@ def test_multi_node_ssh_commands_are_quoted_argv(in_tmp: Path) -> None:
             "--master_addr=node-a",
             "--master_port=4321",
             "--max_restarts=0",
+            RANK_EXEC,
+            "--script",
             "train.py",
             *hostile,
         ]
@@ -378,7 +383,7 @@ def test_pdsh_launcher_commands(in_tmp: Path) -> None:
     ]
     words = shlex.split(plan.commands[1].argv[6])
     assert words[5:9] == [PY, "-u", "-m", "torch.distributed.run"]
-    assert words[-3:] == ["--max_restarts=0", "train.py", "--x"]
+    assert words[-5:] == ["--max_restarts=0", RANK_EXEC, "--script", "train.py", "--x"]
     forced_ssh = _plan(["-H", hostfile, "--launcher", "ssh", "train.py"], which=lambda name: f"/usr/bin/{name}")
     assert forced_ssh.commands[0].argv[0] == "ssh"
 
@@ -502,10 +507,9 @@ def test_subcommand_name_not_first_is_a_script(
     assert probe == []
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("./unit-probe arg")
-    assert out[1].endswith("--max_restarts=0 unit-probe arg")
-    assert out[2].endswith(
-        "--nproc_per_node=1 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 unit-probe arg"
-    )
+    assert out[1].endswith("rank_exec.py --script unit-probe arg")
+    assert "--nproc_per_node=1 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 " in out[2]
+    assert out[2].endswith("rank_exec.py --script unit-probe arg")
 
 
 def test_help_subcommand(probe: list[list[str]], capsys: pytest.CaptureFixture[str]) -> None:
@@ -633,5 +637,6 @@ def test_cli_module_runs_as_script(in_tmp: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(
-        "--nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 train.py --a"
+        f"--nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29500 --max_restarts=0 "
+        f"{RANK_EXEC} --script train.py --a"
     )

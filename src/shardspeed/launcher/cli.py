@@ -15,11 +15,15 @@ any launcher option in front.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 
 from shardspeed.config.errors import did_you_mean
+from shardspeed.launcher.deepspeed_flags import OTHER_LAUNCHERS
 from shardspeed.launcher.errors import LauncherError, MissingScriptError
 from shardspeed.launcher.multinode import LAUNCHER_CHOICES
 from shardspeed.launcher.plan import DEFAULT_HOSTFILE, plan_launch
@@ -32,8 +36,9 @@ PROGRAM = "shardspeed"
 # Launcher options that take a value: needed to find where the script starts before argparse runs (argparse
 # alone cannot tell "--foo" meant for the script from a launcher option). build_parser uses the same table.
 _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
-    ("--num_gpus",): {
+    ("--num_gpus", "--num_accelerators"): {
         "type": int,
+        "dest": "num_gpus",
         "help": "processes (GPUs) per node; default: all CUDA devices, or 1 on CPU",
     },
     ("--num_procs",): {"type": int, "help": "same as --num_gpus, spelled for CPU jobs (no device check)"},
@@ -51,14 +56,35 @@ _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
     },
     ("--node_rank",): {"type": int, "help": "start only this node's share (each node started by hand)"},
     ("--launcher",): {
-        "choices": LAUNCHER_CHOICES,
+        "choices": [*LAUNCHER_CHOICES, *OTHER_LAUNCHERS],
+        "type": str.lower,
         "default": "auto",
-        "help": "remote shell: auto = pdsh if found",
+        "help": "remote shell: auto = pdsh if found (DeepSpeed's MPI/SLURM launchers are refused with the reason)",
     },
+    ("--launcher_args",): {"default": "", "help": "extra words for ssh/pdsh (one quoted argument, split like a shell)"},
+    ("--ssh_port",): {"type": int, "help": "ssh port of the remote nodes (default: ssh's own, normally 22)"},
+    ("--venv_script",): {"help": "script sourced on each remote node before starting (e.g. a venv's bin/activate)"},
+    ("--enable_each_rank_log",): {"help": "write each rank's stdout+stderr to DIR/<timestamp>_rank<RANK>.log"},
+    ("--bind_core_list",): {
+        "help": "cores to divide among a node's ranks, e.g. 0-15,32-47 (with --bind_cores_to_rank)"
+    },
+    ("--autotuning",): {"help": "refused: autotuning is not implemented yet"},
+    ("--min_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
+    ("--max_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
+    ("--comment",): {"help": "refused: only meaningful for DeepSpeed's SLURM launcher"},
+    ("--account",): {"help": "refused: only meaningful for DeepSpeed's SLURM launcher"},
 }
 _FLAG_OPTIONS: dict[tuple[str, ...], str] = {
     ("--force_multi",): "use ssh/pdsh even for a single host",
     ("--dry_run",): "print the commands that would run, and exit",
+    ("--module",): "run the script as a module (python -m SCRIPT)",
+    ("--no_python",): "run the script as an executable (no python in front)",
+    ("--no_local_rank",): "do not pass --local_rank=N to the script (it is always in the LOCAL_RANK variable)",
+    ("--bind_cores_to_rank",): "pin each rank to its share of the node's cores; OMP_NUM_THREADS = that share",
+    ("--save_pid",): "write the launcher's pid to <tmpdir>/<pid>.deepspeed while the job runs",
+    ("--no_ssh",): "start only this node (needs --node_rank), like --node_rank alone",
+    ("--no_ssh_check",): "accepted for DeepSpeed compatibility (no ssh pre-check is made)",
+    ("--elastic_training",): "refused: elastic training is not implemented yet",
 }
 
 
@@ -110,11 +136,26 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], str | None, list[
     return launcher_words, argv[script_index], list(argv[script_index + 1 :])
 
 
+def _glue_values(words: list[str]) -> list[str]:
+    """``--opt VALUE`` → ``--opt=VALUE`` for long value options, so a value starting with "-" (``--launcher_args
+    "-o X"``, as DeepSpeed's docs write it) is read as the value, not as an unknown option."""
+    long_value_flags = {flag for flags in _VALUE_OPTIONS for flag in flags if flag.startswith("--")}
+    glued, index = [], 0
+    while index < len(words):
+        if words[index] in long_value_flags and index + 1 < len(words):
+            glued.append(f"{words[index]}={words[index + 1]}")
+            index += 2
+        else:
+            glued.append(words[index])
+            index += 1
+    return glued
+
+
 def parse_launch_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a launch command line; ``options.script`` / ``options.script_args`` hold the split-off script."""
     parser = build_parser()
     launcher_words, script, script_args = split_script_args(argv)
-    options = parser.parse_args(launcher_words)
+    options = parser.parse_args(_glue_values(launcher_words))
     if script is None:
         parser.error("missing the training script (shardspeed [launcher options] script.py [script args...])")
     options.script = script
@@ -157,7 +198,32 @@ def _launch(argv: list[str]) -> int:
         )
     if options.dry_run:
         return 0
-    return run_commands(plan.commands)
+    if not options.save_pid:
+        return run_commands(plan.commands)
+    try:
+        with pid_file(os.getpid()) as path:
+            print(f"[{PROGRAM}] launcher pid {os.getpid()} written to {path}", file=sys.stderr)
+            return run_commands(plan.commands)
+    except LauncherError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+
+
+@contextlib.contextmanager
+def pid_file(pid: int, directory: str | None = None) -> Iterator[str]:
+    """DeepSpeed's ``--save_pid``: ``<tmpdir>/<pid>.deepspeed`` holds the launcher's pid while the job runs, so a
+    program that started the launcher can find (and signal: SIGTERM stops the whole job) the process to stop.
+    The file is removed when the launch returns."""
+    path = os.path.join(directory or tempfile.gettempdir(), f"{pid}.deepspeed")
+    if os.path.exists(path):
+        raise LauncherError(f"--save_pid: {path} already exists (another launcher with this pid?)")
+    with open(path, "w") as handle:
+        handle.write(str(pid))
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def main(argv: list[str] | None = None) -> int:

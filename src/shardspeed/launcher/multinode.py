@@ -16,6 +16,10 @@ The remote python is the launcher's own ``sys.executable`` and ``remote_node.py`
 installation's path: like DeepSpeed, we assume the same environment is installed at the same path on every
 node.
 
+DeepSpeed's ``--launcher_args`` (extra words for ssh/pdsh, split like a shell), ``--ssh_port`` (ssh ``-p``; under
+pdsh through ``PDSH_SSH_ARGS_APPEND``, as DeepSpeed does) and ``--venv_script`` (sourced by the remote shell before
+the ``exec``) arrive as one ``RemoteShell``.
+
 Why ``remote_node`` under ssh: killing a local ssh client does not stop what it started remotely (without a
 tty nothing signals the remote side). ``remote_node`` runs torchrun and stops it when its stdin — the ssh
 connection, which the launcher holds open — reaches EOF, so a failure elsewhere or Ctrl-C stops every node.
@@ -24,11 +28,13 @@ pdsh does not forward stdin, so under pdsh torchrun is run directly and remote c
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardspeed.launcher.errors import LauncherError
@@ -43,6 +49,25 @@ REMOTE_NODE_SCRIPT = str(Path(__file__).resolve().with_name("remote_node.py"))
 LAUNCHER_CHOICES = ("auto", "ssh", "pdsh")
 # BatchMode: fail instead of prompting for a password, which several nodes at once cannot answer.
 SSH_OPTIONS = ("-o", "BatchMode=yes")
+
+
+@dataclass(frozen=True)
+class RemoteShell:
+    """How the remote shell is reached and prepared: extra ssh/pdsh words, ssh port, a script to source."""
+
+    extra_args: list[str] = field(default_factory=list)
+    ssh_port: int | None = None
+    venv_script: str | None = None
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> RemoteShell:
+        try:
+            extra = shlex.split(options.launcher_args or "")
+        except ValueError as error:
+            raise LauncherError(f"--launcher_args {options.launcher_args!r}: {error}") from None
+        if options.ssh_port is not None and not 1 <= options.ssh_port <= 65535:
+            raise LauncherError(f"--ssh_port {options.ssh_port}: must be a TCP port in 1..65535")
+        return cls(extra_args=extra, ssh_port=options.ssh_port, venv_script=options.venv_script or None)
 
 
 def exported_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -65,10 +90,12 @@ def choose_launcher(requested: str, which: Callable[[str], str | None] = shutil.
     return requested
 
 
-def remote_shell_command(cwd: str, env: Mapping[str, str], argv: Sequence[str]) -> str:
-    """One shell string: cd into ``cwd``, then exec ``argv`` with ``env`` added; every word shell-quoted."""
+def remote_shell_command(cwd: str, env: Mapping[str, str], argv: Sequence[str], source: str | None = None) -> str:
+    """One shell string: cd into ``cwd``, source ``source`` if given, then exec ``argv`` with ``env`` added; every
+    word shell-quoted."""
     env_words = [f"{name}={value}" for name, value in env.items()]
-    return f"cd {shlex.quote(cwd)} && exec {shlex.join(['env', *env_words, *argv])}"
+    prepare = f" && . {shlex.quote(source)}" if source else ""
+    return f"cd {shlex.quote(cwd)}{prepare} && exec {shlex.join(['env', *env_words, *argv])}"
 
 
 def node_commands(
@@ -83,12 +110,14 @@ def node_commands(
     environ: Mapping[str, str] | None = None,
     cwd: str | None = None,
     python: str = sys.executable,
+    remote: RemoteShell | None = None,
 ) -> list[LaunchCommand]:
     """The local commands (ssh/pdsh invocations) that start node ``i`` of the job on host ``i`` of ``pool``.
 
     ``set_visible_devices`` passes each host its selected slots as CUDA_VISIBLE_DEVICES (used when
     ``--include``/``--exclude`` picked specific devices).
     """
+    remote = RemoteShell() if remote is None else remote
     base_env = exported_env(os.environ if environ is None else environ)
     work_dir = os.getcwd() if cwd is None else cwd
     commands = []
@@ -105,17 +134,25 @@ def node_commands(
             script=script,
             script_args=script_args,
         )
+        env_overrides: dict[str, str] = {}
         if launcher == "ssh":
             remote_argv = [python, "-u", REMOTE_NODE_SCRIPT, *arguments]
-            remote = remote_shell_command(work_dir, env, remote_argv)
-            local_argv = ["ssh", *SSH_OPTIONS, unbracketed(host), remote]
+            shell = remote_shell_command(work_dir, env, remote_argv, remote.venv_script)
+            port = ["-p", str(remote.ssh_port)] if remote.ssh_port is not None else []
+            local_argv = ["ssh", *SSH_OPTIONS, *port, *remote.extra_args, unbracketed(host), shell]
         elif launcher == "pdsh":
             remote_argv = [python, "-u", "-m", TORCHRUN_MODULE, *arguments]
-            remote = remote_shell_command(work_dir, env, remote_argv)
+            shell = remote_shell_command(work_dir, env, remote_argv, remote.venv_script)
             # One pdsh per host (not one fan-out call) because each node needs its own node rank, process
             # count and device list; -S returns the remote exit status, -R ssh avoids pdsh's rsh default.
-            local_argv = ["pdsh", "-S", "-R", "ssh", "-w", unbracketed(host), remote]
+            local_argv = ["pdsh", "-S", "-R", "ssh", *remote.extra_args, "-w", unbracketed(host), shell]
+            if remote.ssh_port is not None:  # pdsh's ssh module appends this to every ssh it runs
+                env_overrides["PDSH_SSH_ARGS_APPEND"] = f"-p {remote.ssh_port}"
         else:
             raise LauncherError(f"--launcher {launcher!r}: expected ssh or pdsh for a multi-node launch")
-        commands.append(LaunchCommand(name=f"node {node_rank} ({host})", argv=local_argv, hold_stdin=True))
+        commands.append(
+            LaunchCommand(
+                name=f"node {node_rank} ({host})", argv=local_argv, env_overrides=env_overrides, hold_stdin=True
+            )
+        )
     return commands

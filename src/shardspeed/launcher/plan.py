@@ -8,6 +8,10 @@ Modes, decided in this order:
   torchrun with ``--nnodes 1`` — like DeepSpeed, a single host is assumed to be this machine.
 - several hosts: one torchrun per host over ssh/pdsh (see ``multinode.py``).
 
+Per rank, torchrun runs ``rank_exec.py`` (``deepspeed_flags.rank_program``), which execs the script as DeepSpeed's
+launcher would: ``python -u SCRIPT --local_rank=N ARGS`` by default. DeepSpeed's other runner flags are checked
+first (``deepspeed_flags.check_refused``): refused ones stop the launch before anything starts.
+
 Processes per node: the hostfile's slots (capped by ``--num_gpus``/``--num_procs``); without a hostfile,
 ``--num_procs N`` (N processes, no device check), ``--num_gpus N`` (≤ CUDA devices when there are any), or by
 default one per CUDA device — and one process, with a note, on a machine without CUDA.
@@ -21,9 +25,10 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from shardspeed.launcher.deepspeed_flags import RankOptions, check_refused, rank_options, rank_program
 from shardspeed.launcher.errors import LauncherError, MissingScriptError
 from shardspeed.launcher.hostfile import read_hostfile, unbracketed
-from shardspeed.launcher.multinode import choose_launcher, node_commands
+from shardspeed.launcher.multinode import RemoteShell, choose_launcher, node_commands
 from shardspeed.launcher.processes import LaunchCommand
 from shardspeed.launcher.resources import ResourcePool, pool_from_slot_counts, select_resources
 from shardspeed.launcher.torchrun import torchrun_args, torchrun_command
@@ -128,22 +133,28 @@ def _local_placement(options: argparse.Namespace, active: ResourcePool, from_hos
 
 def _local_command(
     options: argparse.Namespace,
+    rank: RankOptions,
     placement: _LocalPlacement,
     slots: list[int],
     filtered: bool,
     environ: Mapping[str, str],
     notes: list[str],
 ) -> LaunchCommand:
-    if not os.path.exists(options.script):
+    # --module / --no_python name a module or an executable on PATH, not necessarily a file here.
+    if not (rank.module or rank.no_python) and not os.path.exists(options.script):
         raise MissingScriptError(f"training script {options.script!r} not found (cwd: {os.getcwd()})")
+    for flag in ("launcher_args", "ssh_port", "venv_script"):
+        if getattr(options, flag) not in (None, ""):
+            notes.append(f"--{flag} applies to remote nodes started over ssh/pdsh; ignored for this local launch")
+    program, program_args = rank_program(rank, options.script, options.script_args)
     arguments = torchrun_args(
         nnodes=placement.nnodes,
         node_rank=placement.node_rank,
         nproc_per_node=len(slots),
         master_addr=placement.master_addr,
         master_port=options.master_port,
-        script=options.script,
-        script_args=options.script_args,
+        script=program,
+        script_args=program_args,
     )
     return LaunchCommand(
         name=f"node {placement.node_rank} ({placement.host})",
@@ -166,7 +177,9 @@ def plan_launch(
     CUDA, the filesystem, PATH), injectable so that planning is testable on any machine.
     """
     environ = os.environ if environ is None else environ
+    check_refused(options)
     _check_numbers(options)
+    rank = rank_options(options)
     notes: list[str] = []
     procs, _ = _procs_per_node(options)
     hostfile = _resolve_hostfile(options, default_hostfile)
@@ -188,17 +201,19 @@ def plan_launch(
 
     if options.node_rank is not None or (len(active) == 1 and not options.force_multi):
         placement = _local_placement(options, active, from_hostfile=hostfile is not None)
-        command = _local_command(options, placement, active[placement.host], filtered, environ, notes)
+        command = _local_command(options, rank, placement, active[placement.host], filtered, environ, notes)
         return LaunchPlan(commands=[command], resources=active, notes=notes)
 
+    program, program_args = rank_program(rank, options.script, options.script_args)
     commands = node_commands(
         active,
         launcher=choose_launcher(options.launcher, which),
         master_addr=options.master_addr or unbracketed(next(iter(active))),
         master_port=options.master_port,
-        script=options.script,
-        script_args=options.script_args,
+        script=program,
+        script_args=program_args,
         set_visible_devices=filtered,
         environ=environ,
+        remote=RemoteShell.from_options(options),
     )
     return LaunchPlan(commands=commands, resources=active, notes=notes)

@@ -1,5 +1,6 @@
-"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32`` and the
-ZeRO-3 leaf-module flags (``set_z3_leaf_modules``…).
+"""Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32``,
+``logger`` / ``log_dist``, ``RepeatingLoader``, ``set_random_seed`` and the ZeRO-3 leaf-module flags
+(``set_z3_leaf_modules``…).
 
 Imported lazily, so ``import shardspeed.utils`` does not load torch until one of them is used.
 """
@@ -25,6 +26,10 @@ _EXPORTS = {
             "z3_leaf_parameter",
         )
     },
+    "logger": "shardspeed.utils.logging",
+    "log_dist": "shardspeed.utils.logging",
+    "RepeatingLoader": "shardspeed.data",
+    "set_random_seed": "shardspeed.runtime.utils",
 }
 
 __all__ = list(_EXPORTS)

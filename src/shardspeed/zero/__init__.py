@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.config import ZeroConfig
+from shardspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # DeepSpeed's zero.TiledLinear
 from shardspeed.zero.api import GatheredParameters, Init, apply, full_numel, full_shape, register_external_parameter
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_sync import CommContext
@@ -61,6 +62,8 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ModelStates",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "apply",
     "build_model_states",
     "full_numel",
