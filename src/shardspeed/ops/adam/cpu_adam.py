@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.ops.adam.update import adam_group_step
+from shardspeed.ops.adam.update import adam_group_step, check_adam_args
 
 
 class DeepSpeedCPUAdam(torch.optim.Optimizer):
@@ -32,12 +32,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("DeepSpeedCPUAdam does not support the AMSGrad variant (as in DeepSpeed)")
-        if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"DeepSpeedCPUAdam: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"DeepSpeedCPUAdam: betas must each be in [0, 1), got {betas}")
+        check_adam_args("DeepSpeedCPUAdam", lr, eps, weight_decay, betas, amsgrad)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.ops.adam.update import adam_group_step
+from shardspeed.ops.adam.update import adam_group_step, check_adam_args
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -30,14 +30,7 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         set_grad_none: bool = True,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError(
-                "FusedAdam does not support the AMSGrad variant (as in DeepSpeed); use torch.optim.AdamW"
-            )
-        if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"FusedAdam: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"FusedAdam: betas must each be in [0, 1), got {betas}")
+        check_adam_args("FusedAdam", lr, eps, weight_decay, betas, amsgrad)
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

@@ -19,6 +19,18 @@ import torch
 from shardspeed.offload.cpu_adam import cpu_adamw_step
 
 
+def check_adam_args(
+    name: str, lr: float, eps: float, weight_decay: float, betas: tuple[float, float], amsgrad: bool
+) -> None:
+    """The argument checks DeepSpeed's Adam classes make, with the class named in each error."""
+    if amsgrad:
+        raise RuntimeError(f"{name} does not support the AMSGrad variant (as in DeepSpeed); use torch.optim.AdamW")
+    if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
+        raise ValueError(f"{name}: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{name}: betas must each be in [0, 1), got {betas}")
+
+
 def init_state(state: dict[str, Any], param: torch.Tensor, state_dtype: torch.dtype) -> None:
     """DeepSpeed's state keys: ``step`` and the two moments ``exp_avg`` / ``exp_avg_sq``."""
     state["step"] = 0
