@@ -108,7 +108,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self.optimizer = (
             None if optimizer is None and config.optimizer is None else self._build_optimizer(optimizer, groups)
         )
-        if self.optimizer is not None and hasattr(self.states, "bind_optimizer"):
+        if self.optimizer is not None:
             # Stages 0-2: buckets are re-laid out from the first backward's arrival order (zero/arrival_order.py).
             self.states.bind_optimizer(self.optimizer, groups)
         self.lr_scheduler = build_scheduler(
@@ -352,7 +352,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             except BaseException as err:
                 reducer.abort_backward()
                 # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
-                explained = getattr(self.states, "explain_backward_error", lambda e, _: e)(err, loss)
+                explained = self.states.explain_backward_error(err, loss)
                 if explained is err:
                     raise
                 raise explained from err
@@ -375,7 +375,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
                 "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
                 "Ranks would step on different gradients and diverge."
             )
-        getattr(self.states, "verify_unit_order", lambda: None)()  # ZeRO-3's deferred unit-id checks
+        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0

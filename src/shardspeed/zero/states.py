@@ -56,6 +56,19 @@ class ModelStates(Protocol):
         """Every persistent buffer this stage allocated, by role (for memory accounting)."""
         ...
 
+    def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
+        """The engine's optimizer exists (stages 0-2 re-lay their buckets out from the first backward)."""
+        ...
+
+    def verify_unit_order(self) -> None:
+        """The step boundary: raise if ranks ran different ZeRO-3 units (stage 3 reads its deferred checks)."""
+        ...
+
+    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
+        """A clearer error for ``error`` raised by autograd in backward when the stage knows its cause, else
+        ``error`` itself (stage 3: parameters read as empty placeholders outside forward)."""
+        ...
+
 
 class FlatLayoutStates:
     """Shared by the stages whose states follow one ShardLayout (0, 1, 2), including the re-layout from the first
@@ -71,6 +84,12 @@ class FlatLayoutStates:
         """Rebuild every layout-dependent buffer for ``layout``, moving parameter values, gradients, fp32 masters
         and the optimizer's states (present when a checkpoint was loaded before the first backward)."""
         raise NotImplementedError
+
+    def verify_unit_order(self) -> None:
+        """Nothing to verify: stages 0-2 have no units."""
+
+    def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
+        return error
 
     def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
         """The engine's optimizer exists: plan the layout from the first backward. A torch optimizer's tensors are

@@ -354,6 +354,9 @@ class Stage3States:
         explained = explain_placeholder(error, loss, names)
         return error if explained is None else explained
 
+    def bind_optimizer(self, optimizer: Any, groups: list[dict[str, Any]]) -> None:
+        """Nothing to re-lay out: units follow the model's modules, not gradient arrival order."""
+
     def verify_unit_order(self) -> None:
         """The step boundary: read the queued unit-id checks of this step (one host read; see id_check.py)."""
         self.id_check.verify()
