@@ -211,13 +211,6 @@ def _plan(argv: list[str], **kwargs: object):  # -> LaunchPlan
     return plan_launch(cli.parse_launch_args(argv), **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("")
-    return tmp_path
-
-
 def test_single_node_cpu_command(in_tmp: Path) -> None:
     plan = _plan(["--num_procs", "3", "--master_port", "1234", "train.py", "--foo", "bar baz", "--num_procs", "9"])
     [command] = plan.commands

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_launcher import _plan  # the launcher tests' plan helper
 
 from shardspeed.launcher import cli
 from shardspeed.launcher.deepspeed_flags import RANK_EXEC_SCRIPT, rank_options
 from shardspeed.launcher.errors import LauncherError
-from shardspeed.launcher.plan import plan_launch
 from shardspeed.launcher.rank_exec import (
     RankExecError,
     build_command,
@@ -72,20 +72,6 @@ def test_every_deepspeed_runner_flag_is_recognized(flag: str) -> None:
 
 def test_num_accelerators_is_num_gpus() -> None:
     assert cli.parse_launch_args(["--num_accelerators", "3", "t.py"]).num_gpus == 3
-
-
-def _plan(argv: list[str], **kwargs: object):  # -> LaunchPlan
-    kwargs.setdefault("environ", {})
-    kwargs.setdefault("device_count", lambda: 0)
-    kwargs.setdefault("default_hostfile", "/nonexistent/hostfile")
-    return plan_launch(cli.parse_launch_args(argv), **kwargs)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("")
-    return tmp_path
 
 
 def _rank_words(argv: list[str]) -> list[str]:
