@@ -27,7 +27,7 @@ from shardspeed.data import build_dataloader
 from shardspeed.log import configure_logger
 from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.optim.build import state_bytes_per_element
+from shardspeed.optim.build import prefer_client_optimizer, state_bytes_per_element
 from shardspeed.optim.lamb import Lamb
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
@@ -215,11 +215,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def _build_optimizer(self, user_optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups."""
         cfg = self.config.optimizer
+        cfg = cfg if cfg is None or prefer_client_optimizer(cfg.type, user_optimizer) else None
         masters_access = self._hand_masters_to_optimizer()
         stepped = self.states.optimizer_groups(groups)
         if isinstance(user_optimizer, torch.optim.Optimizer):
-            if cfg is not None:
-                raise ValueError("pass either an optimizer to initialize() or an 'optimizer' section in the config")
             swapped = any(a["params"] is not b["params"] for a, b in zip(groups, stepped))
             if swapped and user_optimizer.state:
                 raise ValueError("pass a fresh optimizer: it already has state for parameters shardspeed re-homes")

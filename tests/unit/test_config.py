@@ -401,15 +401,6 @@ def test_implemented_stages_constant_is_read_at_validation_time(monkeypatch: pyt
     assert load({"zero_optimization": {"stage": 3, "overlap_comm": False}}).zero_optimization.overlap_comm is False
 
 
-@pytest.mark.parametrize(
-    ("section", "device"),
-    [("offload_param", "cpu"), ("offload_param", "nvme")],
-)
-def test_param_offload_needs_stage_3(section: str, device: str) -> None:
-    message = error_of({**MICRO1, "zero_optimization": {section: {"device": device, "pin_memory": True}}})
-    assert message.startswith(f'"zero_optimization.{section}" with device "{device}" needs ZeRO stage 3'), message
-
-
 def test_param_offload_nvme_needs_a_path() -> None:
     message = error_of({**MICRO1, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert '"zero_optimization.offload_param" with device "nvme" needs "nvme_path"' in message, message

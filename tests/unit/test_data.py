@@ -324,11 +324,28 @@ def test_an_error_in_the_dataset_reaches_the_consumer() -> None:
     assert loader.state_dict()["samples_consumed_in_epoch"] == 4
 
 
-def test_a_dataset_smaller_than_one_global_batch_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"10 samples, fewer than one global batch.*= 16"):
-        build_dataloader(
-            IndexDataset(10), micro_batch_size=4, gradient_accumulation_steps=2, dp_rank=0, dp_world_size=2
+def test_a_dataset_smaller_than_one_global_batch_is_padded_to_one() -> None:
+    """DeepSpeed runs a dataset smaller than one global batch (its sampler pads by repeating samples); so do we:
+    one global batch per epoch, the order cycled, every rank the same number of full micro-batches."""
+    got = {}
+    for rank in (0, 1):
+        loader = build_dataloader(
+            IndexDataset(10),
+            micro_batch_size=4,
+            gradient_accumulation_steps=2,
+            dp_rank=rank,
+            dp_world_size=2,
+            shuffle=False,
         )
+        assert len(loader) == 2
+        got[rank] = [batch.flatten().tolist() for batch in loader]
+    assert got[0] == [[0, 1, 2, 3], [8, 9, 0, 1]]
+    assert got[1] == [[4, 5, 6, 7], [2, 3, 4, 5]]
+
+
+def test_an_empty_dataset_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"the dataset is empty \(0 samples\)"):
+        build_dataloader(IndexDataset(0), micro_batch_size=4, gradient_accumulation_steps=2, dp_rank=0, dp_world_size=2)
 
 
 @pytest.mark.parametrize(

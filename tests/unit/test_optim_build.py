@@ -151,12 +151,6 @@ def test_user_callable_returning_non_optimizer() -> None:
         build_optimizer(None, None, _params([1.0]), user_optimizer=lambda params: "not an optimizer")
 
 
-def test_config_and_user_optimizer_together_is_refused() -> None:
-    params = _params([1.0])
-    with pytest.raises(ConfigError, match=r"optimizer\.type.*Adam.*also passed"):
-        build_optimizer("Adam", {}, params, user_optimizer=torch.optim.SGD(params, lr=0.1))
-
-
 def test_no_optimizer_at_all() -> None:
     with pytest.raises(ValueError, match="no optimizer"):
         build_optimizer(None, None, _params([1.0]))
@@ -352,7 +346,7 @@ def test_validate_normalizes_and_is_idempotent() -> None:
         ("Adam", {"amsgrad": "yes"}, r"optimizer\.params\.amsgrad must be true or false, got 'yes'"),
         ("Adam", {"max_grad_norm": 1.0}, r"optimizer\.params\.max_grad_norm.*gradient_clipping"),
         ("AdamW", {"adam_w_mode": False}, r"adam_w_mode=false contradicts type \"AdamW\""),
-        ("Adam", {"bias_correction": False}, r"bias_correction=false is not supported"),
+        ("Adam", {"bias_correction": False, "amsgrad": True}, r"bias_correction=false .*FusedAdam.*params\.amsgrad"),
         ("Adam", {"decoupled_weight_decay": True}, r"adam_w_mode"),
         ("Lamb", {"amsgrad": True}, r"optimizer\.params\.amsgrad=true is not supported"),
         ("Lamb", {"min_coeff": 5.0, "max_coeff": 1.0}, r"min_coeff .* must be <="),

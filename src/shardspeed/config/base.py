@@ -92,3 +92,7 @@ class ConfigModel(BaseModel):
 
     INTERNAL_FIELDS: ClassVar[frozenset[str]] = frozenset()
     """Fields filled in by ``load_config``, never read from the user's config."""
+
+    BOOL_MEANS: ClassVar[Mapping[bool, Mapping[str, Any]]] = {}
+    """Where DeepSpeed accepts a bare bool for this whole section: the section it stands for
+    (``"zero_optimization": true`` is ``{"stage": 1}``). Empty: a bool is an error like any non-object."""

@@ -30,6 +30,7 @@ from .effects import check_field_effects
 from .errors import ConfigError
 from .normalize import normalize
 from .root import ShardSpeedConfig
+from .zero import without_inert_offload_param
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
 
@@ -58,6 +59,9 @@ def load_config(config: ConfigSource, *, dp_world_size: int) -> ShardSpeedConfig
         parsed = ShardSpeedConfig.model_validate(data)
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error, normalized.spellings)) from None
+    zero, offload_note = without_inert_offload_param(parsed.zero_optimization)
+    if offload_note is not None:
+        parsed = parsed.model_copy(update={"zero_optimization": zero, "warnings": [*parsed.warnings, offload_note]})
     warnings, problems = check_field_effects(parsed)
     if problems:
         raise ConfigError(problems_message(problems))

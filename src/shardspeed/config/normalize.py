@@ -3,6 +3,7 @@
 Walks the user's dict alongside the typed sections and, with full key paths in every message:
 - rejects unknown keys, suggesting the nearest valid one;
 - folds alias spellings (``bfloat16``, ``stage3_*``) into the canonical key, rejecting conflicting pairs;
+- expands a bare bool where a section declares ``BOOL_MEANS`` (``"zero_optimization": true`` -> stage 1);
 - resolves ``"auto"`` (the HF Trainer's placeholder) where a section allows it, rejects it elsewhere;
 - drops DeepSpeed keys listed in ``keys.py``: ignored ones with a warning, unsupported ones with an error
   unless the value switches the feature off.
@@ -123,6 +124,8 @@ def _field_value(
     if section is not None:
         if value is None:  # an explicit null section: absent (or None where the field allows it)
             return None if optional else _DROP
+        if isinstance(value, bool) and section.BOOL_MEANS:  # DeepSpeed's legacy bare-bool section
+            value = dict(section.BOOL_MEANS[value])
         if not isinstance(value, Mapping):
             problems.append(f"{user_path}: expected an object (a JSON dict), got {show(value)}")
             return _DROP

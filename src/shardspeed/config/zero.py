@@ -4,7 +4,9 @@ All keys are accepted so real configs parse, but a config may only *use* what sh
 - ``stage`` must be in ``IMPLEMENTED_ZERO_STAGES`` (a stage we don't have is an error, never a silent
   fallback to stage 0, which would use several times the memory the user planned for);
 - offload_optimizer devices must be in ``offload.IMPLEMENTED_OFFLOAD_DEVICES`` (stage ≥ 1; nvme needs a path);
-  offload_param devices likewise, stage 3 only (bf16/fp16 is checked by the engine, see zero/stage3/param_offload.py);
+  offload_param devices likewise at stage 3 (bf16/fp16 is checked by the engine, see zero/stage3/param_offload.py);
+  below stage 3 offload_param has no effect in DeepSpeed (DeepSpeed-Chat writes it for every stage), so it is
+  dropped with one warning (``without_inert_offload_param``), never an error;
 - the keys in ``ZeroConfig.NOT_YET_SUPPORTED`` (ZeRO++, MiCS, ZenFlow: they change the numbers that are
   communicated or when updates are applied) must stay at their "off" values.
 What every other key does (acts, warns once when set, or is refused) is declared in ``effects.py``.
@@ -35,6 +37,8 @@ class ZeroConfig(Stage3Options):
     """``zero_optimization``: ZeRO memory partitioning (stage 0 = plain data parallelism)."""
 
     KEY_ALIASES: ClassVar[Mapping[str, str]] = STAGE3_ALIASES
+    BOOL_MEANS: ClassVar[Mapping[bool, Mapping[str, Any]]] = {True: {"stage": 1}, False: {"stage": 0}}
+    """DeepSpeed's legacy ``"zero_optimization": true`` (stage 1) / ``false`` (stage 0)."""
     AUTO_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset(
         {
             "reduce_bucket_size",
@@ -190,12 +194,8 @@ class ZeroConfig(Stage3Options):
 
     @model_validator(mode="after")
     def _only_implemented_features(self) -> ZeroConfig:
-        _check_offload(
-            "offload_param",
-            self.offload_param,
-            stage_ok=self.stage == 3,
-            stage_need="needs ZeRO stage 3 (only stage 3 shards the parameters); set zero_optimization.stage to 3",
-        )
+        if self.stage == 3:  # below stage 3 DeepSpeed ignores the section: see without_inert_offload_param
+            _check_offload("offload_param", self.offload_param, stage_ok=True, stage_need="")
         _check_offload(
             "offload_optimizer",
             self.offload_optimizer,
@@ -228,6 +228,21 @@ class ZeroConfig(Stage3Options):
         return any(
             section is not None and section.device == "nvme" for section in (self.offload_optimizer, self.offload_param)
         )
+
+
+def without_inert_offload_param(zero: ZeroConfig) -> tuple[ZeroConfig, str | None]:
+    """``zero`` without an ``offload_param`` section that cannot act (stage < 3), plus the warning to log once.
+
+    Why drop rather than refuse: DeepSpeed only reads offload_param at stage 3 and ignores it elsewhere, and
+    generated configs (DeepSpeed-Chat) carry it for every stage. Dropping it means no deeper code can act on it."""
+    section = zero.offload_param
+    if zero.stage == 3 or section is None or section.device == "none":
+        return zero, None
+    warning = (
+        f'"zero_optimization.offload_param" (device "{section.device}") has no effect at ZeRO stage {zero.stage} '
+        "(only stage 3 shards the parameters); ignored, as DeepSpeed does"
+    )
+    return zero.model_copy(update={"offload_param": None}), warning
 
 
 def _check_offload(key: str, section: Any, *, stage_ok: bool, stage_need: str) -> None:

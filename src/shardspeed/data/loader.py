@@ -103,7 +103,8 @@ def build_dataloader(
 
     ``dataset`` needs ``__len__`` and ``__getitem__``. ``pin_memory`` defaults to True exactly when ``device``
     is a CUDA device (pinned host memory is what lets the prefetch copy run asynchronously). Raises
-    ValueError naming the argument when a size is invalid or the dataset is smaller than one global batch.
+    ValueError naming the argument when a size is invalid or the dataset is empty; a dataset smaller than one
+    global batch is padded to one by repeating samples, with a warning (``GlobalIndexSampler``).
     """
     try:
         num_samples = len(dataset)  # type: ignore[arg-type]

@@ -15,7 +15,9 @@ resumes at another on the very next sample.
 
 The tail of an epoch that does not fill a whole global batch is dropped (``drop_last`` for the *global*
 batch): a partial global batch would give some ranks fewer micro-batches than others, and the ranks' gradient
-all-reduces would then no longer line up.
+all-reduces would then no longer line up. A dataset smaller than one global batch is the exception: rather than
+an empty epoch, its order is repeated to fill exactly one global batch (with a warning), as DeepSpeed's
+DistributedSampler pads.
 
 The position is kept in global samples consumed within the epoch (plus epoch and seed), not in per-rank
 indices, because only that number means the same thing at every world size.
@@ -27,6 +29,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from shardspeed.log import logger
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -69,12 +73,18 @@ class GlobalIndexSampler:
         self.seed = seed
         self.shuffle = bool(shuffle)
         self.train_batch_size = self.micro_batch_size * self.gradient_accumulation_steps * self.dp_world_size
+        if num_samples == 0:
+            raise ValueError("the dataset is empty (0 samples): there is nothing to train on")
         if num_samples < self.train_batch_size:
-            raise ValueError(
-                f"the dataset has {num_samples} samples, fewer than one global batch: train_batch_size = "
+            # [Note: dataset smaller than one global batch] DeepSpeed runs it (its DistributedSampler pads by
+            # repeating samples); refusing broke tiny smoke-test datasets. We pad the same way, up to exactly one
+            # global batch, so every rank still reads the same number of full micro-batches (the gradient
+            # all-reduces line up and the mean is over train_batch_size samples, as always).
+            logger.warning(
+                f"the dataset has {num_samples} samples, fewer than one global batch (train_batch_size = "
                 f"micro_batch_size {self.micro_batch_size} × gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} × data-parallel world size {self.dp_world_size} = "
-                f"{self.train_batch_size}; use a larger dataset or a smaller batch"
+                f"{self.train_batch_size}); each epoch is one global batch that repeats samples to fill it"
             )
         self.epoch = 0
         self.samples_consumed_in_epoch = 0
@@ -87,7 +97,8 @@ class GlobalIndexSampler:
 
     @property
     def global_batches_per_epoch(self) -> int:
-        return self.num_samples // self.train_batch_size
+        """At least one: a dataset smaller than one global batch is padded to one (see the note above)."""
+        return max(1, self.num_samples // self.train_batch_size)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -102,10 +113,14 @@ class GlobalIndexSampler:
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The global sample order of ``epoch``: identical on every rank and at every world size."""
         if not self.shuffle:
-            return torch.arange(self.num_samples)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+            order = torch.arange(self.num_samples)
+        else:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
+        if self.num_samples < self.train_batch_size:  # padded by cycling the order, as DistributedSampler pads
+            order = order.repeat(-(-self.train_batch_size // self.num_samples))[: self.train_batch_size]
+        return order
 
     def __iter__(self) -> Iterator[list[int]]:
         # Bind the position now, not at the generator's first next(): the loader may advance it meanwhile.

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from shardspeed.config.errors import ConfigError
+from shardspeed.log import logger
+from shardspeed.ops.adam.fused_adam import FusedAdam
 from shardspeed.optim.lamb import Lamb
 from shardspeed.optim.lion import Lion
 from shardspeed.optim.names import canonical_optimizer_name, torch_optimizer_classes
@@ -83,6 +84,21 @@ def _from_user(user_optimizer: UserOptimizer, model_parameters: ModelParameters 
     )
 
 
+def prefer_client_optimizer(cfg_type: str | None, user_optimizer: UserOptimizer | None) -> str | None:
+    """The config's optimizer type to build, or None when ``initialize()`` was also given an optimizer.
+
+    DeepSpeed's rule: with both, the client's optimizer is used and the config's section is ignored, with a
+    warning naming both (refusing broke configs shared between scripts that do and do not pass one)."""
+    if cfg_type is None or user_optimizer is None:
+        return cfg_type
+    client = type(user_optimizer).__name__ if isinstance(user_optimizer, torch.optim.Optimizer) else "a callable"
+    logger.warning(
+        f'both a client optimizer ({client}, passed to initialize()) and a config optimizer ("optimizer.type": '
+        f'"{cfg_type}") were given; using the client optimizer and ignoring the config\'s, as DeepSpeed does'
+    )
+    return None
+
+
 def build_optimizer(
     cfg_type: str | None,
     params_cfg: dict[str, Any] | None,
@@ -98,11 +114,8 @@ def build_optimizer(
     ``shardspeed.optim.specs``); ``Lamb`` and ``Lion`` build ``shardspeed.optim.Lamb`` / ``Lion``; any
     other name builds that ``torch.optim`` class.
     """
-    if cfg_type is not None and user_optimizer is not None:
-        raise ConfigError(
-            f'optimizer.type: the config defines an optimizer ("{cfg_type}") and an optimizer was also '
-            "passed to initialize(); remove the config's optimizer section or do not pass one"
-        )
+    if prefer_client_optimizer(cfg_type, user_optimizer) is None:
+        cfg_type = None
     if user_optimizer is not None:
         return _from_user(user_optimizer, model_parameters)
     if cfg_type is None:
@@ -115,6 +128,8 @@ def build_optimizer(
     params = _materialize(model_parameters)
     if name in ("Adam", "AdamW"):
         decoupled = hyperparameters.pop("adam_w_mode")
+        if hyperparameters.get("bias_correction") is False:  # torch's classes always correct (specs.py)
+            return FusedAdam(params, adam_w_mode=decoupled, **hyperparameters)
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(params, **hyperparameters)
     if name == "Lamb":

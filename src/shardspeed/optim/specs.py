@@ -13,8 +13,9 @@ DeepSpeed builds its fused Adam kernel, whose ``weight_decay`` default is 0 — 
 calls the torch class with torch's defaults, and so do we (AdamW then defaults to 0.01).
 
 Accepted-and-ignored DeepSpeed keys: ``torch_adam`` (we always run torch's Adam/AdamW; the flag only picks
-the weight-decay default above), ``set_grad_none`` (torch already zeroes grads to None). ``bias_correction``
-must stay true (torch's Adam always corrects). ``fused``/``foreach``/``capturable``/``maximize``/
+the weight-decay default above), ``set_grad_none`` (torch already zeroes grads to None). ``bias_correction:
+false`` builds ``shardspeed.ops.adam.FusedAdam`` with bias correction off (torch's Adam always corrects).
+``fused``/``foreach``/``capturable``/``maximize``/
 ``differentiable`` are torch's own keys and are passed through: fused/foreach pick a kernel, not different
 math. ``max_grad_norm`` is refused for every type: clipping is the top-level ``gradient_clipping`` key.
 
@@ -78,7 +79,7 @@ ADAM_SPEC: dict[str, ParamSpec] = {
     "weight_decay": ParamSpec(_non_negative),  # default depends on torch_adam, resolved below
     "amsgrad": ParamSpec(check_bool, False),
     "adam_w_mode": ParamSpec(check_bool),  # default depends on the type name, resolved below
-    "bias_correction": ParamSpec(_must_be(True, "torch's Adam/AdamW always apply bias correction")),
+    "bias_correction": ParamSpec(check_bool),  # false -> FusedAdam (build.py); true is torch's Adam/AdamW
     "torch_adam": ParamSpec(check_bool),
     "set_grad_none": ParamSpec(check_bool),
     **_TORCH_PASSTHROUGH,
@@ -151,7 +152,19 @@ def _normalize_adam(type_name: str, params: dict[str, Any], path: str) -> dict[s
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)
     params.pop("set_grad_none", None)
-    params.pop("bias_correction", None)
+    if params.pop("bias_correction", True) is False:
+        # torch's Adam/AdamW cannot switch bias correction off; shardspeed.ops.adam.FusedAdam (same update,
+        # DeepSpeed's constructor) can, but takes none of torch's kernel keys nor AMSGrad (as in DeepSpeed).
+        torch_only = sorted(key for key in (*_TORCH_PASSTHROUGH, "amsgrad") if params.get(key) not in (None, False))
+        if torch_only or torch_adam:
+            culprit = ", ".join(f"{path}.{key}" for key in torch_only) or f"{path}.torch_adam"
+            raise ConfigError(
+                f"{path}.bias_correction=false builds shardspeed.ops.adam.FusedAdam, which does not take {culprit}; "
+                "remove it or keep bias_correction true"
+            )
+        for key in (*_TORCH_PASSTHROUGH, "amsgrad"):
+            params.pop(key, None)
+        params["bias_correction"] = False
     if "weight_decay" not in params:
         params["weight_decay"] = 0.01 if (torch_adam and adam_w_mode) else 0.0
     params["adam_w_mode"] = adam_w_mode

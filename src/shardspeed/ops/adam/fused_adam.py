@@ -18,6 +18,8 @@ from shardspeed.ops.adam.update import adam_group_step, check_adam_args
 class FusedAdam(torch.optim.Optimizer):
     """Adam (``adam_w_mode=False``) or AdamW (default) with DeepSpeed's FusedAdam parameters."""
 
+    shardspeed_elementwise = True  # each element's update reads only its own gradient and moments (ZeRO shards it)
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
