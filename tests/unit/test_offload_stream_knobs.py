@@ -103,10 +103,15 @@ def test_stream_respects_the_buffer_bound_and_matches_torch(buffer_count: int, r
     _assert_matches_torch(got)
     plan = plan_pipeline(buffer_count, read, write)
     reads = [address for op, _, address, _ in store.events if op == "in"]
+    groups = [name.split("t", 1)[0] for op, name, _, _ in store.events if op == "in"]  # "g0t0c16/param" → "g0"
     per_step = 3 * sum(-(-n // CHUNK) for n in SIZES)  # every chunk's three states, once per step
     assert len(reads) == 3 * per_step
-    for step in range(3):  # within a step the stream's buffers are reused, never more than planned
-        assert len(set(reads[step * per_step : (step + 1) * per_step])) <= plan.host_buffers
+    for step in range(3):  # within one group's stream the buffers are reused, never more than planned
+        window = range(step * per_step, (step + 1) * per_step)
+        # (per group: each group's stream allocates its own buffers, and whether the allocator hands the next group
+        # the same addresses is its business — counting across groups made this test depend on that)
+        for group in {groups[i] for i in window}:
+            assert len({reads[i] for i in window if groups[i] == group}) <= plan.host_buffers
     if plan.buffer_sets == 1:  # sequential: a chunk is read only after the previous one was written back
         order = [(op, name.split("/")[0]) for op, name, _, _ in store.events if "param" in name]
         steps = order[len(order) - 2 * len([o for o in order if o[0] == "in"]) :]
