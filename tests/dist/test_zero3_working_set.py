@@ -26,6 +26,7 @@ CASES = [
     "torch_ckpt",
     "reentrant_ckpt",
     "lora",
+    "lora_torch_ckpt",  # frozen base + adapters under non-reentrant checkpointing: PEFT with HF gradient checkpointing
     "called_twice",
     "skipped",
     "reused_far",
@@ -57,9 +58,10 @@ class Net(nn.Module):
         super().__init__()
         self.case = case
         self.embed = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block(case == "lora") for _ in range(BLOCKS))
+        lora = case.startswith("lora")
+        self.blocks = nn.ModuleList(Block(lora) for _ in range(BLOCKS))
         self.head = nn.Linear(D, V)
-        if case == "lora":
+        if lora:
             self.embed.weight.requires_grad_(False)
         self.step = 0  # set by the training loops: block 5 of "skipped" runs on even steps only
 
@@ -79,7 +81,7 @@ class Net(nn.Module):
     def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.case in ("shardspeed_ckpt", "shardspeed_reentrant_ckpt"):
             return checkpointing.checkpoint(block, h)
-        if self.case == "torch_ckpt":
+        if self.case in ("torch_ckpt", "lora_torch_ckpt"):
             return torch_checkpoint.checkpoint(block, h, use_reentrant=False)
         if self.case == "reentrant_ckpt":
             return torch_checkpoint.checkpoint(block, h, use_reentrant=True)
@@ -141,15 +143,16 @@ class Probe:
             output.register_hook(self.sample)
 
 
-def _train(rank: int, world: int, case: str, limited: bool) -> dict:
+def _train(rank: int, world: int, case: str, limited: bool, config: dict | None = None) -> dict:
     checkpointing.set_default_context(None)
     checkpointing.configure(use_reentrant=case == "shardspeed_reentrant_ckpt")
     model = make_net(case)
+    config = config or _config(case, limited)
     engine, *_ = shardspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=_config(case, limited)
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )
     probe = Probe(engine)
-    forward, backward = [], []
+    forward, backward, losses = [], [], []
     for step, (tokens, targets) in enumerate(batches(world)):
         probe.peak = {"forward": 0, "backward": 0}
         rows = slice(rank * MB, (rank + 1) * MB)
@@ -157,12 +160,14 @@ def _train(rank: int, world: int, case: str, limited: bool) -> dict:
         loss = engine(tokens[rows], targets[rows])
         probe.phase = "backward"
         engine.backward(loss)
+        losses.append(float(loss.detach()))
         forward.append(probe.peak["forward"])
         backward.append(probe.peak["backward"])
         engine.step()
         engine.module.step = step + 1
     return {
         "state": engine.module_state_dict(),
+        "losses": losses,
         "forward": forward[1:],  # from the second step on: the first has no recorded order yet
         "backward": backward[1:],
         "model_numel": sum(u.numel for u in engine.states.units),
@@ -172,7 +177,7 @@ def _train(rank: int, world: int, case: str, limited: bool) -> dict:
 
 
 def _reference(case: str, world: int) -> dict[str, torch.Tensor]:
-    model = make_net("plain" if case in CHECKPOINTED else case)
+    model = make_net("lora" if case == "lora_torch_ckpt" else "plain" if case in CHECKPOINTED else case)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, **ADAM)
     for step, (tokens, targets) in enumerate(batches(world)):
@@ -199,6 +204,7 @@ TWO_BLOCKS = 2 * 1072 / (8 * 1072 + 512 + 544)  # the block in use and the one p
 TWO_LORA_BLOCKS = 2 * 1200 / (8 * 1200 + 512 + 544)
 FRACTIONS = {case: (TWO_BLOCKS, TWO_BLOCKS) for case in CASES} | {
     "lora": (TWO_LORA_BLOCKS, TWO_LORA_BLOCKS),
+    "lora_torch_ckpt": (TWO_LORA_BLOCKS, TWO_LORA_BLOCKS),
     "reused_far": (2 * TWO_BLOCKS, 2 * TWO_BLOCKS),  # + blocks 0 and 1, kept for their other call (reuse distance)
 }
 
@@ -309,3 +315,27 @@ def test_forward_without_backward_and_two_forwards_per_backward(dist_run) -> Non
         assert r["gathered"] == [] and r["freed"] == [True, True, True]
         for name, value in model.state_dict().items():
             assert (r["state"][name] - value).abs().max().item() <= 1e-5, name
+
+
+def _combined(rank: int, world: int, nvme: str) -> dict:
+    config = _config("lora_torch_ckpt", limited=True)
+    config["bf16"] = {"enabled": True}
+    config["zero_optimization"] |= {
+        "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+    }
+    return _train(rank, world, "lora_torch_ckpt", True, config)
+
+
+def test_working_set_holds_with_lora_checkpointing_bf16_and_nvme_offload(dist_run, tmp_path) -> None:
+    """The combination PEFT users train with: frozen base + adapters, non-reentrant checkpointing, bf16, parameters
+    and optimizer states on NVMe. The same bound as above holds, nothing stays gathered, and it trains like the
+    fp32 run (bf16 tolerance)."""
+    results = dist_run(_combined, 2, str(tmp_path))
+    limit = 2 * block_numel("lora_torch_ckpt")
+    fp32_runs = dist_run(_train, 2, "lora_torch_ckpt", True)
+    for r, fp32 in zip(results, fp32_runs):  # each rank's loss is its own rows' mean
+        assert all(0 < f <= limit + r["biggest_unit"] for f in r["forward"]), (r["forward"], limit)
+        assert all(0 < b <= limit + r["biggest_unit"] for b in r["backward"]), (r["backward"], limit)
+        assert r["gathered_after"] == []
+        assert r["losses"] == pytest.approx(fp32["losses"], rel=2e-2), (r["losses"], fp32["losses"])
