@@ -12,6 +12,24 @@ from typing import Any
 class DeepSpeedCompatMixin:
     config: Any
     topology: Any
+    progress: Any
+
+    # DeepSpeed's counters, as engine attributes (the loop's ``Progress`` owns them; checkpoints restore that)
+    @property
+    def global_steps(self) -> int:
+        return self.progress.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.progress.global_samples
+
+    @property
+    def micro_steps(self) -> int:
+        return self.progress.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.progress.skipped_steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu

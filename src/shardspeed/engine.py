@@ -1,21 +1,26 @@
-"""The training engine: orchestration only. It builds the pieces from the typed config and calls them in order.
+"""The training engine: construction and DeepSpeed's engine API. It builds the pieces from the typed config once;
+the loop itself lives in ``training/`` ([Note: engine layout]).
 
 One training step, traced (see docs/architecture.md):
   engine(x)            → module forward (parameters already in the compute dtype)
-  engine.backward(l)   → scale loss by 1/GAS (× loss scale for fp16); gradient-ready hooks fold each gradient
-                         into the flat fp32 buffer and, on the accumulation boundary, launch bucketed all-reduces
-                         that overlap the rest of backward (zero/bucketed_allreduce.py)
-  engine.step()        → at the boundary only: global norm → overflow check (fp16) → unscale × clip in one
-                         multiply → optimizer step (on fp32 masters when mixed precision) → copy back → LR
-                         schedule → zero the buffer
+  engine.backward(l)   → ``MicroStepDriver``: scale loss by 1/GAS (× loss scale for fp16); gradient-ready hooks fold
+                         each gradient into the flat fp32 buffer and, on the accumulation boundary, launch bucketed
+                         reductions that overlap the rest of backward (zero/reducer.py)
+  engine.step()        → at the boundary only, ``StepCore``: global norm → overflow check (fp16) → unscale × clip in
+                         one multiply → optimizer step (on fp32 masters when mixed precision) → copy back → LR
+                         schedule → zero the buffer; then ``EngineEvents`` tells listeners (timers, progress log)
+
+[Note: engine layout] Three layers, so the pipeline's ``train_batch``, monitors and the profiler add code
+beside the engine instead of into it: the step core (``training/step_core.py``: what one optimizer step does,
+agreed world-wide), loop drivers (``training/micro_driver.py``: when to step, for the user-driven loop), and events
+(``training/events.py``: listeners observe phases and finished steps). This file only wires them and keeps
+DeepSpeed's method names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,22 +29,21 @@ from shardspeed.comm import Collectives, CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
+from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
 from shardspeed.log import configure_logger
-from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.optim.build import prefer_client_optimizer, state_bytes_per_element
-from shardspeed.optim.lamb import Lamb
-from shardspeed.precision.grad_norm import clip_coefficient
+from shardspeed.optim.build import state_bytes_per_element
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
+from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
+from shardspeed.training.progress_log import ProgressLog
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
-from shardspeed.zero.sharded_lamb import ShardedLamb
 from shardspeed.zero.stage3.init import has_deferred_tensors, to_device_except_deferred
 from shardspeed.zero.stage3.save import save_16bit_model as _save_16bit_model
 
@@ -96,18 +100,20 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             ),
         )
         trainable_numel = sum(p.numel() for p in packed.params)
-        self._check_param_offload()  # before the stage attaches its hooks to the module
+        check_param_offload(config, self.device)  # before the stage attaches its hooks to the module
         if zero.uses_nvme:  # before the model states are allocated: see offload/malloc.py
             from shardspeed.offload.malloc import pin_mmap_threshold
 
             pin_mmap_threshold()
         self.states = build_model_states(zero, self.module, packed, comm, self.device)
-        self._offload_params()
-        self._host_grads: Any = None  # offload's HostGradients, when gradients are copied to the host per bucket
+        offload_params(config, self.states, topology.data, self.collectives, self.device)
         # No optimizer anywhere: an evaluation/inference engine (DeepSpeed allows it; see optim/absent.py).
-        self.optimizer = (
-            None if optimizer is None and config.optimizer is None else self._build_optimizer(optimizer, groups)
-        )
+        host_grads = False  # an offload optimizer with host copies of the gradients scales and forgets them itself
+        self.optimizer: Any = None
+        if optimizer is not None or config.optimizer is not None:
+            self.optimizer, host_grads = build_engine_optimizer(
+                config, self.states, optimizer, groups, topology.data, self.collectives, self.device
+            )
         if self.optimizer is not None:
             # Stages 0-2: buckets are re-laid out from the first backward's arrival order (zero/arrival_order.py).
             self.states.bind_optimizer(self.optimizer, groups)
@@ -156,19 +162,37 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         )
         """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
         ``memory_breakdown()``, which lists what was really allocated."""
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._no_sync = False
-        self._global_grad_norm: float | None = None
-        self._last_loss: torch.Tensor | None = None
-        self._last_log = (time.perf_counter(), 0)
-        self.last_load_stats: dict[str, int] = {}
-        self.timers = PhaseTimers(
-            config.wall_clock_breakdown, self.device
-        )  # files/chunks the last load_checkpoint read on this rank
+        self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
+        self.events = EngineEvents()
+        """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
+        self.events.subscribe(self.timers)
+        self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
+        self._core = StepCore(
+            states=self.states,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler,
+            gradient_clipping=config.gradient_clipping,
+            ignore_unused_parameters=zero.ignore_unused_parameters,
+            host_grads=host_grads,
+            axis=topology.data,
+            collectives=self.collectives,
+            device=self.device,
+            logger=self.logger,
+            global_rank=topology.global_rank,
+        )
+        self._driver = MicroStepDriver(
+            states=self.states,
+            core=self._core,
+            events=self.events,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            train_batch_size=config.train_batch_size,
+            steps_per_print=config.steps_per_print,
+            get_lr=self.get_lr,
+        )
+        self.progress = self._driver.progress
+        """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
+        self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
@@ -212,120 +236,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             if p.dtype != expected:
                 raise TypeError(f"trainable parameter '{name}' is {p.dtype}; this config trains in {expected}")
 
-    def _build_optimizer(self, user_optimizer: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups."""
-        cfg = self.config.optimizer
-        cfg = cfg if cfg is None or prefer_client_optimizer(cfg.type, user_optimizer) else None
-        masters_access = self._hand_masters_to_optimizer()
-        stepped = self.states.optimizer_groups(groups)
-        if isinstance(user_optimizer, torch.optim.Optimizer):
-            swapped = any(a["params"] is not b["params"] for a, b in zip(groups, stepped))
-            if swapped and user_optimizer.state:
-                raise ValueError("pass a fresh optimizer: it already has state for parameters shardspeed re-homes")
-            for group, new in zip(user_optimizer.param_groups, stepped):
-                group["params"] = new["params"]
-            optimizer = user_optimizer
-        else:
-            optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
-        stage = self.config.zero_optimization.stage
-        if stage > 0 and type(optimizer) is Lamb:
-            # Lamb's trust ratio needs whole-parameter norms: sum them across shards (one small all-reduce).
-            axis, collectives = self.topology.data, self.collectives
-            optimizer = ShardedLamb.replacing(
-                optimizer,
-                self.states.tensor_segments(),
-                num_params=self.states.num_params,
-                all_reduce_sum=lambda t: collectives.all_reduce(t, axis, tag="lamb_norms"),
-            )
-        elif stage > 0 and not is_elementwise(optimizer) and not self.config.zero_allow_untested_optimizer:
-            raise ValueError(
-                f"ZeRO stage {stage} steps flat shards, which is only correct for element-wise optimizers; "
-                f"{type(optimizer).__name__} is not known to be element-wise. Set "
-                '"zero_allow_untested_optimizer": true to run it anyway.'
-            )
-        return self._offload(optimizer, masters_access)
-
-    def _hand_masters_to_optimizer(self) -> Any:
-        """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
-        or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
-        from shardspeed.zero.stage3.param_offload import needs_offloader
-
-        offload = self.config.zero_optimization.offload_optimizer
-        hand_over = getattr(self.states, "hand_masters_to_optimizer", None)
-        if offload is None or hand_over is None or not needs_offloader(offload.device, self.device.type != "cpu"):
-            return None
-        return hand_over()
-
-    def _check_param_offload(self) -> None:
-        from shardspeed.zero.stage3.param_offload import check_param_offload
-
-        zero = self.config.zero_optimization
-        device = zero.offload_param.device if zero.offload_param is not None else "none"
-        optimizer_device = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
-        check_param_offload(
-            device, zero.stage, self.config.compute_dtype != torch.float32, self.device.type != "cpu", optimizer_device
-        )
-
-    def _offload_params(self) -> None:
-        """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses
-        (``max_in_cpu`` of them stay in host memory; ``buffer_count`` × ``buffer_size`` bound the host buffers
-        shards are read from NVMe into)."""
-        from shardspeed.zero.stage3.param_offload import build_param_offloader, needs_offloader
-
-        zero = self.config.zero_optimization
-        offload = zero.offload_param
-        if offload is None or not needs_offloader(offload.device, self.device.type != "cpu"):
-            return
-        axis, collectives = self.topology.data, self.collectives
-        offloader = build_param_offloader(
-            [u for u in self.states.units if not u.persistent],
-            offload.device,
-            nvme_path=offload.nvme_path,
-            pin_memory=offload.pin_memory,
-            settings=self.config.aio.settings(),
-            rank=axis.rank,
-            agree=lambda obj: collectives.all_gather_object(obj, axis),
-            buffer_count=offload.buffer_count,
-            buffer_size=offload.buffer_size,
-            max_in_cpu=offload.max_in_cpu,
-            prefetch_numel=zero.prefetch_bucket_size,
-            max_live_numel=zero.max_live_parameters,
-        )
-        self.states.offload_params(offloader)
-
-    def _offload(self, optimizer: torch.optim.Optimizer, masters: Any) -> Any:
-        """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme). ``masters``:
-        the access to stand-ins for masters the stage handed over (``_hand_masters_to_optimizer``), or None."""
-        zero = self.config.zero_optimization
-        offload = zero.offload_optimizer
-        if offload is None or offload.device == "none":
-            return optimizer
-        from shardspeed.offload.wrap import offload_optimizer
-
-        axis, collectives = self.topology.data, self.collectives
-        streamed = offload_optimizer(
-            optimizer,
-            offload,
-            settings=self.config.aio.settings(),
-            chunk_numel=zero.sub_group_size,
-            rank=axis.rank,
-            agree=lambda obj: collectives.all_gather_object(obj, axis),
-            # stand-in tensors: ZeRO-3 fp32 offload_param, or mixed precision whose masters the optimizer holds
-            access=masters if masters is not None else getattr(self.states, "stepped_access", None),
-            values_in_store=masters is not None,
-        )
-        if hasattr(self.states, "master_store") and hasattr(streamed, "reseed"):
-            self.states.master_store = streamed  # it holds the fp32 values: GatheredParameters edits must reach it
-        self._host_grads = getattr(streamed, "host_grads", None)
-        if self._host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
-            self.states.set_final_grads_hook(streamed.stage_grads)
-        return streamed
-
     # --- training loop API ---------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
-        with self.timers.phase("forward"):
+        with self.events.phase("forward"):
             return self.module(*args, **kwargs)
 
     __call__ = forward
@@ -333,146 +248,26 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss / GAS`` (× loss scale); reduces gradients on the accumulation boundary."""
         require_optimizer(self.optimizer, "backward")
-        if loss.numel() != 1:
-            raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
-        self._last_loss = loss.detach()
-        scale = 1.0 / self.config.gradient_accumulation_steps
-        if self.loss_scaler is not None:
-            scale *= self.loss_scaler.scale
-        boundary = self.is_gradient_accumulation_boundary()
-        communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
-        reducer = self.states.reducer
-        if self._host_grads is not None and boundary and communicate:
-            self.optimizer.forget_grads()  # a step that raised or was skipped leaves no copies or scale behind
-        reducer.before_backward(communicate, final=boundary)
-        with self.timers.phase("backward"):
-            try:
-                (loss.float() * scale).backward(retain_graph=retain_graph)
-            except BaseException as err:
-                reducer.abort_backward()
-                # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
-                explained = self.states.explain_backward_error(err, loss)
-                if explained is err:
-                    raise
-                raise explained from err
-            reducer.after_backward()
-        return loss
+        return self._driver.backward(loss, retain_graph)
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         require_optimizer(self.optimizer, "step")
-        if self.is_gradient_accumulation_boundary():
-            with self.timers.phase("step"):
-                self._boundary_step()
-        self.micro_steps += 1
-        self._boundary_override = None
-
-    def _boundary_step(self) -> None:
-        if not self.states.reducer.reduced:
-            raise RuntimeError(
-                "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
-                "boundary backward ran under no_sync() or as loss.backward() instead of engine.backward(loss). "
-                "Ranks would step on different gradients and diverge."
-            )
-        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
-        if not self.config.zero_optimization.ignore_unused_parameters:
-            self._check_no_unused_parameters()
-        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        # The norm costs a pass over the gradients and a host sync (plus an all-reduce when sharded), so, as in
-        # DeepSpeed, it is computed only when something uses it: clipping, fp16 overflow detection, or the log
-        # line of this step. Identical on every rank, so the overflow verdict is too.
-        logging_step = (self.global_steps + 1) % self.config.steps_per_print == 0
-        needed = self.config.gradient_clipping > 0 or self.loss_scaler is not None or logging_step
-        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
-        self._global_grad_norm = norm if needed else None
-        overflow = not math.isfinite(norm)
-        if overflow and self.loss_scaler is None:
-            self.logger.warning(
-                "step %d: gradient norm is %s; stepping anyway (no fp16 loss scaler)", self.global_steps, norm
-            )
-        if overflow and self.loss_scaler is not None:
-            message = self.loss_scaler.update(overflow=True)
-            self.skipped_steps += 1
-            if self.topology.global_rank == 0 and message:
-                self.logger.info("step %d: %s", self.global_steps, message)
-        else:
-            coef = clip_coefficient(norm, self.config.gradient_clipping) / loss_scale
-            if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
-                (self.states.scale_grads if self._host_grads is None else self.optimizer.scale_grads)(coef)
-            self.optimizer.step()
-            self.states.after_optimizer_step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow=False)
-        self.states.zero_grads()
-        if self._host_grads is not None:
-            self.optimizer.forget_grads()
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
-        if self.global_steps % self.config.steps_per_print == 0:
-            self._log_progress()
-
-    def _check_no_unused_parameters(self) -> None:
-        """``ignore_unused_parameters: false``: every rank learns whether any rank saw an unused parameter (one
-        scalar all-reduce, issued on every rank), so all ranks raise together instead of some hanging."""
-        unused = self.states.reducer.unused_names()
-        flag = torch.tensor([float(len(unused))], device=self.device)
-        self.collectives.all_reduce_max(flag, self.topology.data, tag="unused_check")
-        if flag.item() > 0:
-            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
-            raise RuntimeError(
-                f"parameters received no gradient this step ({where}) and zero_optimization."
-                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
-            )
-
-    def _log_progress(self) -> None:
-        now = time.perf_counter()
-        then, samples_then = self._last_log
-        self._last_log = (now, self.global_samples)
-        breakdown = self.timers.report_and_reset(self.config.steps_per_print) if self.timers.enabled else None
-        if self.topology.global_rank != 0:
-            return
-        rate = (self.global_samples - samples_then) / max(now - then, 1e-9)
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
-        if breakdown:
-            self.logger.info("step %d: %s", self.global_steps, breakdown)
-        self.logger.info(
-            "step %d: loss %.4f, lr %s, grad norm %.4g%s, %.1f samples/s",
-            self.global_steps,
-            loss,
-            ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
-            self._global_grad_norm or 0.0,
-            scale,
-            rate,
-        )
+        self._driver.step()
 
     def zero_grad(self) -> None:
-        self.states.zero_grads()
+        self._core.zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self._driver.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force the next backward/step to be (or not be) a boundary, e.g. for a short last window."""
-        self._boundary_override = is_boundary
+        self._driver.set_boundary(is_boundary)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Skip gradient all-reduce for backward passes inside the context (gradients keep accumulating)."""
-        if self.states.communicate_every_micro_step:
-            raise RuntimeError(
-                "no_sync() cannot be used with ZeRO stage 2: gradients are reduce-scattered into shards on every "
-                "backward (as in DeepSpeed). Use gradient_accumulation_steps instead."
-            )
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self._driver.no_sync()
 
     def train(self, mode: bool = True) -> ShardSpeedEngine:
         self.module.train(mode)
@@ -487,7 +282,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm of the last optimizer step, before clipping (unscaled for fp16). None before the first
         step, and on steps where nothing needed it (no clipping, no fp16, not a steps_per_print step)."""
-        return self._global_grad_norm
+        return self._driver.global_grad_norm
 
     def save_checkpoint(
         self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True

@@ -5,10 +5,8 @@ Off by default: timing a CUDA step needs a device synchronisation, which costs t
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 
@@ -18,19 +16,18 @@ class PhaseTimers:
         self.enabled = enabled
         self.device = device
         self.totals: dict[str, float] = defaultdict(float)
+        self._started: dict[str, float] = {}
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+    # An EngineListener (training/events.py): the loop announces phases, the timers measure them.
+    def on_phase_start(self, phase: str) -> None:
+        if self.enabled:
             self._sync()
-            self.totals[name] += time.perf_counter() - start
+            self._started[phase] = time.perf_counter()
+
+    def on_phase_end(self, phase: str) -> None:
+        if self.enabled and phase in self._started:
+            self._sync()
+            self.totals[phase] += time.perf_counter() - self._started.pop(phase)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -296,11 +296,12 @@ def _load_optimizer_piece(
 
 def _restore_training_state(engine: ShardSpeedEngine, meta: dict[str, Any], load_lr_scheduler_states: bool) -> None:
     counters = meta["counters"]
-    engine.global_steps = counters["global_steps"]
-    engine.global_samples = counters["global_samples"]
+    progress = engine.progress
+    progress.global_steps = counters["global_steps"]
+    progress.global_samples = counters["global_samples"]
     # Resuming at another world size can change gradient_accumulation_steps: keep micro-steps on a boundary.
-    engine.micro_steps = counters["global_steps"] * engine.config.gradient_accumulation_steps
-    engine.skipped_steps = counters["skipped_steps"]
+    progress.micro_steps = counters["global_steps"] * engine.config.gradient_accumulation_steps
+    progress.skipped_steps = counters["skipped_steps"]
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:

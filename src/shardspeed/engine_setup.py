@@ -1,0 +1,146 @@
+"""How the engine's optimizer and offloading are built from the typed config (construction only; the loop is in
+``training/``). Each function takes what it needs explicitly; the engine calls them once, in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.comm import Collectives
+from shardspeed.config import ShardSpeedConfig
+from shardspeed.optim import build_optimizer, is_elementwise
+from shardspeed.optim.build import prefer_client_optimizer
+from shardspeed.optim.lamb import Lamb
+from shardspeed.topology import AxisGroup
+from shardspeed.zero.sharded_lamb import ShardedLamb
+
+__all__ = ["build_engine_optimizer", "check_param_offload", "offload_params"]
+
+
+def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:
+    """``offload_param`` combinations that cannot work, refused before the stage attaches hooks to the module."""
+    from shardspeed.zero.stage3.param_offload import check_param_offload as check
+
+    zero = config.zero_optimization
+    check(
+        zero.offload_param.device if zero.offload_param is not None else "none",
+        zero.stage,
+        config.compute_dtype != torch.float32,
+        device.type != "cpu",
+        zero.offload_optimizer.device if zero.offload_optimizer is not None else "none",
+    )
+
+
+def offload_params(
+    config: ShardSpeedConfig, states: Any, axis: AxisGroup, collectives: Collectives, device: torch.device
+) -> None:
+    """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses
+    (``max_in_cpu`` of them stay in host memory; ``buffer_count`` × ``buffer_size`` bound the host buffers
+    shards are read from NVMe into)."""
+    from shardspeed.zero.stage3.param_offload import build_param_offloader, needs_offloader
+
+    zero = config.zero_optimization
+    offload = zero.offload_param
+    if offload is None or not needs_offloader(offload.device, device.type != "cpu"):
+        return
+    offloader = build_param_offloader(
+        [u for u in states.units if not u.persistent],
+        offload.device,
+        nvme_path=offload.nvme_path,
+        pin_memory=offload.pin_memory,
+        settings=config.aio.settings(),
+        rank=axis.rank,
+        agree=lambda obj: collectives.all_gather_object(obj, axis),
+        buffer_count=offload.buffer_count,
+        buffer_size=offload.buffer_size,
+        max_in_cpu=offload.max_in_cpu,
+        prefetch_numel=zero.prefetch_bucket_size,
+        max_live_numel=zero.max_live_parameters,
+    )
+    states.offload_params(offloader)
+
+
+def build_engine_optimizer(
+    config: ShardSpeedConfig,
+    states: Any,
+    user_optimizer: Any,
+    groups: list[dict[str, Any]],
+    axis: AxisGroup,
+    collectives: Collectives,
+    device: torch.device,
+) -> tuple[Any, bool]:
+    """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups, wrapped for
+    ``offload_optimizer`` when configured. Returns it and whether it keeps host copies of the gradients (then it,
+    not the stage, scales and forgets them)."""
+    cfg = config.optimizer
+    cfg = cfg if cfg is None or prefer_client_optimizer(cfg.type, user_optimizer) else None
+    masters_access = _hand_masters_to_optimizer(config, states, device)
+    stepped = states.optimizer_groups(groups)
+    if isinstance(user_optimizer, torch.optim.Optimizer):
+        swapped = any(a["params"] is not b["params"] for a, b in zip(groups, stepped))
+        if swapped and user_optimizer.state:
+            raise ValueError("pass a fresh optimizer: it already has state for parameters shardspeed re-homes")
+        for group, new in zip(user_optimizer.param_groups, stepped):
+            group["params"] = new["params"]
+        optimizer = user_optimizer
+    else:
+        optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
+    stage = config.zero_optimization.stage
+    if stage > 0 and type(optimizer) is Lamb:
+        # Lamb's trust ratio needs whole-parameter norms: sum them across shards (one small all-reduce).
+        optimizer = ShardedLamb.replacing(
+            optimizer,
+            states.tensor_segments(),
+            num_params=states.num_params,
+            all_reduce_sum=lambda t: collectives.all_reduce(t, axis, tag="lamb_norms"),
+        )
+    elif stage > 0 and not is_elementwise(optimizer) and not config.zero_allow_untested_optimizer:
+        raise ValueError(
+            f"ZeRO stage {stage} steps flat shards, which is only correct for element-wise optimizers; "
+            f"{type(optimizer).__name__} is not known to be element-wise. Set "
+            '"zero_allow_untested_optimizer": true to run it anyway.'
+        )
+    return _offload(config, states, optimizer, masters_access, axis, collectives)
+
+
+def _hand_masters_to_optimizer(config: ShardSpeedConfig, states: Any, device: torch.device) -> Any:
+    """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
+    or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
+    from shardspeed.zero.stage3.param_offload import needs_offloader
+
+    offload = config.zero_optimization.offload_optimizer
+    hand_over = getattr(states, "hand_masters_to_optimizer", None)
+    if offload is None or hand_over is None or not needs_offloader(offload.device, device.type != "cpu"):
+        return None
+    return hand_over()
+
+
+def _offload(
+    config: ShardSpeedConfig, states: Any, optimizer: Any, masters: Any, axis: AxisGroup, collectives: Collectives
+) -> tuple[Any, bool]:
+    """``offload_optimizer``: the step and its states move to the host (cpu) or a swap file (nvme). ``masters``:
+    the access to stand-ins for masters the stage handed over (``_hand_masters_to_optimizer``), or None."""
+    zero = config.zero_optimization
+    offload = zero.offload_optimizer
+    if offload is None or offload.device == "none":
+        return optimizer, False
+    from shardspeed.offload.wrap import offload_optimizer
+
+    streamed = offload_optimizer(
+        optimizer,
+        offload,
+        settings=config.aio.settings(),
+        chunk_numel=zero.sub_group_size,
+        rank=axis.rank,
+        agree=lambda obj: collectives.all_gather_object(obj, axis),
+        # stand-in tensors: ZeRO-3 fp32 offload_param, or mixed precision whose masters the optimizer holds
+        access=masters if masters is not None else getattr(states, "stepped_access", None),
+        values_in_store=masters is not None,
+    )
+    if hasattr(states, "master_store") and hasattr(streamed, "reseed"):
+        states.master_store = streamed  # it holds the fp32 values: GatheredParameters edits must reach it
+    host_grads = getattr(streamed, "host_grads", None)
+    if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
+        states.set_final_grads_hook(streamed.stage_grads)
+    return streamed, host_grads is not None

@@ -1,0 +1,135 @@
+"""The user-driven training loop: ``engine.backward(loss)`` then ``engine.step()``, micro-step by micro-step.
+
+Owns what happens between optimizer steps: scaling the loss by 1/GAS (× fp16's loss scale), telling the stage's
+reducer whether this backward is the accumulation boundary (and whether to communicate at all under
+``no_sync()``), counting micro-steps, and calling the ``StepCore`` on the boundary. The pipeline's ``train_batch``
+will be a second driver over the same step core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed.training.events import EngineEvents, StepReport
+from shardspeed.training.step_core import StepCore
+
+__all__ = ["MicroStepDriver", "Progress"]
+
+
+@dataclass
+class Progress:
+    """The loop's counters (saved in checkpoints; DeepSpeed exposes them as engine attributes)."""
+
+    micro_steps: int = 0
+    global_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+
+
+class MicroStepDriver:
+    def __init__(
+        self,
+        *,
+        states: Any,
+        core: StepCore,
+        events: EngineEvents,
+        gradient_accumulation_steps: int,
+        train_batch_size: int,
+        steps_per_print: int,
+        get_lr: Callable[[], list[float]],
+    ) -> None:
+        self.states = states
+        self.core = core
+        self.events = events
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.train_batch_size = train_batch_size
+        self.steps_per_print = steps_per_print
+        self.get_lr = get_lr
+        self.progress = Progress()
+        self.global_grad_norm: float | None = None
+        self.last_loss: torch.Tensor | None = None
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+
+    # --- accumulation boundaries --------------------------------------------------------------------------------
+    def is_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.progress.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self.states.communicate_every_micro_step:
+            raise RuntimeError(
+                "no_sync() cannot be used with ZeRO stage 2: gradients are reduce-scattered into shards on every "
+                "backward (as in DeepSpeed). Use gradient_accumulation_steps instead."
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        if loss.numel() != 1:
+            raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        self.last_loss = loss.detach()
+        scale = 1.0 / self.gradient_accumulation_steps
+        if self.core.loss_scaler is not None:
+            scale *= self.core.loss_scaler.scale
+        boundary = self.is_boundary()
+        communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
+        reducer = self.states.reducer
+        if self.core.host_grads and boundary and communicate:
+            self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no copies or scale behind
+        reducer.before_backward(communicate, final=boundary)
+        with self.events.phase("backward"):
+            try:
+                (loss.float() * scale).backward(retain_graph=retain_graph)
+            except BaseException as err:
+                reducer.abort_backward()
+                # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
+                explained = self.states.explain_backward_error(err, loss)
+                if explained is err:
+                    raise
+                raise explained from err
+            reducer.after_backward()
+        return loss
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        if self.is_boundary():
+            with self.events.phase("step"):
+                self._boundary_step()
+        self.progress.micro_steps += 1
+        self._boundary_override = None
+
+    def _boundary_step(self) -> None:
+        progress = self.progress
+        reporting = (progress.global_steps + 1) % self.steps_per_print == 0
+        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps)
+        self.global_grad_norm = outcome.grad_norm
+        progress.skipped_steps += outcome.skipped
+        progress.global_steps += 1
+        progress.global_samples += self.train_batch_size
+        scaler = self.core.loss_scaler
+        self.events.step(
+            StepReport(
+                global_step=progress.global_steps,
+                global_samples=progress.global_samples,
+                loss=self.last_loss,
+                lr=tuple(self.get_lr()),
+                grad_norm=outcome.grad_norm,
+                loss_scale=scaler.scale if scaler is not None else None,
+                skipped=outcome.skipped,
+            )
+        )

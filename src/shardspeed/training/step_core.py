@@ -1,0 +1,127 @@
+"""One optimizer step at an accumulation boundary, every decision agreed world-wide.
+
+norm → overflow → unscale × clip → optimizer step → copy back → LR schedule → loss-scale update → zero gradients.
+
+[Note: agreed step] Each decision here must come out the same on every rank, or ranks step differently and
+diverge silently (or one waits in a collective the others skipped). The global norm is computed from reduced
+gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
+coefficient are identical too; the unused-parameter check is one all-reduce issued on every rank. Nothing in the
+step may depend on a rank-local value that was not agreed first.
+
+The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
+nothing about micro-steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed.comm import Collectives
+from shardspeed.precision.grad_norm import clip_coefficient
+from shardspeed.precision.loss_scaler import LossScaler
+from shardspeed.topology import AxisGroup
+
+__all__ = ["StepCore", "StepOutcome"]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float | None
+    """Unscaled global norm before clipping; None when the caller did not need it and nothing else did."""
+    skipped: bool
+    """fp16 overflow: the optimizer did not step."""
+
+
+class StepCore:
+    """The boundary step of one engine. ``states`` is the stage's ``ModelStates``; ``optimizer`` the (possibly
+    offloaded) optimizer; ``host_grads`` is True when an offload optimizer keeps host copies of the gradients
+    (then it, not the stage, scales and forgets them)."""
+
+    def __init__(
+        self,
+        *,
+        states: Any,
+        optimizer: Any,
+        lr_scheduler: Any,
+        loss_scaler: LossScaler | None,
+        gradient_clipping: float,
+        ignore_unused_parameters: bool,
+        host_grads: bool,
+        axis: AxisGroup,
+        collectives: Collectives,
+        device: torch.device,
+        logger: logging.Logger,
+        global_rank: int,
+    ) -> None:
+        self.states = states
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = gradient_clipping
+        self.ignore_unused_parameters = ignore_unused_parameters
+        self.host_grads = host_grads
+        self.axis = axis
+        self.collectives = collectives
+        self.device = device
+        self.logger = logger
+        self.global_rank = global_rank
+
+    def run(self, *, want_norm: bool, step_index: int) -> StepOutcome:
+        """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
+        norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
+        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines."""
+        if not self.states.reducer.reduced:
+            raise RuntimeError(
+                "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
+                "boundary backward ran under no_sync(). Ranks would step on different gradients and diverge."
+            )
+        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
+        if not self.ignore_unused_parameters:
+            self._check_no_unused_parameters()
+        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        needed = want_norm or self.gradient_clipping > 0 or self.loss_scaler is not None
+        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
+        overflow = not math.isfinite(norm)
+        if overflow and self.loss_scaler is None:
+            self.logger.warning("step %d: gradient norm is %s; stepping anyway (no fp16 loss scaler)", step_index, norm)
+        skipped = overflow and self.loss_scaler is not None
+        if skipped:
+            message = self.loss_scaler.update(overflow=True)
+            if self.global_rank == 0 and message:
+                self.logger.info("step %d: %s", step_index, message)
+        else:
+            coef = clip_coefficient(norm, self.gradient_clipping) / loss_scale
+            if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
+                (self.optimizer.scale_grads if self.host_grads else self.states.scale_grads)(coef)
+            self.optimizer.step()
+            self.states.after_optimizer_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=False)
+        self.zero_grads()
+        return StepOutcome(grad_norm=norm if needed else None, skipped=skipped)
+
+    def zero_grads(self) -> None:
+        """Forget every gradient accumulated since the last step (flat buffers, shards, host copies)."""
+        self.states.zero_grads()
+        if self.host_grads:
+            self.optimizer.forget_grads()
+
+    def _check_no_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: every rank learns whether any rank saw an unused parameter (one
+        scalar all-reduce, issued on every rank), so all ranks raise together instead of some hanging."""
+        unused = self.states.reducer.unused_names()
+        flag = torch.tensor([float(len(unused))], device=self.device)
+        self.collectives.all_reduce_max(flag, self.axis, tag="unused_check")
+        if flag.item() > 0:
+            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
+            raise RuntimeError(
+                f"parameters received no gradient this step ({where}) and zero_optimization."
+                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
+            )
