@@ -137,7 +137,7 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
     "trackio": KeyRule("the Trackio monitor", _enabled_false, _ENABLED_OFF),
     # Profilers, timers and state dumps: they observe, and only add synchronisation.
     "flops_profiler": KeyRule("the FLOPs profiler", _enabled_false, _ENABLED_OFF),
-    "timers": KeyRule("DeepSpeed's throughput timers", _empty, _REMOVE),
+    "timers": KeyRule("DeepSpeed's throughput timers", _nothing_enabled, _ENABLED_OFF),
     "memory_breakdown": KeyRule("per-step memory reports", _false, _SET_FALSE),
     "dump_state": KeyRule("dumping engine state after initialisation", _false, _SET_FALSE),
     "log_level": KeyRule("DeepSpeed's logger level", _empty, _REMOVE),
