@@ -480,10 +480,21 @@ def test_offload_device_must_be_known() -> None:
     )
 
 
-def test_legacy_cpu_offload_is_not_supported_yet() -> None:
-    message = error_of({**MICRO1, "zero_optimization": {"cpu_offload": True}})
-    assert message.startswith('"zero_optimization.cpu_offload" (DeepSpeed\'s old spelling of offload_optimizer')
-    assert load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.cpu_offload is False
+def test_legacy_cpu_offload_means_the_cpu_offload_section() -> None:
+    """DeepSpeed translates the deprecated bools into the sections (old bing_bert configs carry them); before, they
+    were refused."""
+    zero = load({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    zero = load({"zero_optimization": {"stage": 3, "cpu_offload_param": True}}).zero_optimization
+    assert zero.offload_param is not None and zero.offload_param.device == "cpu" and zero.offload_optimizer is None
+    agreeing = {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    assert load({"zero_optimization": agreeing}).zero_optimization.offload_optimizer.pin_memory is False
+    assert load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer is None
+    message = error_of({**MICRO1, "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {}}})
+    assert message == (
+        '"zero_optimization.cpu_offload" is true (DeepSpeed\'s old spelling of offload_optimizer with device "cpu") '
+        'but "offload_optimizer" has device "none"; keep one'
+    )
 
 
 @pytest.mark.parametrize(

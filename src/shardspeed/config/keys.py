@@ -207,7 +207,9 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     # Checkpoint storage engines and formats: where and how checkpoints are written and read back.
     "data_types.param_dtype": KeyRule("casting the model's parameters to another dtype", _empty, _REMOVE),
     "data_types.buffer_dtype": KeyRule("casting the model's buffers to another dtype", _empty, _REMOVE),
-    "checkpoint": KeyRule("DeepSpeed checkpoint options", _checkpoint_off, _REMOVE),
+    "checkpoint": KeyRule(
+        "universal checkpoints, node-local checkpoint storage, parallel checkpoint writers", _checkpoint_off, _REMOVE
+    ),
     "nebula": KeyRule("the Nebula checkpoint service", _enabled_false, _ENABLED_OFF),
     "datastates": KeyRule("the DataStates checkpoint engine", _enabled_false, _ENABLED_OFF),
 }
