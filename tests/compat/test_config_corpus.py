@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config_corpus import CONFIGS, expected, load_outcome, markdown  # noqa: E402
+from config_corpus import CONFIGS, expected, load_outcome, markdown
 
 EXPECTED = expected()
 
