@@ -136,7 +136,7 @@ def test_client_lr_scheduler_wins_over_the_config_section_with_a_warning(
     client = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     config = {
         **MICRO1,
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 5}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 5}},
     }
     engine, _, _, scheduler = shardspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=(lambda opt: client) if as_callable else client, config=config
