@@ -91,7 +91,8 @@ def build_scheduler(
             client = "a callable" if not _looks_like_scheduler(user_scheduler) else type(user_scheduler).__name__
             logger.warning(
                 f"both a client LR scheduler ({client}, passed to initialize()) and a config scheduler "
-                f'("scheduler.type": "{cfg_type}") were given; using the client scheduler and ignoring the config\'s, as DeepSpeed does'
+                f'("scheduler.type": "{cfg_type}") were given; using the client scheduler and ignoring the '
+                "config's, as DeepSpeed does"
             )
         if _looks_like_scheduler(user_scheduler):
             return user_scheduler
