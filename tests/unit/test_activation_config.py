@@ -142,3 +142,28 @@ def test_bad_keyword_arguments_name_the_argument(kwargs: dict, error: type[Excep
 def test_configure_rejects_a_non_config() -> None:
     with pytest.raises(ConfigError, match="expected a dict, a path to a JSON file, or None, got a int"):
         checkpointing.configure(deepspeed_config=3)
+
+
+def test_configure_warns_about_a_foreign_key_in_the_section() -> None:
+    """An unknown key far from every known one is ignored with one warning (config/normalize.py), here as well."""
+    import logging
+
+    from shardspeed.log import logger
+
+    seen: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = _Collect(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        config = checkpointing.configure(deepspeed_config={"activation_checkpointing": {"my_note": "x"}}).config
+    finally:
+        logger.removeHandler(handler)
+    assert config == ActivationCheckpointingConfig()
+    assert seen == [
+        'unknown key "activation_checkpointing.my_note" is ignored: it is not a DeepSpeed key shardspeed knows, nor '
+        "within 2 edits of one"
+    ]
