@@ -1,6 +1,6 @@
 """DeepSpeed config spellings and combinations that DeepSpeed accepts and shardspeed used to refuse: the legacy
 ``"zero_optimization": true``, ``offload_param`` below stage 3, Adam ``bias_correction: false``, a client
-optimizer next to a config ``optimizer`` section."""
+optimizer next to a config ``optimizer`` section, a client LR scheduler next to a config ``scheduler`` section."""
 
 from __future__ import annotations
 
@@ -123,3 +123,29 @@ def test_client_callable_wins_over_the_config_section(warnings_logged: list[str]
     built = build_optimizer("Adam", {}, params, user_optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert type(built) is torch.optim.SGD
     assert any("client optimizer (a callable" in m and '"Adam"' in m for m in warnings_logged), warnings_logged
+
+
+@pytest.mark.parametrize("as_callable", [False, True])
+def test_client_lr_scheduler_wins_over_the_config_section_with_a_warning(
+    warnings_logged: list[str], as_callable: bool
+) -> None:
+    """DeepSpeed 0.19's ``_configure_lr_scheduler``: a client scheduler (instance or callable) is used and the config's
+    ``scheduler`` is never built. Before, shardspeed refused the pair with a ConfigError."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    client = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    config = {
+        **MICRO1,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 5}},
+    }
+    engine, _, _, scheduler = shardspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=(lambda opt: client) if as_callable else client, config=config
+    )
+    assert scheduler is client and engine.lr_scheduler is client
+    notes = [m for m in warnings_logged if "client LR scheduler" in m]
+    assert len(notes) == 1 and '"WarmupLR"' in notes[0], warnings_logged
+    for _ in range(2):
+        engine.backward(engine(torch.ones(1, 4)).sum())
+        engine.step()
+    # StepLR halves the lr each step: 1.0 -> 0.25 after two (WarmupLR would have started at 0 and risen)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.25]

@@ -93,8 +93,8 @@ def test_leaf_module_accepts_deepspeeds_schema() -> None:
     leaf = _load("zero_optimization.leaf_module", {"classes": "MoE", "name_suffixes": ["mlp"]})
     assert leaf.zero_optimization.leaf_module.classes == ["MoE"]
     assert leaf.zero_optimization.leaf_module.name_suffixes == ["mlp"]
-    with pytest.raises(ConfigError, match=r"leaf_module\.instances"):
-        _load("zero_optimization.leaf_module", {"instances": ["x"]})
+    with pytest.raises(ConfigError, match=r'leaf_module\.name" \(did you mean "names"'):
+        _load("zero_optimization.leaf_module", {"name": ["x"]})
 
 
 class _Three(torch.nn.Module):

@@ -94,7 +94,7 @@ def _check_files_present(tmp_dir: Path, records: Sequence[Mapping[str, Any]]) ->
     if missing:
         raise CheckpointError(
             f"cannot commit {tmp_dir}: data files {missing[:5]} named by the chunk records are not there "
-            "(did every rank call CheckpointWriter.finish() before the commit?)"
+            "(did every rank write into this same directory, and call CheckpointWriter.finish() before the commit?)"
         )
 
 

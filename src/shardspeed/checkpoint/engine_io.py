@@ -109,9 +109,9 @@ def save(
 ) -> Path:
     axis, comm = engine.topology.data, engine.collectives
     tag = tag or f"global_step{engine.global_steps}"
-    check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
-    client = _plain(client_state or {}, "client_state")
     save_dir = Path(save_dir)
+    _check_same_destination(save_dir, tag, axis, comm)
+    client = _plain(client_state or {}, "client_state")
     nonce = comm.all_gather_object(uuid.uuid4().hex, axis)[0]
     tmp_dir = make_tmp_dir(save_dir, tag, nonce)
     writer = CheckpointWriter(tmp_dir, engine.topology.global_rank)
@@ -168,6 +168,34 @@ def save(
         commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
     comm.all_gather_object(None, axis)  # nobody returns before the commit is visible
     return save_dir / tag
+
+
+def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> None:
+    """Raise the same ValueError on every rank unless all ranks save to one directory under one tag.
+
+    [Note: one checkpoint directory] Every rank writes its pieces into ``save_dir/.tmp-<tag>-<nonce>`` and one rank
+    commits that directory, so ranks that pass different ``save_dir`` values leave the committing rank looking for
+    files that were written elsewhere; it used to fail deep in the commit, with a hint about
+    ``CheckpointWriter.finish()`` instead of the paths. One all-gather of (directory, tag) before anything is written
+    names both paths, on every rank (no rank is left waiting in a collective the others skipped). Paths are
+    compared made absolute, not resolved: two spellings of one shared directory (a relative path, a symlink) are
+    the same only if they look the same, which keeps the check free of file-system calls and a mismatch explicit.
+    """
+    here = (str(Path(save_dir).absolute()), tag)
+    everyone = comm.all_gather_object(here, axis)
+    for index, (other_dir, other_tag) in enumerate(everyone):
+        first_dir, first_tag = everyone[0]
+        if other_dir != first_dir:
+            raise ValueError(
+                f"save_checkpoint: data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]} passed different "
+                f"directories ({first_dir!r} vs {other_dir!r}); every rank must pass the same save_dir, on a file "
+                "system all ranks share: one rank commits the checkpoint from the pieces all ranks wrote there"
+            )
+        if other_tag != first_tag:
+            raise ValueError(
+                f"checkpoint tag differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
+                f"{first_tag!r} vs {other_tag!r}"
+            )
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:

@@ -21,6 +21,7 @@ from shardspeed.config.errors import ConfigError
 from shardspeed.config.load import describe_validation_error, read_config_source
 from shardspeed.config.normalize import normalize
 from shardspeed.config.root import ShardSpeedConfig
+from shardspeed.log import logger
 from shardspeed.topology import AxisGroup, Topology
 
 SECTION = "activation_checkpointing"
@@ -53,6 +54,8 @@ def section_from(deepspeed_config: Any) -> ActivationCheckpointingConfig:
         return deepspeed_config.activation_checkpointing
     raw = read_config_source(deepspeed_config)  # ConfigError for a bad path, bad JSON or a non-dict
     normalized = normalize({SECTION: raw[SECTION]} if SECTION in raw else {}, _SectionOnly)
+    for warning in normalized.warnings:  # unknown keys far from every known one: ignored, but not in silence
+        logger.warning(warning)
     try:
         return _SectionOnly.model_validate(normalized.data).activation_checkpointing
     except ValidationError as error:

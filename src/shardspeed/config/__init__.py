@@ -1,8 +1,10 @@
 """DeepSpeed-compatible configuration: ``load_config(config, dp_world_size=...) -> ShardSpeedConfig``.
 
-Module map: ``load`` (entry point and error rewriting), ``normalize`` (key names), ``keys`` (DeepSpeed
-keys we ignore or reject, and why), ``batch`` (batch-size inference), ``root`` / ``precision`` / ``zero`` /
-``zero_stage3`` / ``offload`` / ``sections`` (the typed sections), ``base`` (shared types), ``errors``.
+Module map: ``load`` (entry point and error rewriting), ``normalize`` (key names; the misspelling rule), ``keys``
+(DeepSpeed keys we ignore or reject, and why), ``effects`` (what each typed field does), ``key_table`` (every
+DeepSpeed 0.19 key: implemented / ignored / refused, assembled from those), ``batch`` (batch-size inference),
+``root`` / ``precision`` / ``zero`` / ``zero_stage3`` / ``offload`` / ``sections`` (the typed sections), ``base``
+(shared types), ``errors``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ What each key means for shardspeed's thread-pool swapper is documented on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 from .base import ConfigModel, PositiveInt
 
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 
 class AioConfig(ConfigModel):
     """``aio``: how NVMe swap files are read and written."""
+
+    KEY_ALIASES: ClassVar[Mapping[str, str]] = {"intra_op_parallelism": "thread_count"}
+    """DeepSpeed's newer name for ``thread_count`` (both are read; 0.19 documents ``intra_op_parallelism``)."""
 
     block_size: PositiveInt = 4 * 1_048_576
     """Bytes per I/O request (and per staging buffer); a multiple of the page size. Default 4 MiB (DeepSpeed:

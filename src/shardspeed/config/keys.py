@@ -20,6 +20,15 @@ whose non-default values need unimplemented features are listed in ``ZeroConfig.
 
 Moving a key out of ``UNSUPPORTED_KEYS`` is how a feature gets switched on once it is implemented (add a
 typed field for it at the same time).
+
+``SECTION_KEYS`` lists, for the tabled sections whose schema DeepSpeed fixes, the keys DeepSpeed 0.19 reads inside
+them: ``normalize`` applies the misspelling rule there too (``"tensorboard": {"enabeld": true}`` would otherwise
+read as switched off and pass in silence). A tabled section not listed there is free-form (``amp``'s keys go to
+Apex, ``compression_training`` nests per technique): its contents are not checked.
+
+Together with the typed sections (every field's effect is in ``effects.py``) these tables classify every DeepSpeed
+0.19 key: ``key_table.py`` renders the whole table, and tests/unit/test_config_key_table.py checks it against the
+inventory of DeepSpeed's keys in tests/compat/deepspeed_config_keys.json.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["IGNORED_KEYS", "UNSUPPORTED_KEYS", "KeyRule"]
+__all__ = ["IGNORED_KEYS", "SECTION_KEYS", "UNSUPPORTED_KEYS", "KeyRule"]
 
 
 @dataclass(frozen=True)
@@ -125,9 +134,10 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
     "wandb": KeyRule("the Weights & Biases monitor", _enabled_false, _ENABLED_OFF),
     "csv_monitor": KeyRule("the CSV monitor", _enabled_false, _ENABLED_OFF),
     "comet": KeyRule("the Comet monitor", _enabled_false, _ENABLED_OFF),
+    "trackio": KeyRule("the Trackio monitor", _enabled_false, _ENABLED_OFF),
     # Profilers, timers and state dumps: they observe, and only add synchronisation.
     "flops_profiler": KeyRule("the FLOPs profiler", _enabled_false, _ENABLED_OFF),
-    "timers": KeyRule("DeepSpeed's throughput timers", _empty, _REMOVE),
+    "timers": KeyRule("DeepSpeed's throughput timers", _nothing_enabled, _ENABLED_OFF),
     "memory_breakdown": KeyRule("per-step memory reports", _false, _SET_FALSE),
     "dump_state": KeyRule("dumping engine state after initialisation", _false, _SET_FALSE),
     "log_level": KeyRule("DeepSpeed's logger level", _empty, _REMOVE),
@@ -145,6 +155,10 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
     # precision module decides its own accumulation order. Listed here (not rejected) because HF configs
     # commonly carry it; see the precision module for what shardspeed does.
     "bf16.immediate_grad_update": KeyRule("DeepSpeed's bf16-optimizer gradient hooks", _false, _SET_FALSE),
+    # NVMe I/O engine choices: shardspeed's swapper is a thread pool of positional reads/writes (offload/swapper.py);
+    # which engine moves the bytes changes speed only.
+    "aio.io_backend": KeyRule("choosing the NVMe I/O engine (shardspeed uses its own)", _equals("async_io"), _REMOVE),
+    "aio.use_gds": KeyRule("GPUDirect Storage", _false, _SET_FALSE),
 }
 
 UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
@@ -191,7 +205,119 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
         "the sequence-parallel gradient dtype", _equals("fp32", "float32"), 'remove it or set it to "fp32"'
     ),
     # Checkpoint storage engines and formats: where and how checkpoints are written and read back.
-    "checkpoint": KeyRule("DeepSpeed checkpoint options", _checkpoint_off, _REMOVE),
+    "data_types.param_dtype": KeyRule("casting the model's parameters to another dtype", _empty, _REMOVE),
+    "data_types.buffer_dtype": KeyRule("casting the model's buffers to another dtype", _empty, _REMOVE),
+    "checkpoint": KeyRule(
+        "universal checkpoints, node-local checkpoint storage, parallel checkpoint writers", _checkpoint_off, _REMOVE
+    ),
     "nebula": KeyRule("the Nebula checkpoint service", _enabled_false, _ENABLED_OFF),
     "datastates": KeyRule("the DataStates checkpoint engine", _enabled_false, _ENABLED_OFF),
 }
+
+
+SECTION_KEYS: Mapping[str, tuple[str, ...]] = {
+    # DeepSpeed 0.19's schema for tabled sections (monitor/config.py, profiling/config.py, utils/config.py,
+    # runtime/constants.py, runtime/config.py, autotuning/constants.py, elasticity/constants.py, nebula/constants.py).
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "wandb": ("enabled", "group", "team", "project"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "comet": (
+        "enabled",
+        "samples_log_interval",
+        "project",
+        "workspace",
+        "api_key",
+        "experiment_name",
+        "experiment_key",
+        "online",
+        "mode",
+    ),
+    "trackio": ("enabled", "project"),
+    "flops_profiler": (
+        "enabled",
+        "recompute_fwd_factor",
+        "profile_step",
+        "module_depth",
+        "top_modules",
+        "detailed",
+        "output_file",
+    ),
+    "timers": ("throughput",),
+    "timers.throughput": ("enabled", "synchronized"),
+    "checkpoint": ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),
+    "checkpoint.parallel_write": ("pipeline_stage",),
+    "pipeline": (
+        "stages",
+        "partition",
+        "seed_layers",
+        "activation_checkpoint_interval",
+        "pipe_partitioned",
+        "grad_partitioned",
+    ),
+    "hybrid_engine": (
+        "enabled",
+        "max_out_tokens",
+        "inference_tp_size",
+        "release_inference_cache",
+        "pin_parameters",
+        "tp_gather_partition_size",
+        "enable_cuda_graph",
+    ),
+    "progressive_layer_drop": ("enabled", "theta", "gamma"),
+    "eigenvalue": (
+        "enabled",
+        "verbose",
+        "max_iter",
+        "tol",
+        "stability",
+        "gas_boundary_resolution",
+        "layer_name",
+        "layer_num",
+    ),
+    "elasticity": (
+        "enabled",
+        "max_train_batch_size",
+        "micro_batch_sizes",
+        "min_gpus",
+        "max_gpus",
+        "min_time",
+        "version",
+        "prefer_larger_batch",
+        "ignore_non_elastic_batch_info",
+        "model_parallel_size",
+        "num_gpus_per_node",
+    ),
+    "autotuning": (
+        "enabled",
+        "fast",
+        "results_dir",
+        "exps_dir",
+        "overwrite",
+        "start_profile_step",
+        "end_profile_step",
+        "metric",
+        "metric_path",
+        "tuner_type",
+        "tuner_early_stopping",
+        "tuner_num_trials",
+        "arg_mappings",
+        "max_train_batch_size",
+        "min_train_batch_size",
+        "max_train_micro_batch_size_per_gpu",
+        "min_train_micro_batch_size_per_gpu",
+        "num_tuning_micro_batch_sizes",
+        "mp_size",
+        "model_info",
+        "model_info_path",
+    ),
+    "nebula": (
+        "enabled",
+        "persistent_storage_path",
+        "persistent_time_interval",
+        "num_of_version_in_retention",
+        "enable_nebula_load",
+        "load_path",
+    ),
+    "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
+}
+"""Tabled section (dotted path) -> the keys DeepSpeed reads inside it."""

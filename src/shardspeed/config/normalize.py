@@ -1,13 +1,23 @@
 """Key-level checks on the raw config dict, before any value is validated.
 
 Walks the user's dict alongside the typed sections and, with full key paths in every message:
-- rejects unknown keys, suggesting the nearest valid one;
+- unknown keys: within edit distance 2 of a key known at the same level (a typed field, an alias, a tabled
+  DeepSpeed key) an error naming that key (a misspelling); farther from all of them one warning (someone else's
+  key, e.g. a launcher's ``cuda_visible_devices``), see [Note: unknown keys];
 - folds alias spellings (``bfloat16``, ``stage3_*``) into the canonical key, rejecting conflicting pairs;
 - expands a bare bool where a section declares ``BOOL_MEANS`` (``"zero_optimization": true`` -> stage 1);
 - resolves ``"auto"`` (the HF Trainer's placeholder) where a section allows it, rejects it elsewhere;
 - drops DeepSpeed keys listed in ``keys.py``: ignored ones with a warning, unsupported ones with an error
   unless the value switches the feature off.
 All problems found are reported together in one ConfigError.
+
+[Note: unknown keys] DeepSpeed ignores unknown top-level keys and refuses unknown keys inside its pydantic
+sections. Neither suits a port: refusing every unknown key breaks configs that carry a tool's own keys next to
+DeepSpeed's, and ignoring them all lets ``"zero_optimisation": {...}`` train at stage 0 without a word. The
+distance rule separates the two cases: a misspelling is a few edits from the key it meant, a foreign key is not.
+The known keys include the DeepSpeed keys we do not implement (keys.py), so ``"tensorbord"`` is a misspelling of
+an ignored key rather than a foreign key, and tabled sections with a fixed schema (``SECTION_KEYS``) get the same
+check one level down.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from typing import Any, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from .base import ConfigModel, problems_message, show
-from .errors import ConfigError, did_you_mean
-from .keys import IGNORED_KEYS, UNSUPPORTED_KEYS
+from .errors import MISSPELLING_DISTANCE, ConfigError, misspelling_of
+from .keys import IGNORED_KEYS, SECTION_KEYS, UNSUPPORTED_KEYS, KeyRule
 
 AUTO = "auto"
 
@@ -95,19 +105,12 @@ def _section(
             kept = _field_value(fields[canonical], value, path, user_path, result, problems)
             if kept is not _DROP:
                 out[canonical] = kept
-        elif path in IGNORED_KEYS:
-            ignored = IGNORED_KEYS[path]
-            if not ignored.is_off(value):
-                result.warnings.append(f'"{user_path}" is ignored: shardspeed does not implement {ignored.feature} yet')
-        elif path in UNSUPPORTED_KEYS:
-            rule = UNSUPPORTED_KEYS[path]
-            if not rule.is_off(value):
-                problems.append(
-                    f'"{user_path}" is a DeepSpeed option shardspeed does not support yet ({rule.feature}); '
-                    f"{rule.how_to_turn_off}"
-                )
+        elif path in IGNORED_KEYS or path in UNSUPPORTED_KEYS:
+            _tabled(path, user_path, value, result, problems)
+        elif canonical in model.INTERNAL_FIELDS:
+            problems.append(f'"{user_path}" is not a config key: load_config fills it in')
         else:
-            problems.append(_unknown_key(key, user_path, prefix, model, sorted(fields)))
+            _unknown_key(key, user_path, _known_here(prefix, model), result, problems)
     return out
 
 
@@ -190,11 +193,52 @@ def _note_auto_default(info: FieldInfo, user_path: str, result: Normalized) -> N
         )
 
 
-def _unknown_key(key: str, user_path: str, prefix: str, model: type[ConfigModel], fields: list[str]) -> str:
-    tabled = {p.rsplit(".", 1)[-1] for p in (*IGNORED_KEYS, *UNSUPPORTED_KEYS) if p.rpartition(".")[0] == prefix}
-    candidates = sorted({*fields, *model.KEY_ALIASES, *tabled})
-    hint = did_you_mean(key, candidates)
-    if hint:
-        return f'unknown key "{user_path}"{hint}'
-    where = f'in "{prefix}"' if prefix else "at the top level"
-    return f'unknown key "{user_path}"; the keys shardspeed reads {where} are: {", ".join(fields)}'
+def _tabled(path: str, user_path: str, value: Any, result: Normalized, problems: list[str]) -> None:
+    """A DeepSpeed key shardspeed does not implement: check its contents' names where DeepSpeed fixes them, then
+    warn (ignored) or refuse (unsupported) unless the value leaves the feature off."""
+    _check_section_keys(path, user_path, value, result, problems)
+    ignored = path in IGNORED_KEYS
+    rule: KeyRule = IGNORED_KEYS[path] if ignored else UNSUPPORTED_KEYS[path]
+    if rule.is_off(value):
+        return
+    if ignored:
+        result.warnings.append(f'"{user_path}" is ignored: shardspeed does not implement {rule.feature} yet')
+    else:
+        problems.append(
+            f'"{user_path}" is a DeepSpeed option shardspeed does not support yet ({rule.feature}); '
+            f"{rule.how_to_turn_off}"
+        )
+
+
+def _check_section_keys(path: str, user_path: str, value: Any, result: Normalized, problems: list[str]) -> None:
+    """The misspelling rule inside a tabled section whose keys DeepSpeed fixes (``SECTION_KEYS``), recursively."""
+    known = SECTION_KEYS.get(path)
+    if known is None or not isinstance(value, Mapping):
+        return
+    for key, inner in value.items():
+        if not isinstance(key, str):
+            problems.append(f"{user_path}: keys must be strings, got {key!r}")
+        elif key in known:
+            _check_section_keys(f"{path}.{key}", f"{user_path}.{key}", inner, result, problems)
+        else:
+            _unknown_key(key, f"{user_path}.{key}", known, result, problems)
+
+
+def _known_here(prefix: str, model: type[ConfigModel]) -> list[str]:
+    """Every key a config may hold at ``prefix``: typed fields, their aliases, and tabled DeepSpeed keys."""
+    fields = [name for name in model.model_fields if name not in model.INTERNAL_FIELDS]
+    tabled = [p.rsplit(".", 1)[-1] for p in (*IGNORED_KEYS, *UNSUPPORTED_KEYS) if p.rpartition(".")[0] == prefix]
+    return sorted({*fields, *model.KEY_ALIASES, *tabled})
+
+
+def _unknown_key(key: str, user_path: str, known: Any, result: Normalized, problems: list[str]) -> None:
+    """A misspelling of a known key is an error naming it; any other unknown key is one warning (see
+    [Note: unknown keys])."""
+    meant = misspelling_of(key, known)
+    if meant is not None:
+        problems.append(f'unknown key "{user_path}" (did you mean "{meant}"?)')
+        return
+    result.warnings.append(
+        f'unknown key "{user_path}" is ignored: it is not a DeepSpeed key shardspeed knows, nor within '
+        f"{MISSPELLING_DISTANCE} edits of one"
+    )

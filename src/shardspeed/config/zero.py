@@ -29,6 +29,9 @@ IMPLEMENTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
 _NOT_SUPPORTED = "is a DeepSpeed option shardspeed does not support yet"
 
 
+_OLD_OFFLOAD_SPELLINGS: Mapping[str, str] = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
 def _is(default: Any) -> Callable[[Any], bool]:
     return lambda value: value == default
 
@@ -119,12 +122,12 @@ class ZeroConfig(Stage3Options):
     """Parameter elements per optimizer-step tile (bounds temporary memory). DeepSpeed default: 1e9."""
 
     cpu_offload: bool | None = None
-    """Deprecated DeepSpeed spelling of ``offload_optimizer: {"device": "cpu"}``. DeepSpeed default: none.
-    true is an error until offload is implemented."""
+    """Deprecated DeepSpeed spelling of ``offload_optimizer: {"device": "cpu"}``; true means that section (as in
+    DeepSpeed, whose ``new_param_fn`` builds it; see ``_old_offload_spellings``). DeepSpeed default: none."""
 
     cpu_offload_param: bool | None = None
-    """Deprecated DeepSpeed spelling of ``offload_param: {"device": "cpu"}``. DeepSpeed default: none.
-    true is an error until offload is implemented."""
+    """Deprecated DeepSpeed spelling of ``offload_param: {"device": "cpu"}``; true means that section. DeepSpeed
+    default: none."""
 
     cpu_offload_use_pin_memory: bool | None = None
     """Deprecated DeepSpeed spelling of the offload sections' ``pin_memory``. DeepSpeed default: none."""
@@ -179,6 +182,31 @@ class ZeroConfig(Stage3Options):
             data = {**data, "overlap_comm": True}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_offload_spellings(cls, data: Any) -> Any:
+        """``cpu_offload: true`` / ``cpu_offload_param: true`` become the offload section with device "cpu", as
+        DeepSpeed translates them (old bing_bert / Megatron configs still carry them). Given together with the
+        section, the two must agree (DeepSpeed refuses the pair outright)."""
+        if not isinstance(data, Mapping):
+            return data
+        updates: dict[str, Any] = {}
+        for old, section in _OLD_OFFLOAD_SPELLINGS.items():
+            if data.get(old) is not True:
+                continue
+            given = data.get(section)
+            if given is None:
+                updates[section] = {"device": "cpu"}
+                continue
+            device = given.get("device", "none") if isinstance(given, Mapping) else getattr(given, "device", None)
+            if device != "cpu":
+                raise InvalidValue(
+                    old,
+                    f'"{{path}}" is true (DeepSpeed\'s old spelling of {section} with device "cpu") but "{section}" '
+                    f'has device "{device}"; keep one',
+                )
+        return {**data, **updates} if updates else data
+
     @field_validator("stage")
     @classmethod
     def _stage_is_implemented(cls, stage: int) -> int:
@@ -203,16 +231,6 @@ class ZeroConfig(Stage3Options):
             stage_need="needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this rank's shard); set "
             "zero_optimization.stage",
         )
-        for key, replacement in (
-            ("cpu_offload", "offload_optimizer"),
-            ("cpu_offload_param", "offload_param"),
-        ):
-            if getattr(self, key):
-                raise InvalidValue(
-                    key,
-                    f'"{{path}}" (DeepSpeed\'s old spelling of {replacement} with device "cpu") '
-                    f"{_NOT_SUPPORTED}; remove it or set it to false",
-                )
         for key, (feature, is_off) in self.NOT_YET_SUPPORTED.items():
             value = getattr(self, key)
             if not is_off(value):

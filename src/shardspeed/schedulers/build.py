@@ -1,8 +1,14 @@
 """Validate the ``scheduler`` config section and build the LR scheduler (from config or from the user).
 
-At most one source: a config ``scheduler`` section, or a user scheduler (an instance, or a callable
-``(optimizer) -> scheduler`` for when the engine's optimizer only exists inside ``initialize``). Both at
-once is refused rather than silently preferring one. Neither means no scheduler (None).
+Two sources: a config ``scheduler`` section, or a client scheduler passed to ``initialize()`` (an instance, or a
+callable ``(optimizer) -> scheduler`` for when the engine's optimizer only exists inside ``initialize``). Neither
+means no scheduler (None).
+
+Both at once: the client's wins and the config section is not built, as in DeepSpeed 0.19
+(``DeepSpeedEngine._configure_lr_scheduler`` checks ``client_lr_scheduler`` first and builds from the config only
+without one; DeepSpeed before ~0.10 did the opposite). DeepSpeed says so in an info line ("DeepSpeed using client
+LR scheduler"); shardspeed logs one warning naming both, like the client-optimizer rule in optim/build.py, because a
+config section that is silently not used is exactly the surprise this project's config tables exist to prevent.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Any
 import torch
 
 from shardspeed.config.errors import ConfigError, did_you_mean
+from shardspeed.log import logger
 from shardspeed.optim.param_checks import ParamSpec, validate_params
 from shardspeed.schedulers.base import BatchLRScheduler
 from shardspeed.schedulers.cosine import WARMUP_COSINE_LR_SPEC, WarmupCosineLR
@@ -79,12 +86,14 @@ def build_scheduler(
     ``user_scheduler`` may be a scheduler instance (anything with ``step()``, e.g. a torch LRScheduler) —
     returned as is — or a callable (including a class) taking the optimizer and returning one.
     """
-    if cfg_type is not None and user_scheduler is not None:
-        raise ConfigError(
-            f'scheduler.type: the config defines a scheduler ("{cfg_type}") and a scheduler was also passed '
-            "to initialize(); remove the config's scheduler section or do not pass one"
-        )
     if user_scheduler is not None:
+        if cfg_type is not None:
+            client = "a callable" if not _looks_like_scheduler(user_scheduler) else type(user_scheduler).__name__
+            logger.warning(
+                f"both a client LR scheduler ({client}, passed to initialize()) and a config scheduler "
+                f'("scheduler.type": "{cfg_type}") were given; using the client scheduler and ignoring the '
+                "config's, as DeepSpeed does"
+            )
         if _looks_like_scheduler(user_scheduler):
             return user_scheduler
         if callable(user_scheduler):
