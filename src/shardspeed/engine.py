@@ -41,6 +41,7 @@ from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
 from shardspeed.training.progress_log import ProgressLog
+from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import model_state_bytes
@@ -195,6 +196,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
+        register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
