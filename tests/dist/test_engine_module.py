@@ -97,7 +97,13 @@ def _module_behaviour(rank: int, world: int, stage: int, bf16: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize(("stage", "bf16"), [(0, False), (1, True), (2, False), (3, False), (3, True)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("stage", "bf16"),
+    [(0, False), (3, True), pytest.param(1, True, marks=SLOW), pytest.param(2, False, marks=SLOW), pytest.param(3, False, marks=SLOW)],
+)
 def test_engine_is_an_nn_module(dist_run, stage: int, bf16: bool) -> None:
     world = 2
     results = dist_run(_module_behaviour, world, stage, bf16)
@@ -237,7 +243,7 @@ def _checkpoint_kwargs(rank: int, world: int, stage: int, save_dir: str) -> dict
     return {"saved": saved, "partial": partial, "custom": custom, "fp16": fp16_file}
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=SLOW)])
 def test_checkpoint_kwargs_exclude_frozen_and_custom_load_fn(dist_run, tmp_path: Path, stage: int) -> None:
     results = dist_run(_checkpoint_kwargs, 2, stage, str(tmp_path / "ckpt"))
     fresh_frozen = make_model(seed=3, frozen=True).inp.bias
