@@ -258,3 +258,21 @@ def test_checkpoint_kwargs_exclude_frozen_and_custom_load_fn(dist_run, tmp_path:
         # ZeRO-3 saves 16-bit weights only with stage3_gather_16bit_weights_on_model_save (False, as DeepSpeed)
         assert r["fp16"] is (stage != 3)
     assert (tmp_path / "ckpt" / "fp16" / "pytorch_model.safetensors").exists() is (stage != 3)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_engine() -> None:
+    """torch.compile(engine) and engine.compile() (nn.Module's) run forward through the engine; backward/step still
+    reach it (OptimizedModule passes attributes through). World of one; dynamo's eager backend."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    compiled = torch.compile(engine, backend="eager")
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    compiled.backward(F.mse_loss(compiled(x), y))
+    compiled.step()
+    engine.compile(backend="eager")
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 2 and engine.was_step_applied()
