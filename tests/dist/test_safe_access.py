@@ -25,9 +25,9 @@ from shardspeed.utils import (
 MB, GAS, LR = 2, 2, 0.01
 
 
-def _engine(stage: int, world: int, bf16: bool = False):
+def _engine(stage: int, world: int, bf16: bool = False, offload: bool = False):
     model = make_model()
-    config = {
+    config: dict = {
         "train_batch_size": MB * GAS * world,
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
@@ -35,6 +35,8 @@ def _engine(stage: int, world: int, bf16: bool = False):
         "bf16": {"enabled": bf16},
         "steps_per_print": 1000,
     }
+    if offload:  # the optimizer's states and fp32 values live in its host store
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -57,9 +59,9 @@ def _reference(batches: list) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def _read_all(rank: int, world: int, stage: int) -> dict:
+def _read_all(rank: int, world: int, stage: int, offload: bool = False) -> dict:
     batches = global_batches(3, MB * GAS * world)
-    engine = _engine(stage, world)
+    engine = _engine(stage, world, offload=offload)
     train_engine(engine, rank, world, batches[:-1], MB, GAS)
     x, y = batches[-1]
     for m in range(GAS):  # the last window: backward only, so the reduced gradients are still there
@@ -83,9 +85,9 @@ def _read_all(rank: int, world: int, stage: int) -> dict:
 
 
 @pytest.mark.parametrize("stage", [0, 3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
-def test_safe_get_full_matches_plain_torch(dist_run, stage: int) -> None:
+def test_safe_get_full_matches_plain_torch(dist_run, stage: int, offload: bool = False) -> None:
     world = 2
-    results = dist_run(_read_all, world, stage)
+    results = dist_run(_read_all, world, stage, offload)
     ref = _reference(global_batches(3, MB * GAS * world))
     total = sum(p.numel() for p in ref["param"].values())
     for result in results:
@@ -98,6 +100,12 @@ def test_safe_get_full_matches_plain_torch(dist_run, stage: int) -> None:
     local = [r["local_numel"] for r in results]
     assert local == ([total] * world if stage == 0 else local) and (stage == 0 or sum(local) == total)
     assert [r["local_grad_numel"] for r in results] == local
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_safe_get_full_with_an_offloaded_optimizer(dist_run, stage: int) -> None:
+    test_safe_get_full_matches_plain_torch(dist_run, stage, offload=True)
 
 
 def _write_all(rank: int, world: int, stage: int, bf16: bool) -> dict:
