@@ -82,6 +82,15 @@ class DeepSpeedCompatMixin:
         """Whether a ZeRO stage above 0 is on (DeepSpeed's ``zero_enabled``)."""
         return self.config.zero_optimization.stage > 0
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero_optimization.stage >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.gather_16bit_weights_on_model_save
+
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 
