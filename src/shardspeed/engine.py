@@ -29,6 +29,7 @@ from shardspeed.comm import Collectives, CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
+from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
@@ -40,6 +41,7 @@ from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
 from shardspeed.training.progress_log import ProgressLog
+from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import model_state_bytes
@@ -48,8 +50,8 @@ from shardspeed.zero.stage3.init import has_deferred_tensors, to_device_except_d
 from shardspeed.zero.stage3.save import save_16bit_model as _save_16bit_model
 
 
-class ShardSpeedEngine(DeepSpeedCompatMixin):
-    """DeepSpeed-compatible engine for ZeRO stage 0 (plain data parallelism with bucketed, overlapped all-reduce)."""
+class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
+    """DeepSpeed's engine: an ``nn.Module`` wrapping the model as ``module`` ([Note: engine as nn.Module])."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         training_data: Any = None,
         collate_fn: Any = None,
     ) -> None:
+        super().__init__()
         self.config = config
         self.topology = topology
         self.logger = configure_logger(topology.global_rank)
@@ -193,6 +196,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
+        register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
@@ -243,17 +247,20 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         with self.events.phase("forward"):
             return self.module(*args, **kwargs)
 
-    __call__ = forward
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss / GAS`` (× loss scale); reduces gradients on the accumulation boundary."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / GAS`` (× loss scale; ``scale_wrt_gas=False``: without 1/GAS); reduces gradients on
+        the accumulation boundary. Returns the loss as scaled for accumulation, as DeepSpeed does."""
         require_optimizer(self.optimizer, "backward")
-        return self._driver.backward(loss, retain_graph)
+        self._driver.backward(loss, retain_graph, scale_wrt_gas=scale_wrt_gas)
+        return loss / self._driver.gradient_accumulation_steps if scale_wrt_gas else loss
 
-    def step(self) -> None:
-        """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Optimizer step at the accumulation boundary (``lr_kwargs`` go to the LR scheduler's ``step``);
+        otherwise only counts the micro-step."""
         require_optimizer(self.optimizer, "step")
-        self._driver.step()
+        steps, skipped = self.progress.global_steps, self.progress.skipped_steps
+        self._driver.step(lr_kwargs=lr_kwargs)
+        self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
 
     def zero_grad(self) -> None:
         self._core.zero_grads()
@@ -269,13 +276,6 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         """Skip gradient all-reduce for backward passes inside the context (gradients keep accumulating)."""
         return self._driver.no_sync()
 
-    def train(self, mode: bool = True) -> ShardSpeedEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ShardSpeedEngine:
-        return self.train(False)
-
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
@@ -285,14 +285,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         return self._driver.global_grad_norm
 
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """DeepSpeed's save_checkpoint: a rank-agnostic checkpoint under ``save_dir/tag`` (default
         ``global_step{N}``), crash-safe, ``latest`` updated last. Every rank must call it. ``client_state`` must be
         plain data (JSON): checkpoints never need unpickling."""
         from shardspeed.checkpoint.engine_io import save
 
-        save(self, save_dir, tag, client_state, save_latest)
+        save(self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters)
         return True
 
     def load_checkpoint(
@@ -303,9 +308,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict | None]:
         """DeepSpeed's load_checkpoint → ``(load_path, client_state)``; ``(None, None)`` when ``load_dir`` has no
-        ``latest`` and no tag is given. Loads checkpoints of any stage and data-parallel world size."""
+        ``latest`` and no tag is given. Loads checkpoints of any stage and data-parallel world size.
+        ``custom_load_fn(src=module_state_dict, dst=module)`` then applies the checkpoint's weights its own way."""
         from shardspeed.checkpoint.engine_io import load
 
         path, client_state = load(
@@ -316,6 +323,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
         )
         return (str(path) if path is not None else None), client_state
 
@@ -325,12 +333,6 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         """DeepSpeed's save_16bit_model: the full state dict in the training dtype, written by rank 0 as
         safetensors (under ZeRO-3 only with stage3_gather_16bit_weights_on_model_save, gathered unit by unit)."""
         return _save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict. Under ZeRO-3 parameters are gathered unit by unit (every rank must call
-        this); other stages hold whole parameters and return ``module.state_dict()``."""
-        full_state_dict = getattr(self.states, "full_state_dict", None)
-        return full_state_dict(self.module) if full_state_dict else self.module.state_dict()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by role: the engine's own list of its buffers.

@@ -105,8 +105,16 @@ def _per_element(key: str, value: Any, stepped: torch.Tensor) -> bool:
 
 
 def save(
-    engine: ShardSpeedEngine, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool
+    engine: ShardSpeedEngine,
+    save_dir: str | Path,
+    tag: str | None,
+    client_state: dict | None,
+    save_latest: bool,
+    *,
+    exclude_frozen: bool = False,
 ) -> Path:
+    """``exclude_frozen``: parameters with ``requires_grad=False`` are left out (DeepSpeed's
+    ``exclude_frozen_parameters``; loading such a checkpoint needs ``load_module_strict=False``)."""
     axis, comm = engine.topology.data, engine.collectives
     tag = tag or f"global_step{engine.global_steps}"
     save_dir = Path(save_dir)
@@ -117,7 +125,8 @@ def save(
     writer = CheckpointWriter(tmp_dir, engine.topology.global_rank)
     scalars: dict[str, dict[str, Any]] = {}
     optimizer = engine.optimizer
-    for piece in _resident(engine, _all_pieces(engine), writing=False):
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+    for piece in _resident(engine, [p for p in _all_pieces(engine) if p.name not in frozen], writing=False):
         if not piece.write:
             continue
         writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
@@ -224,6 +233,7 @@ def load(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
+    custom_load_fn: Any = None,
 ) -> tuple[Path | None, dict | None]:
     axis, comm = engine.topology.data, engine.collectives
     load_dir = Path(load_dir)
@@ -270,15 +280,33 @@ def load(
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
     engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
+    custom_src = _module_state_dict(reader, meta) if custom_load_fn is not None else None
     reader.close()
     after_load = getattr(engine.optimizer, "after_checkpoint_load", None)
     if after_load is not None:  # offloaded optimizer: write the loaded values and states back to its store
         after_load()
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
     engine.states.zero_grads()
+    if custom_load_fn is not None:
+        from shardspeed.engine_module import apply_custom_load
+
+        apply_custom_load(engine, custom_src or {}, custom_load_fn)
     if not load_module_only:
         _restore_training_state(engine, meta, load_lr_scheduler_states)
     return load_dir / tag, meta.get("client_state")
+
+
+def _module_state_dict(reader: CheckpointReader, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's whole module state dict (fp32 parameters, buffers, tied names), for ``custom_load_fn``."""
+    out = {}
+    for entry in reader.names("param/"):
+        out[entry.removeprefix("param/")] = reader.read_full(entry).view(reader.shape(entry))
+    for entry in reader.names("buffer/"):
+        out[entry.removeprefix("buffer/")] = reader.read_full(entry).view(reader.shape(entry))
+    for alias, canonical in (meta.get("tied") or {}).items():
+        if canonical in out:
+            out[alias] = out[canonical]
+    return out
 
 
 def _check_names(

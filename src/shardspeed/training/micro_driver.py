@@ -79,11 +79,11 @@ class MicroStepDriver:
             self._no_sync = previous
 
     # --- the loop -------------------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self.last_loss = loss.detach()
-        scale = 1.0 / self.gradient_accumulation_steps
+        scale = 1.0 / self.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.core.loss_scaler is not None:
             scale *= self.core.loss_scaler.scale
         boundary = self.is_boundary()
@@ -105,18 +105,18 @@ class MicroStepDriver:
             reducer.after_backward()
         return loss
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         if self.is_boundary():
             with self.events.phase("step"):
-                self._boundary_step()
+                self._boundary_step(lr_kwargs)
         self.progress.micro_steps += 1
         self._boundary_override = None
 
-    def _boundary_step(self) -> None:
+    def _boundary_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         progress = self.progress
         reporting = (progress.global_steps + 1) % self.steps_per_print == 0
-        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps)
+        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps, lr_kwargs=lr_kwargs)
         self.global_grad_norm = outcome.grad_norm
         progress.skipped_steps += outcome.skipped
         progress.global_steps += 1

@@ -71,10 +71,11 @@ class StepCore:
         self.logger = logger
         self.global_rank = global_rank
 
-    def run(self, *, want_norm: bool, step_index: int) -> StepOutcome:
+    def run(self, *, want_norm: bool, step_index: int, lr_kwargs: dict[str, Any] | None = None) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines."""
+        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines; ``lr_kwargs`` go
+        to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
         if not self.states.reducer.reduced:
             raise RuntimeError(
                 "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
@@ -101,7 +102,7 @@ class StepCore:
             self.optimizer.step()
             self.states.after_optimizer_step()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
         self.zero_grads()

@@ -1,6 +1,7 @@
 """Utilities with DeepSpeed's names (``deepspeed.utils``): the fp32 state-dict helpers of ``zero_to_fp32``,
 ``logger`` / ``log_dist``, ``RepeatingLoader``, ``set_random_seed`` and the ZeRO-3 leaf-module flags
-(``set_z3_leaf_modules``…).
+(``set_z3_leaf_modules``…), and the parameter accessors ``safe_get_full_fp32_param`` / ``safe_set_*``…
+(utils/safe_access.py).
 
 Imported lazily, so ``import shardspeed.utils`` does not load torch until one of them is used.
 """
@@ -30,6 +31,12 @@ _EXPORTS = {
     "log_dist": "shardspeed.utils.logging",
     "RepeatingLoader": "shardspeed.data",
     "set_random_seed": "shardspeed.runtime.utils",
+    **{
+        f"safe_{verb}_{scope}_{what}": "shardspeed.utils.safe_access"
+        for verb in ("get", "set")
+        for scope in ("full", "local")
+        for what in ("fp32_param", "grad", "optimizer_state")
+    },
 }
 
 __all__ = list(_EXPORTS)
