@@ -296,9 +296,7 @@ class RecordOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and any(
-            isinstance(a, torch.Tensor) and a.is_meta for a in args
-        ):
+        if func is aten._local_scalar_dense.default and any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
             raise _to_python_error("its value was read into Python (.item() or equivalent)")
         flat = tree_flatten((args, kwargs))[0]
         touches_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in flat) or any(

@@ -340,7 +340,9 @@ class _Materializer:
         except UnreplayableInitError as exc:
             raise UnreplayableInitError(f"{where} cannot be computed: {exc}") from exc
         except Exception as exc:
-            raise UnreplayableInitError(f"{where} cannot be computed: replaying its recorded ops failed: {exc}") from exc
+            raise UnreplayableInitError(
+                f"{where} cannot be computed: replaying its recorded ops failed: {exc}"
+            ) from exc
 
     @torch.no_grad()
     def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
