@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardspeed.zero.stage3.init_record import (
     Constant,
-    Recording,
     RecordedOp,
+    Recording,
     StorageHistory,
     TensorRef,
     UnreplayableInitError,
