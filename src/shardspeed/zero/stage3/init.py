@@ -35,7 +35,13 @@ from torch.nn.modules.module import (
 )
 
 from shardspeed.config.load import ConfigSource, read_config_source
-from shardspeed.zero.stage3.init_record import RecordDataFactories, Recording, RecordOps, TensorRef
+from shardspeed.zero.stage3.init_record import (
+    RecordDataFactories,
+    Recording,
+    RecordOps,
+    TensorRef,
+    WatchMetaShortcuts,
+)
 from shardspeed.zero.stage3.registry import WeakIdMap
 
 InitFn = Callable[[torch.nn.Module], None]
@@ -165,7 +171,11 @@ class Init:
             self._recording, self._modes = _ACTIVE[-1], []
         else:
             self._recording = Recording()
-            self._modes = [RecordDataFactories(self._recording), RecordOps(self._recording)]
+            self._modes = [
+                WatchMetaShortcuts(self._recording),
+                RecordDataFactories(self._recording),
+                RecordOps(self._recording),
+            ]
             for mode in self._modes:
                 mode.__enter__()
         _ACTIVE.append(self._recording)

@@ -26,11 +26,21 @@ a meta tensor created outside the block raises at materialization naming the par
 outside torch (numpy, Python's ``random``) reach the model as CPU tensors or Python scalars: they are recorded as
 constants, so they replay exactly. ``torch.tensor(data)`` builds its meta result without any aten op visible to
 the dispatch mode, so a ``TorchFunctionMode`` records its data as a constant (GPT-2's ``masked_bias``).
+
+[Note: meta shortcuts] Four ``torch.nn.init`` functions return at once on a meta tensor, in Python, before any op
+(``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``: data-dependent loops or decompositions), and they
+do not go through ``__torch_function__``. Unseen, the tensor would keep its earlier value (or none) and the
+generator would lag behind a normal build for every later draw: silently different weights. Without patching them,
+a ``sys.setprofile`` hook active during the block watches for calls of exactly these code objects: the call is
+recorded as one write (the Python function itself, replayed with the generator snapshot taken before it: its
+rejection loop draws the same numbers again), and run once on a scratch CPU tensor to advance the generator. The
+hook chains a profiler that was already set (a Python-level one); it costs one dictionary lookup per call.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,6 +244,31 @@ class Recording:
             op = RecordedOp(aten._to_copy.default, (Constant(value.detach().clone()),), {"dtype": t.dtype})
             history.creation = (op, 0)
 
+    def record_function(self, function: Callable[..., Any], arguments: dict[str, Any]) -> None:
+        """A watched ``torch.nn.init`` function called on a meta tensor ([Note: meta shortcuts]): one write."""
+        names = list(inspect.signature(function).parameters)
+        tensor = arguments.get(names[0])
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return
+        kwargs = {name: arguments[name] for name in names[1:] if name in arguments}
+        generator = kwargs.get("generator")
+        op = RecordedOp(function, (self.ref(tensor),), {k: v for k, v in kwargs.items() if k != "generator"})
+        if isinstance(generator, torch.Generator):
+            op.generator_state = generator.get_state()
+        else:
+            op.rng_state = torch.get_rng_state()
+        with _disable_current_modes():
+            scratch = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+            function(scratch, **kwargs)  # draws what a normal build draws
+        target = op.args[0]
+        history = self.histories[target.storage]
+        whole = (
+            target.offset == 0
+            and target.numel * tensor.element_size() == history.nbytes
+            and target.stride == _contiguous_strides(target.size)
+        )
+        history.writes.append(Write(op, target, whole))
+
     def _advance_generator_as_a_normal_build(
         self, op: RecordedOp, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
@@ -246,7 +281,7 @@ class Recording:
 
         def scratch(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.is_meta:
-                out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+                out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
                 # values do not change how many numbers a random op draws; keep them valid (probabilities, stds)
                 return out.fill_(0.5 if out.is_floating_point() else 1)
             if isinstance(value, torch.device) and value.type == "meta":
@@ -285,6 +320,37 @@ def _building_where() -> str:
             return f"in {type(owner).__name__}.{code.co_name} ({code.co_filename}:{frame.f_lineno})"
         frame = frame.f_back
     return "(outside any module's code)"
+
+
+def _meta_shortcut_functions() -> dict[Any, Callable[..., Any]]:
+    init = torch.nn.init
+    functions = [init.trunc_normal_, init.orthogonal_, init.sparse_, init.dirac_]
+    return {f.__code__: f for f in functions}
+
+
+class WatchMetaShortcuts:
+    """The ``sys.setprofile`` hook of [Note: meta shortcuts]."""
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self.watched = _meta_shortcut_functions()
+        self.previous: Any = None
+
+    def __enter__(self) -> WatchMetaShortcuts:
+        self.previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self.previous)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if callable(self.previous):
+            self.previous(frame, event, arg)
+        if event == "call":
+            function = self.watched.get(frame.f_code)
+            if function is not None:
+                self.recording.record_function(function, dict(frame.f_locals))
 
 
 class RecordOps(TorchDispatchMode):
