@@ -153,3 +153,22 @@ def test_meta_value_into_python_is_an_error_naming_the_module(cls: type[nn.Modul
     with pytest.raises(UnreplayableInitError, match=rf"in {cls.__name__}\.__init__"), zero.Init():
         cls()
     assert torch.empty(1).device.type == "cpu"  # the context is gone after the error
+
+
+@pytest.mark.parametrize("kind", ["bert", "vit"])
+def test_more_hf_models_replay_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BERT (position_ids / token_type_ids buffers from arange / zeros, a tied decoder bias) and ViT (HF's
+    _init_weights through trunc_normal_, one of torch's meta shortcuts) from small configs."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if kind == "bert":
+        config = transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=40,
+            max_position_embeddings=12,
+        )  # fmt: skip
+        _check_equal_to_normal_build(lambda: transformers.AutoModelForMaskedLM.from_config(config))
+    else:
+        config = transformers.ViTConfig(
+            num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, image_size=8, patch_size=4
+        )
+        _check_equal_to_normal_build(lambda: transformers.AutoModel.from_config(config))

@@ -116,9 +116,13 @@ would each advance the generator for the same random op). Process-local, not dis
 class Init:
     """Context manager: modules constructed inside live on the meta device until stage 3 materializes them.
 
-    ``init_fn(module)``, if given, runs after ``module.reset_parameters()`` for every module that owns parameters
-    or buffers (e.g. a Hugging Face model's ``_init_weights``); the result is bitwise equal to building the model
-    normally and then calling ``model.apply(init_fn)`` with the same seed.
+    Every value computed in the block is recorded and replayed at materialization ([Note: init recording]):
+    ``with zero.Init(): model = AutoModelForCausalLM.from_config(cfg)`` gives weights and buffers bitwise equal to
+    a normal build (then cast to the training dtype), with no ``init_fn``; the random generator ends where a
+    normal build leaves it. What cannot be replayed raises ``UnreplayableInitError`` naming the module or tensor.
+
+    ``init_fn(module)``, if given, runs after that for every module that owns parameters or buffers; the result is
+    bitwise equal to building the model normally and then calling ``model.apply(init_fn)`` with the same seed.
 
     ``config_dict_or_path`` (or ``config``, DeepSpeed's other spelling) is optional; when given, its
     ``zero_optimization.stage`` must be 3, because only stage 3 can materialize a meta model. ``enabled=False``
