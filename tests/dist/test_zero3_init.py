@@ -227,29 +227,35 @@ class Rotary(nn.Module):
 
 
 def _init_free_modules() -> nn.Module:
-    return nn.Sequential(Conv1D(8, 8), RMSNorm(8), Rotary(8), WithRandnParam().lin, nn.Linear(8, 4))
+    return nn.ModuleDict(
+        {
+            "conv1d": Conv1D(8, 8),
+            "rms": RMSNorm(8),
+            "rotary": Rotary(8),  # a module with buffers only
+            "randn": WithRandnParam(),
+            "arange": WithArangeBuffer(),
+        }
+    )
 
 
-def _hf_style_cases(rank: int, world: int, kind: str, precision: str) -> dict:
+def _hf_style_cases(rank: int, world: int, precision: str) -> dict:
     torch.manual_seed(100 + rank)
     with zero.Init():
-        model = _init_free_modules() if kind == "hf_style" else WithRandnParam() if kind == "param" else WithArangeBuffer()
+        model = _init_free_modules()
     engine, *_ = shardspeed.initialize(model=model, config=_config(0, precision))
     state = {k: v.clone() for k, v in engine.module_state_dict().items()}
     state.update({k: v.clone() for k, v in engine.module.named_buffers()})
     return state
 
 
-@pytest.mark.parametrize(
-    ("kind", "precision"), [("hf_style", "fp32"), ("hf_style", "bf16"), ("param", "fp32"), ("buffer", "fp32")]
-)
-def test_values_set_in_init_without_reset_parameters(dist_run, kind: str, precision: str) -> None:
-    """torch.ones / normal_ in __init__, a randn parameter, an arange buffer, a buffer-only module (inv_freq, also
-    under bf16): each equal to a normal build (then cast), with no init_fn. Used to raise UninitializedTensorError
-    (and inv_freq stayed unwritten under bf16)."""
-    state = dist_run(_hf_style_cases, 2, kind, precision)[1]
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_values_set_in_init_without_reset_parameters(dist_run, precision: str) -> None:
+    """torch.ones / normal_ in __init__ (HF's RMSNorm, GPT-2's Conv1D), a randn parameter, an arange buffer, a
+    buffer-only module (rotary inv_freq, also under bf16): each equal to a normal build (then cast), with no
+    init_fn. Used to raise UninitializedTensorError (and inv_freq stayed unwritten under bf16)."""
+    state = dist_run(_hf_style_cases, 2, precision)[1]
     torch.manual_seed(100)
-    model = _init_free_modules() if kind == "hf_style" else WithRandnParam() if kind == "param" else WithArangeBuffer()
+    model = _init_free_modules()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     expected = dict(model.state_dict())

@@ -21,6 +21,9 @@ import shardspeed  # noqa: E402
 from shardspeed import zero  # noqa: E402
 
 VOCAB, SEQ, MB = 64, 8, 2
+# transformers imports model code lazily: import it once here so the forked ranks inherit it instead of each
+# importing it again (seconds per rank on a loaded machine)
+_MODELS = (transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM)
 
 
 def _config(kind: str) -> transformers.PretrainedConfig:
@@ -190,7 +193,9 @@ def _save_16bit(rank: int, world: int, kind: str, precision: str, out: str) -> d
     return {k: v.float() for k, v in engine.module_state_dict().items()}
 
 
-@pytest.mark.parametrize(("kind", "precision"), [("gpt2", "bf16"), ("llama", "fp32")])
+@pytest.mark.parametrize(
+    ("kind", "precision"), [("gpt2", "bf16"), pytest.param("llama", "fp32", marks=pytest.mark.slow)]
+)
 def test_save_16bit_model_reloads_with_from_pretrained(dist_run, tmp_path: Path, kind: str, precision: str) -> None:
     out = str(tmp_path / "hf")
     saved = dist_run(_save_16bit, 2, kind, precision, out)[0]
