@@ -40,7 +40,6 @@ from shardspeed.zero.stage3.init_record import (
     Recording,
     RecordOps,
     TensorRef,
-    WatchMetaShortcuts,
 )
 from shardspeed.zero.stage3.registry import WeakIdMap
 
@@ -176,7 +175,6 @@ class Init:
         else:
             self._recording = Recording()
             self._modes = [
-                WatchMetaShortcuts(self._recording),
                 RecordDataFactories(self._recording),
                 RecordOps(self._recording),
             ]

@@ -28,13 +28,14 @@ constants, so they replay exactly. ``torch.tensor(data)`` builds its meta result
 the dispatch mode, so a ``TorchFunctionMode`` records its data as a constant (GPT-2's ``masked_bias``).
 
 [Note: meta shortcuts] Four ``torch.nn.init`` functions return at once on a meta tensor, in Python, before any op
-(``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``: data-dependent loops or decompositions), and they
-do not go through ``__torch_function__``. Unseen, the tensor would keep its earlier value (or none) and the
-generator would lag behind a normal build for every later draw: silently different weights. Without patching them,
-a ``sys.setprofile`` hook active during the block watches for calls of exactly these code objects: the call is
-recorded as one write (the Python function itself, replayed with the generator snapshot taken before it: its
-rejection loop draws the same numbers again), and run once on a scratch CPU tensor to advance the generator. The
-hook chains a profiler that was already set (a Python-level one); it costs one dictionary lookup per call.
+(``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_`` in torch 2.13: data-dependent loops or decompositions),
+and they do not go through ``__torch_function__``. Unseen, the tensor would keep its earlier value (or none) and the
+generator would lag behind a normal build for every later draw: silently different weights. Without patching them:
+the ``is_meta`` property read *does* reach the function mode, so when it answers True to a caller whose code is one
+of those functions (found by scanning ``torch.nn.init`` for code reading ``is_meta``), the call is recorded from
+the caller's arguments as one write (the public function itself, replayed with the generator snapshot taken before
+it: its rejection loop draws the same numbers again), and run once on a scratch CPU tensor to advance the
+generator. (A torch without the shortcuts runs these functions' ops on the meta tensor: recorded as usual.)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 aten = torch.ops.aten
 
@@ -196,14 +197,20 @@ class Recording:
         return Constant(value.detach().clone())
 
     # --- recording -----------------------------------------------------------------------------------------
-    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
-        """Record one aten call whose inputs or outputs are meta tensors, then run it (``run``)."""
-        op = RecordedOp(func, tree_map(self._arg, args), tree_map(self._arg, kwargs))
+    def record(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any, run: Any
+    ) -> Any:
+        """Record one aten call whose inputs or outputs are meta tensors, then run it (``run``). ``flat, spec``:
+        ``tree_flatten((args, kwargs))``, done once by the caller (flattening dominates the recording cost)."""
+        recorded = [self._arg(a) for a in flat]
+        op_args, op_kwargs = tree_unflatten(recorded, spec)
+        op = RecordedOp(func, op_args, op_kwargs)
         if is_random(func):
             self._advance_generator_as_a_normal_build(op, func, args, kwargs)
         written = _written_tensors(func, args, kwargs)
-        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        before = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        inputs = {id(t) for t in tensors}
+        before = {_storage_key(t) for t in tensors}
         out = run()
         for t in written:
             if not t.is_meta:
@@ -211,8 +218,7 @@ class Recording:
             target = self.ref(t)
             history = self.histories[target.storage]
             reads_itself = any(
-                isinstance(a, TensorRef) and a.storage == target.storage and a != target
-                for a in tree_flatten((op.args, op.kwargs))[0]
+                isinstance(a, TensorRef) and a.storage == target.storage and a != target for a in recorded
             )
             whole = (
                 target.offset == 0
@@ -221,7 +227,7 @@ class Recording:
             )
             overwrites = func.overloadpacket in _OVERWRITE and whole and not reads_itself
             history.writes.append(Write(op, target, overwrites))
-        flat_out, _ = tree_flatten(out)
+        flat_out = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for position, t in enumerate(flat_out):
             if not isinstance(t, torch.Tensor) or not t.is_meta or id(t) in inputs:
                 continue
@@ -323,34 +329,25 @@ def _building_where() -> str:
 
 
 def _meta_shortcut_functions() -> dict[Any, Callable[..., Any]]:
+    """Code objects in ``torch.nn.init`` that read ``is_meta`` (the shortcuts) → the public function to replay.
+    ``_no_grad_trunc_normal_`` is replayed as ``trunc_normal_`` (same parameters)."""
     init = torch.nn.init
-    functions = [init.trunc_normal_, init.orthogonal_, init.sparse_, init.dirac_]
-    return {f.__code__: f for f in functions}
+    out: dict[Any, Callable[..., Any]] = {}
+    for name, function in vars(init).items():
+        code = getattr(function, "__code__", None)
+        if code is None or "is_meta" not in code.co_names:
+            continue
+        public = getattr(init, name.removeprefix("_no_grad_"), function)
+        if public is not function and list(inspect.signature(public).parameters) != list(
+            inspect.signature(function).parameters
+        ):
+            public = function
+        out[code] = public
+    return out
 
 
-class WatchMetaShortcuts:
-    """The ``sys.setprofile`` hook of [Note: meta shortcuts]."""
-
-    def __init__(self, recording: Recording) -> None:
-        self.recording = recording
-        self.watched = _meta_shortcut_functions()
-        self.previous: Any = None
-
-    def __enter__(self) -> WatchMetaShortcuts:
-        self.previous = sys.getprofile()
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(self.previous)
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if callable(self.previous):
-            self.previous(frame, event, arg)
-        if event == "call":
-            function = self.watched.get(frame.f_code)
-            if function is not None:
-                self.recording.record_function(function, dict(frame.f_locals))
+_META_SHORTCUTS = _meta_shortcut_functions()
+_IS_META = torch._C.TensorBase.is_meta  # the property's descriptor: its __get__ reaches __torch_function__
 
 
 class RecordOps(TorchDispatchMode):
@@ -364,13 +361,14 @@ class RecordOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default and any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
             raise _to_python_error("its value was read into Python (.item() or equivalent)")
-        flat = tree_flatten((args, kwargs))[0]
-        touches_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in flat) or any(
-            isinstance(v, torch.device) and v.type == "meta" for v in flat
+        flat, spec = tree_flatten((args, kwargs))
+        touches_meta = any(
+            (isinstance(v, torch.Tensor) and v.is_meta) or (isinstance(v, torch.device) and v.type == "meta")
+            for v in flat
         )
         if not touches_meta:
             return func(*args, **kwargs)
-        return self.recording.record(func, args, kwargs, lambda: func(*args, **kwargs))
+        return self.recording.record(func, args, kwargs, flat, spec, lambda: func(*args, **kwargs))
 
 
 class RecordDataFactories(TorchFunctionMode):
@@ -380,9 +378,15 @@ class RecordDataFactories(TorchFunctionMode):
     def __init__(self, recording: Recording) -> None:
         super().__init__()
         self.recording = recording
+        self._last_shortcut_frame: Any = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _IS_META:
+            is_meta = func(*args, **kwargs)
+            if is_meta:
+                self._watch_meta_shortcut(sys._getframe(1))
+            return is_meta
         if func in _TO_PYTHON and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             raise _to_python_error(f"its value was read into Python ({getattr(func, '__name__', func)})")
         out = func(*args, **kwargs)
@@ -392,6 +396,13 @@ class RecordDataFactories(TorchFunctionMode):
             if data is not None and not (isinstance(data, torch.Tensor) and data.is_meta):
                 self.recording.add_constant(out, torch.as_tensor(data, dtype=out.dtype, device="cpu"))
         return out
+
+    def _watch_meta_shortcut(self, frame: Any) -> None:
+        """[Note: meta shortcuts]: ``tensor.is_meta`` read by one of torch.nn.init's shortcut functions."""
+        function = _META_SHORTCUTS.get(frame.f_code)
+        if function is not None and self._last_shortcut_frame is not frame:
+            self._last_shortcut_frame = frame  # a function reading is_meta twice is one call
+            self.recording.record_function(function, dict(frame.f_locals))
 
 
 def _to_python_error(what: str) -> UnreplayableInitError:
