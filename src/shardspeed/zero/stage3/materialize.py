@@ -14,9 +14,10 @@ finish and call ``reset_parameters()``, and the order of ``model.apply(init_fn)`
 meta parameter or buffer directly. For each module:
 1. open the units it touches: allocate the unit's flat buffer once (padded, uninitialized, NaN-filled for floats)
    and replace its meta parameters by parameters that are views of it, in every module that holds them (ties
-   survive); the buffer is in the parameters' dtype *at creation* (fp32), cast to the training dtype at close;
-2. allocate its meta buffers;
-3. ``reset_parameters()`` — parameters the module did not create (a tie made after construction, e.g.
+   survive), each filled with its recorded value when it has one; the buffer is in the parameters' dtype *at
+   creation* (fp32), cast to the training dtype at close;
+2. allocate its meta buffers (recorded ones get their replayed value);
+3. ``reset_parameters()`` — only for a module with a tensor nothing recorded ([Note: recorded values first]) — parameters the module did not create (a tie made after construction, e.g.
    ``head.weight = emb.weight``) are swapped for a scratch tensor meanwhile, because in a normal build that reset
    ran on the module's own, since-discarded tensor: it must consume the same random numbers and write nowhere;
 4. ``init_fn(module)`` — on the real (tied) parameters: a normal build applies it after tying;
