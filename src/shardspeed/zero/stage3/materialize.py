@@ -18,8 +18,9 @@ meta parameter or buffer directly. For each module:
    creation* (fp32), cast to the training dtype at close;
 2. allocate its meta buffers (recorded ones get their replayed value);
 3. ``reset_parameters()``, only for a module with a tensor nothing recorded ([Note: recorded values first]) —
-   parameters the module did not create (a tie made after construction, e.g. ``head.weight = emb.weight``) are swapped for a scratch tensor meanwhile, because in a normal build that reset
-   ran on the module's own, since-discarded tensor: it must consume the same random numbers and write nowhere;
+   parameters the module did not create (a tie made after construction, e.g. ``head.weight = emb.weight``) are
+   swapped for a scratch tensor meanwhile, because in a normal build that reset ran on the module's own,
+   since-discarded tensor: it must consume the same random numbers and write nowhere;
 4. ``init_fn(module)`` — on the real (tied) parameters: a normal build applies it after tying;
 5. close every unit this module was the last to touch: check it was fully written, cast, build its
    ``ParamUnit``, broadcast it from rank 0 and keep this rank's shard (``shard_from_params``), free the buffer.
