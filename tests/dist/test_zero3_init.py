@@ -266,6 +266,28 @@ def test_values_set_in_init_without_reset_parameters(dist_run, precision: str) -
         assert torch.equal(state[name], tensor), name
 
 
+def _head_then_embedding() -> nn.Module:
+    return nn.ModuleDict({"head": nn.Linear(D, VOCAB, bias=False), "emb": nn.Embedding(VOCAB, D)})
+
+
+def _tied_after_the_block(rank: int, world: int) -> dict:
+    torch.manual_seed(100 + rank)
+    with zero.Init():
+        model = _head_then_embedding()
+    model["head"].weight = model["emb"].weight  # outside the block: head's own recorded tensor is discarded
+    engine, *_ = shardspeed.initialize(model=model, config=_config(0))
+    return {k: v.clone() for k, v in engine.module_state_dict().items()}
+
+
+def test_tie_made_after_the_block_takes_the_creators_value(dist_run) -> None:
+    state = dist_run(_tied_after_the_block, 2)[0]
+    torch.manual_seed(100)
+    model = _head_then_embedding()
+    model["head"].weight = model["emb"].weight
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
 class WithEmptyParam(nn.Module):
     def __init__(self) -> None:
         super().__init__()

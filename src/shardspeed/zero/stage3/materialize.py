@@ -142,7 +142,10 @@ class _Materializer:
             creator = recorded if recorded is not None and id(recorded) in in_tree else first_holder
             creator_of[id(p)] = creator
             dtype = record.dtype if record is not None else p.dtype
-            recorded = _recorded_of(holders[id(p)]) if p.is_meta else None
+            # the creator's binding first: a tie made after the block (head.weight = emb.weight) leaves the other
+            # holder bound to its own, since-discarded tensor
+            by_creator = sorted(holders[id(p)], key=lambda holder: holder[0] is not creator)
+            recorded = _recorded_of(by_creator) if p.is_meta else None
             if recorded is not None:
                 dtype = recorded.dtype
             info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype, recorded)
