@@ -35,12 +35,8 @@ from torch.nn.modules.module import (
 )
 
 from shardspeed.config.load import ConfigSource, read_config_source
-from shardspeed.zero.stage3.init_record import (
-    RecordDataFactories,
-    Recording,
-    RecordOps,
-    TensorRef,
-)
+from shardspeed.zero.stage3.init_modes import RecordDataFactories, RecordOps
+from shardspeed.zero.stage3.init_record import Recording, TensorRef
 from shardspeed.zero.stage3.registry import WeakIdMap
 
 InitFn = Callable[[torch.nn.Module], None]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shardspeed.zero.stage3.init import RecordedValue, recorded_value
 from shardspeed.zero.stage3.init_record import (
     Constant,
     RecordedOp,
@@ -158,3 +159,56 @@ class Replayer:
             generator.set_state(op.generator_state)
             kwargs["generator"] = generator
         return op.func(*args, **kwargs)
+
+
+def recorded_of(holders: list[tuple[torch.nn.Module, str]]) -> RecordedValue | None:
+    """The recorded value of a tensor held as ``(module, attr)`` (the first holder bound to one; ties share one
+    storage unless tied after the block, so callers put the tensor's creator first)."""
+    for module, attr in holders:
+        found = recorded_value(module, attr)
+        if found is not None and found.recorded:
+            return found
+    return None
+
+
+class ReplaySession:
+    """The replayers of one materialization (one per recording: a model may span several zero.Init blocks), and
+    the errors that name the tensor being materialized."""
+
+    def __init__(self) -> None:
+        self._replayers: dict[int, Replayer] = {}  # id(recording) → its replayer
+
+    def _replayer(self, recorded: RecordedValue) -> Replayer:
+        found = self._replayers.get(id(recorded.recording))
+        if found is None:
+            found = self._replayers[id(recorded.recording)] = Replayer(recorded.recording)
+        return found
+
+    def maybe_uninitialized(self, recorded: RecordedValue) -> bool:
+        return self._replayer(recorded).maybe_uninitialized(recorded.ref)
+
+    def fill(self, recorded: RecordedValue, out: torch.Tensor, kind: str, name: str, module: torch.nn.Module) -> None:
+        """``out`` ← the recorded value (the global generator left as it was); an error naming the tensor when it
+        cannot be computed."""
+        where = f"zero.Init: {kind} '{name}' of {type(module).__name__}"
+        if recorded.written_after_block():
+            raise UnreplayableInitError(
+                f"{where} was written in place after the zero.Init block, while it was still on the meta device, "
+                "so the write was not recorded. Do it inside the block, or after shardspeed.initialize() under "
+                "zero.GatheredParameters(..., modifier_rank=0)"
+            )
+        try:
+            with preserved_rng():
+                self._replayer(recorded).fill(recorded.ref, out)
+        except UnreplayableInitError as exc:
+            raise UnreplayableInitError(f"{where} cannot be computed: {exc}") from exc
+        except Exception as exc:
+            failed = f"{where} cannot be computed: replaying its recorded ops failed: {exc}"
+            raise UnreplayableInitError(failed) from exc
+
+    def clear(self) -> None:
+        for replayer in self._replayers.values():
+            replayer.clear()
+
+    def close(self) -> None:
+        self._replayers.clear()

@@ -51,10 +51,10 @@ import torch
 
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import padded_size
-from shardspeed.zero.stage3.init import RECORDED, InitFn, RecordedValue, creation_record, recorded_value
-from shardspeed.zero.stage3.init_record import UnreplayableInitError
-from shardspeed.zero.stage3.init_replay import Replayer, preserved_rng
+from shardspeed.zero.stage3.init import RECORDED, InitFn, RecordedValue, creation_record
+from shardspeed.zero.stage3.init_replay import ReplaySession, recorded_of
 from shardspeed.zero.stage3.plan import UnitPlan
+from shardspeed.zero.stage3.rng_schedule import RngSchedule, has_reset
 from shardspeed.zero.stage3.unit import ParamUnit
 
 BuildUnit = Callable[[int, list[torch.nn.Parameter], torch.Tensor], ParamUnit]
@@ -145,7 +145,7 @@ class _Materializer:
             # the creator's binding first: a tie made after the block (head.weight = emb.weight) leaves the other
             # holder bound to its own, since-discarded tensor
             by_creator = sorted(holders[id(p)], key=lambda holder: holder[0] is not creator)
-            recorded = _recorded_of(by_creator) if p.is_meta else None
+            recorded = recorded_of(by_creator) if p.is_meta else None
             if recorded is not None:
                 dtype = recorded.dtype
             info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype, recorded)
@@ -160,7 +160,7 @@ class _Materializer:
                 continue
             entry = _Module(path, m, _init_fn_of(m))
             entry.replayed = all(
-                _recorded_of([(m, attr)]) is not None
+                recorded_of([(m, attr)]) is not None
                 for attr, t in [*m._parameters.items(), *m._buffers.items()]
                 if t is not None and t.is_meta
             )
@@ -177,27 +177,27 @@ class _Materializer:
         self.open: dict[int, torch.Tensor] = {}  # unit → flat buffer (creation dtype)
         self._spare: torch.Tensor | None = None  # a closed unit's buffer, for the next one (see _take_buffer)
         self.built: dict[int, ParamUnit] = {}
-        self.replayers: dict[int, Replayer] = {}  # id(recording) → its replayer
+        self.replay = ReplaySession()
         self.root = root
 
     # --- walk ----------------------------------------------------------------------------------------------
     def run(self) -> list[ParamUnit]:
-        schedule = _RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
+        schedule = RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
         try:
             self._walk(schedule)
         finally:
             for m in self.root.modules():  # the recordings are spent: free their constants and generator snapshots
                 RECORDED.pop(m)
-            self.replayers.clear()
+            self.replay.close()
         return [self.built[u] for u in range(len(self.plan.units))]
 
-    def _walk(self, schedule: _RngSchedule | None) -> None:
+    def _walk(self, schedule: RngSchedule | None) -> None:
         for position, entry in enumerate(self.modules):
             for unit in entry.units:
                 if unit not in self.open and unit not in self.built:
                     self._open(unit)
             fresh_buffers = self._allocate_buffers(entry)
-            if _has_reset(entry.module) and not entry.replayed:
+            if has_reset(entry.module) and not entry.replayed:
                 if schedule is not None:
                     schedule.restore(("reset", position))
                 with self._scratch(entry.module, entry.aliases):
@@ -243,7 +243,7 @@ class _Materializer:
             if not old.is_meta:  # a parameter that already had data (built outside the context)
                 view.copy_(old.detach())
             elif info.recorded is not None:
-                self._replay(info.recorded, view, "parameter", info.name, info.creator)
+                self.replay.fill(info.recorded, view, "parameter", info.name, info.creator)
             new = torch.nn.Parameter(view, requires_grad=old.requires_grad)
             for holder, attr in info.holders:
                 holder._parameters[attr] = new
@@ -259,9 +259,7 @@ class _Materializer:
         params = [info.current for info in infos]
         for info, p in zip(infos, params):
             assert p is not None
-            unwritten_possible = info.recorded is None or self._replayer(info.recorded).maybe_uninitialized(
-                info.recorded.ref
-            )
+            unwritten_possible = info.recorded is None or self.replay.maybe_uninitialized(info.recorded)
             if unwritten_possible and p.is_floating_point() and _has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
         target = infos[0].dtype
@@ -276,8 +274,7 @@ class _Materializer:
         built.shard_from_params(broadcast_from_rank0=True)
         self.built[unit] = built
         self._keep_spare(created)
-        for replayer in self.replayers.values():  # intermediates (inv_freq's arange…) are cheap to recompute
-            replayer.clear()
+        self.replay.clear()  # intermediates (inv_freq's arange…) are cheap to recompute
 
     def _take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for the next unit: the last closed unit's when it fits. Why reuse: the communication backend
@@ -301,14 +298,14 @@ class _Materializer:
         for attr, b in list(entry.module._buffers.items()):
             if b is None or not b.is_meta:
                 continue
-            recorded = _recorded_of([(entry.module, attr)])
+            recorded = recorded_of([(entry.module, attr)])
             name = f"{entry.path}.{attr}" if entry.path else attr
             if recorded is not None:  # computed as created (fp32), then cast as the engine cast the meta buffer
                 value = torch.empty(b.shape, dtype=recorded.dtype, device=self.device)
-                self._replay(recorded, value, "buffer", name, entry.module)
+                self.replay.fill(recorded, value, "buffer", name, entry.module)
                 new = value.to(b.dtype)
                 entry.module._buffers[attr] = new
-                maybe_unwritten = self._replayer(recorded).maybe_uninitialized(recorded.ref)
+                maybe_unwritten = self.replay.maybe_uninitialized(recorded)
                 # a recorded non-float buffer is written unless replay found it never written (which raised)
                 fresh[attr] = (new, new._version if maybe_unwritten else -1)
                 continue
@@ -318,36 +315,6 @@ class _Materializer:
             entry.module._buffers[attr] = new
             fresh[attr] = (new, new._version)
         return fresh
-
-    # --- replay --------------------------------------------------------------------------------------------
-    def _replayer(self, recorded: RecordedValue) -> Replayer:
-        found = self.replayers.get(id(recorded.recording))
-        if found is None:
-            found = self.replayers[id(recorded.recording)] = Replayer(recorded.recording)
-        return found
-
-    def _replay(
-        self, recorded: RecordedValue, out: torch.Tensor, kind: str, name: str, module: torch.nn.Module
-    ) -> None:
-        """``out`` ← the recorded value; an error naming the tensor when it cannot be computed. See [Note:
-        recorded values first]."""
-        where = f"zero.Init: {kind} '{name}' of {type(module).__name__}"
-        if recorded.written_after_block():
-            raise UnreplayableInitError(
-                f"{where} was written in place after the zero.Init block, while it was still on the meta device, "
-                "so the write was not recorded. Do it inside the block, or after shardspeed.initialize() under "
-                "zero.GatheredParameters(..., modifier_rank=0)"
-            )
-        replayer = self._replayer(recorded)
-        try:
-            with preserved_rng():
-                replayer.fill(recorded.ref, out)
-        except UnreplayableInitError as exc:
-            raise UnreplayableInitError(f"{where} cannot be computed: {exc}") from exc
-        except Exception as exc:
-            raise UnreplayableInitError(
-                f"{where} cannot be computed: replaying its recorded ops failed: {exc}"
-            ) from exc
 
     @torch.no_grad()
     def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
@@ -367,12 +334,10 @@ class _Materializer:
             self.ctx.collectives.broadcast(now, self.ctx.axis, 0, tag="init")
 
     def _uninitialized(self, kind: str, name: str, module: torch.nn.Module) -> str:
-        has_reset = (
-            "has a reset_parameters() that did not write it" if _has_reset(module) else "has no reset_parameters()"
-        )
+        reset = "has a reset_parameters() that did not write it" if has_reset(module) else "has no reset_parameters()"
         fn = "no init_fn wrote it" if self.init_fns.get(id(module)) is None else "its init_fn did not write it"
         return (
-            f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {has_reset} and "
+            f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {reset} and "
             f"{fn} (it still holds no values, or only some). {_HOW_TO_FIX}"
         )
 
@@ -422,23 +387,10 @@ def _post_order(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _recorded_of(holders: list[tuple[torch.nn.Module, str]]) -> RecordedValue | None:
-    """The recorded value of a tensor held as ``(module, attr)`` (any holder: ties share one storage)."""
-    for module, attr in holders:
-        found = recorded_value(module, attr)
-        if found is not None and found.recorded:
-            return found
-    return None
-
-
 def _has_nan(tensor: torch.Tensor) -> bool:
     """Whether any element is NaN, without a tensor-sized temporary in the common case: a NaN makes the sum NaN
     (the exact check only runs then, so +inf and -inf summing to NaN is no false alarm)."""
     return bool(torch.isnan(tensor.sum())) and bool(torch.isnan(tensor).any())
-
-
-def _has_reset(module: torch.nn.Module) -> bool:
-    return callable(getattr(module, "reset_parameters", None))
 
 
 def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
@@ -448,51 +400,3 @@ def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
         if record is not None and record.settings.init_fn is not None:
             return record.settings.init_fn
     return None
-
-
-class _RngSchedule:
-    """Generator states recorded by a survey pass; see [Note: random-number schedule]."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.states: dict[tuple[str, int], torch.Tensor] = {}
-        self.final: torch.Tensor | None = None
-
-    def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @classmethod
-    def survey(
-        cls,
-        modules: list[_Module],
-        device: torch.device,
-        scratch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]],
-    ) -> _RngSchedule:
-        schedule = cls(device)
-        for position, entry in enumerate(modules):
-            if _has_reset(entry.module) and not entry.replayed:
-                schedule.states[("reset", position)] = schedule._get()
-                with scratch(entry.module):
-                    entry.module.reset_parameters()
-        for position, entry in enumerate(modules):
-            if entry.init_fn is not None:
-                schedule.states[("init", position)] = schedule._get()
-                with scratch(entry.module):
-                    entry.init_fn(entry.module)
-        schedule.final = schedule._get()
-        return schedule
-
-    def restore(self, key: tuple[str, int]) -> None:
-        self._set(self.states.pop(key))
-
-    def restore_final(self) -> None:
-        assert self.final is not None
-        self._set(self.final)
