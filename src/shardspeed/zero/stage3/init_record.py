@@ -28,8 +28,9 @@ a meta tensor created outside the block raises at materialization naming the par
 outside torch (numpy, Python's ``random``) reach the model as CPU tensors or Python scalars: they are recorded as
 constants, so they replay exactly. Writes on the meta model *after* the block are not recorded: one through the
 tensor itself is detected at materialization (its version counter moved) and raises; one through ``.data`` (a
-fresh version counter) cannot be seen — initialize inside the block. ``torch.tensor(data)`` builds its meta result without any aten op visible to
-the dispatch mode, so a ``TorchFunctionMode`` records its data as a constant (GPT-2's ``masked_bias``).
+fresh version counter) cannot be seen — initialize inside the block. ``torch.tensor(data)`` builds its meta
+result without any aten op visible to the dispatch mode, so a ``TorchFunctionMode`` records its data as a constant
+(GPT-2's ``masked_bias``).
 
 [Note: meta shortcuts] Four ``torch.nn.init`` functions return at once on a meta tensor, in Python, before any op
 (``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_`` in torch 2.13: data-dependent loops or decompositions),
