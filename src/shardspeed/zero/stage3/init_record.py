@@ -4,14 +4,14 @@
 ``LlamaRMSNorm``), ``normal_`` on a fresh ``torch.empty`` (GPT-2's ``Conv1D``), ``inv_freq = 1 / base ** (arange /
 d)`` (rotary embeddings) and HF's ``post_init() → _init_weights`` all compute nothing. A ``TorchDispatchMode``
 active for the whole ``with`` block sees every aten op (after autograd and composite decomposition: ``nn.init.*``
-and ``trunc_normal_`` arrive as ``uniform_``, ``erfinv_``, ``mul_``…) and records, per meta *storage*, a small
-graph: the op that created it (factory or out-of-place op on other recorded storages) and the ordered in-place
-ops that wrote it (``normal_``, ``fill_``, ``copy_`` from another recorded tensor, …). Storages, not tensors:
-``p.data``, ``weight[idx]`` and ``nn.Parameter(t)`` are aliases of one storage, so an op through any of them lands
-in the same history. A tensor argument is recorded as a ``TensorRef``: storage, the storage's write count at that
-moment (its *version*: a later write does not change what an earlier op read), and the view geometry. Which
-arguments an op writes comes from its schema (``Tensor(a!)``), so no op list is needed to record; replay calls the
-same aten overload on real tensors (``init_replay.py``).
+arrive as ``uniform_``, ``normal_``, ``fill_``…; the few that skip meta tensors: [Note: meta shortcuts]) and
+records, per meta *storage*, a small graph: the op that created it (factory or out-of-place op on other recorded
+storages) and the ordered in-place ops that wrote it (``normal_``, ``fill_``, ``copy_`` from another recorded
+tensor, …). Storages, not tensors: ``p.data``, ``weight[idx]`` and ``nn.Parameter(t)`` are aliases of one storage,
+so an op through any of them lands in the same history. A tensor argument is recorded as a ``TensorRef``: storage,
+the storage's write count at that moment (its *version*: a later write does not change what an earlier op read), and
+the view geometry. Which arguments an op writes comes from its schema (``Tensor(a!)``), so no op list is needed to
+record; replay calls the same aten overload on real tensors (``init_replay.py``).
 
 Random numbers: on the meta device a random op draws nothing, but a normal build draws from the global generator
 in program order. So each random op (aten tag ``nondeterministic_seeded``) is also run once on a scratch CPU tensor
