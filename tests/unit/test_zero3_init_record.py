@@ -172,3 +172,23 @@ def test_more_hf_models_replay_bitwise(kind: str, monkeypatch: pytest.MonkeyPatc
             num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, image_size=8, patch_size=4
         )
         _check_equal_to_normal_build(lambda: transformers.AutoModel.from_config(config))
+
+
+class ResizedBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        grown = torch.empty(0)
+        grown.resize_(3)  # the storage itself changes: values are keyed by storage, so this cannot be replayed
+        grown.fill_(2.0)
+        self.register_buffer("grown", grown)
+
+
+def test_storage_changing_op_is_an_error_naming_the_tensor() -> None:
+    from shardspeed.zero.stage3.init_replay import ReplaySession
+
+    with zero.Init():
+        model = ResizedBuffer()
+    recorded = recorded_value(model, "grown")
+    assert recorded is not None
+    with pytest.raises(UnreplayableInitError, match=r"buffer 'grown' of ResizedBuffer .*resize_"):
+        ReplaySession().fill(recorded, torch.empty(3), "buffer", "grown", model)

@@ -33,6 +33,7 @@ from shardspeed.zero.stage3.init_record import (
 )
 
 _CPU = torch.device("cpu")
+_STORAGE_CHANGING = {torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_}
 
 
 @contextlib.contextmanager
@@ -140,6 +141,10 @@ class Replayer:
         dest.copy_(torch.empty(0, dtype=torch.uint8).set_(source, 0, (history.nbytes,), (1,)))
 
     def _run(self, op: RecordedOp, building: tuple[int, int, _Building] | None) -> Any:
+        if getattr(op.func, "overloadpacket", None) in _STORAGE_CHANGING:
+            # the recording keys values by storage; an op that swaps or grows a tensor's storage breaks that
+            raise UnreplayableInitError(f"it was written by {op.func}, which changes a tensor's storage")
+
         def resolve(value: Any) -> Any:
             if isinstance(value, Constant):
                 return value.value
