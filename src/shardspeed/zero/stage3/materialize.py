@@ -1,15 +1,26 @@
 """Materialize a model built under ``zero.Init`` one ZeRO-3 unit at a time, sharding each before the next.
 
+[Note: recorded values first] A tensor whose computation was recorded under the ``zero.Init`` block (every tensor
+built inside one: ``init_record.py``) gets its value by replay (``init_replay.py``) when its unit opens or, for a
+buffer, when its module comes up: that value already includes the module's own initialization in ``__init__``
+(``reset_parameters()`` called there) and anything run later in the block (HF's ``post_init``), so
+``reset_parameters()`` is *not* called again for a module whose tensors are all recorded. ``init_fn`` still runs
+after, as before (a normal build followed by ``model.apply(init_fn)``). Replay draws from recorded generator
+snapshots and leaves the generator where it was, so the schedule below only concerns reset/init_fn calls. The
+reset path below remains for meta tensors nothing recorded (created outside any block).
+
 Walk: modules in post-order (children before their parent — the order in which a normal build's constructors
 finish and call ``reset_parameters()``, and the order of ``model.apply(init_fn)``), keeping only modules that own a
 meta parameter or buffer directly. For each module:
 1. open the units it touches: allocate the unit's flat buffer once (padded, uninitialized, NaN-filled for floats)
    and replace its meta parameters by parameters that are views of it, in every module that holds them (ties
-   survive); the buffer is in the parameters' dtype *at creation* (fp32), cast to the training dtype at close;
-2. allocate its meta buffers;
-3. ``reset_parameters()`` — parameters the module did not create (a tie made after construction, e.g.
-   ``head.weight = emb.weight``) are swapped for a scratch tensor meanwhile, because in a normal build that reset
-   ran on the module's own, since-discarded tensor: it must consume the same random numbers and write nowhere;
+   survive), each filled with its recorded value when it has one; the buffer is in the parameters' dtype *at
+   creation* (fp32), cast to the training dtype at close;
+2. allocate its meta buffers (recorded ones get their replayed value);
+3. ``reset_parameters()``, only for a module with a tensor nothing recorded ([Note: recorded values first]) —
+   parameters the module did not create (a tie made after construction, e.g. ``head.weight = emb.weight``) are
+   swapped for a scratch tensor meanwhile, because in a normal build that reset ran on the module's own,
+   since-discarded tensor: it must consume the same random numbers and write nowhere;
 4. ``init_fn(module)`` — on the real (tied) parameters: a normal build applies it after tying;
 5. close every unit this module was the last to touch: check it was fully written, cast, build its
    ``ParamUnit``, broadcast it from rank 0 and keep this rank's shard (``shard_from_params``), free the buffer.
@@ -40,8 +51,10 @@ import torch
 
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import padded_size
-from shardspeed.zero.stage3.init import InitFn, creation_record
+from shardspeed.zero.stage3.init import RECORDED, InitFn, RecordedValue, creation_record
+from shardspeed.zero.stage3.init_replay import ReplaySession, recorded_of
 from shardspeed.zero.stage3.plan import UnitPlan
+from shardspeed.zero.stage3.rng_schedule import RngSchedule, has_reset
 from shardspeed.zero.stage3.unit import ParamUnit
 
 BuildUnit = Callable[[int, list[torch.nn.Parameter], torch.Tensor], ParamUnit]
@@ -65,6 +78,7 @@ class _Module:
     created: list[str] = field(default_factory=list)  # direct parameters this module created
     aliases: list[str] = field(default_factory=list)  # direct parameters created by another module
     units: list[int] = field(default_factory=list)  # units its reset/init_fn write into
+    replayed: bool = False  # every direct meta tensor has a recorded value: no reset_parameters() call
 
 
 @dataclass
@@ -75,6 +89,7 @@ class _Param:
     creator: torch.nn.Module  # the module whose reset_parameters() initializes it
     holders: list[tuple[torch.nn.Module, str]]  # every (module, attribute) that holds it
     created_dtype: torch.dtype  # dtype at creation: initialization runs in it
+    recorded: RecordedValue | None = None  # its value as recorded under zero.Init
     current: torch.nn.Parameter | None = None  # the materialized parameter, once its unit is open
 
     @property
@@ -127,7 +142,13 @@ class _Materializer:
             creator = recorded if recorded is not None and id(recorded) in in_tree else first_holder
             creator_of[id(p)] = creator
             dtype = record.dtype if record is not None else p.dtype
-            info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype)
+            # the creator's binding first: a tie made after the block (head.weight = emb.weight) leaves the other
+            # holder bound to its own, since-discarded tensor
+            by_creator = sorted(holders[id(p)], key=lambda holder: holder[0] is not creator)
+            recorded = recorded_of(by_creator) if p.is_meta else None
+            if recorded is not None:
+                dtype = recorded.dtype
+            info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype, recorded)
             self.by_id[id(p)] = self.by_name[name] = info
 
         self.modules: list[_Module] = []
@@ -138,6 +159,11 @@ class _Materializer:
             if not metas:
                 continue
             entry = _Module(path, m, _init_fn_of(m))
+            entry.replayed = all(
+                recorded_of([(m, attr)]) is not None
+                for attr, t in [*m._parameters.items(), *m._buffers.items()]
+                if t is not None and t.is_meta
+            )
             self.init_fns[id(m)] = entry.init_fn
             for attr, p in direct:
                 (entry.created if creator_of[id(p)] is m else entry.aliases).append(attr)
@@ -151,16 +177,27 @@ class _Materializer:
         self.open: dict[int, torch.Tensor] = {}  # unit → flat buffer (creation dtype)
         self._spare: torch.Tensor | None = None  # a closed unit's buffer, for the next one (see _take_buffer)
         self.built: dict[int, ParamUnit] = {}
+        self.replay = ReplaySession()
+        self.root = root
 
     # --- walk ----------------------------------------------------------------------------------------------
     def run(self) -> list[ParamUnit]:
-        schedule = _RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
+        schedule = RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
+        try:
+            self._walk(schedule)
+        finally:
+            for m in self.root.modules():  # the recordings are spent: free their constants and generator snapshots
+                RECORDED.pop(m)
+            self.replay.close()
+        return [self.built[u] for u in range(len(self.plan.units))]
+
+    def _walk(self, schedule: RngSchedule | None) -> None:
         for position, entry in enumerate(self.modules):
             for unit in entry.units:
                 if unit not in self.open and unit not in self.built:
                     self._open(unit)
             fresh_buffers = self._allocate_buffers(entry)
-            if _has_reset(entry.module):
+            if has_reset(entry.module) and not entry.replayed:
                 if schedule is not None:
                     schedule.restore(("reset", position))
                 with self._scratch(entry.module, entry.aliases):
@@ -179,7 +216,6 @@ class _Materializer:
                 self._open(unit)
                 self._close(unit)
         self._spare = None
-        return [self.built[u] for u in range(len(self.plan.units))]
 
     def _any_init_fn(self) -> bool:
         return any(entry.init_fn is not None for entry in self.modules)
@@ -206,6 +242,8 @@ class _Materializer:
             view = flat[offset : offset + info.shape.numel()].view(info.shape)
             if not old.is_meta:  # a parameter that already had data (built outside the context)
                 view.copy_(old.detach())
+            elif info.recorded is not None:
+                self.replay.fill(info.recorded, view, "parameter", info.name, info.creator)
             new = torch.nn.Parameter(view, requires_grad=old.requires_grad)
             for holder, attr in info.holders:
                 holder._parameters[attr] = new
@@ -221,7 +259,8 @@ class _Materializer:
         params = [info.current for info in infos]
         for info, p in zip(infos, params):
             assert p is not None
-            if p.is_floating_point() and _has_nan(p):
+            unwritten_possible = info.recorded is None or self.replay.maybe_uninitialized(info.recorded)
+            if unwritten_possible and p.is_floating_point() and _has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
         target = infos[0].dtype
         if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
@@ -235,6 +274,7 @@ class _Materializer:
         built.shard_from_params(broadcast_from_rank0=True)
         self.built[unit] = built
         self._keep_spare(created)
+        self.replay.clear()  # intermediates (inv_freq's arange…) are cheap to recompute
 
     def _take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for the next unit: the last closed unit's when it fits. Why reuse: the communication backend
@@ -257,6 +297,17 @@ class _Materializer:
         fresh: dict[str, tuple[torch.Tensor, int]] = {}
         for attr, b in list(entry.module._buffers.items()):
             if b is None or not b.is_meta:
+                continue
+            recorded = recorded_of([(entry.module, attr)])
+            name = f"{entry.path}.{attr}" if entry.path else attr
+            if recorded is not None:  # computed as created (fp32), then cast as the engine cast the meta buffer
+                value = torch.empty(b.shape, dtype=recorded.dtype, device=self.device)
+                self.replay.fill(recorded, value, "buffer", name, entry.module)
+                new = value.to(b.dtype)
+                entry.module._buffers[attr] = new
+                maybe_unwritten = self.replay.maybe_uninitialized(recorded)
+                # a recorded non-float buffer is written unless replay found it never written (which raised)
+                fresh[attr] = (new, new._version if maybe_unwritten else -1)
                 continue
             new = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             if new.is_floating_point():
@@ -283,12 +334,10 @@ class _Materializer:
             self.ctx.collectives.broadcast(now, self.ctx.axis, 0, tag="init")
 
     def _uninitialized(self, kind: str, name: str, module: torch.nn.Module) -> str:
-        has_reset = (
-            "has a reset_parameters() that did not write it" if _has_reset(module) else "has no reset_parameters()"
-        )
+        reset = "has a reset_parameters() that did not write it" if has_reset(module) else "has no reset_parameters()"
         fn = "no init_fn wrote it" if self.init_fns.get(id(module)) is None else "its init_fn did not write it"
         return (
-            f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {has_reset} and "
+            f"zero.Init: {kind} '{name}' was never initialized: its module {type(module).__name__} {reset} and "
             f"{fn} (it still holds no values, or only some). {_HOW_TO_FIX}"
         )
 
@@ -344,10 +393,6 @@ def _has_nan(tensor: torch.Tensor) -> bool:
     return bool(torch.isnan(tensor.sum())) and bool(torch.isnan(tensor).any())
 
 
-def _has_reset(module: torch.nn.Module) -> bool:
-    return callable(getattr(module, "reset_parameters", None))
-
-
 def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
     """The init_fn of the zero.Init context that created this module's tensors (the first one that has one)."""
     for tensor in [*module._parameters.values(), *module._buffers.values()]:
@@ -355,51 +400,3 @@ def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
         if record is not None and record.settings.init_fn is not None:
             return record.settings.init_fn
     return None
-
-
-class _RngSchedule:
-    """Generator states recorded by a survey pass; see [Note: random-number schedule]."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.states: dict[tuple[str, int], torch.Tensor] = {}
-        self.final: torch.Tensor | None = None
-
-    def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @classmethod
-    def survey(
-        cls,
-        modules: list[_Module],
-        device: torch.device,
-        scratch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]],
-    ) -> _RngSchedule:
-        schedule = cls(device)
-        for position, entry in enumerate(modules):
-            if _has_reset(entry.module):
-                schedule.states[("reset", position)] = schedule._get()
-                with scratch(entry.module):
-                    entry.module.reset_parameters()
-        for position, entry in enumerate(modules):
-            if entry.init_fn is not None:
-                schedule.states[("init", position)] = schedule._get()
-                with scratch(entry.module):
-                    entry.init_fn(entry.module)
-        schedule.final = schedule._get()
-        return schedule
-
-    def restore(self, key: tuple[str, int]) -> None:
-        self._set(self.states.pop(key))
-
-    def restore_final(self) -> None:
-        assert self.final is not None
-        self._set(self.final)
