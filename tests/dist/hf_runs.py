@@ -98,6 +98,7 @@ def run_trainer(
     resume: str | None = None,
     evaluate: bool = True,
     save_dir: str | None = None,
+    save16_dir: str | None = None,
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One training run; ``zero=None`` is the plain Trainer. Returns losses, the log, final weights, eval loss."""
@@ -141,4 +142,8 @@ def run_trainer(
     result["weights"] = {k: v.detach().clone() for k, v in state.items()}
     if save_dir is not None:
         trainer.save_model(save_dir)
+    if save16_dir is not None:  # DeepSpeed's save_16bit_model under the name from_pretrained looks for
+        trainer.engine.save_16bit_model(save16_dir, "model.safetensors")
+        if rank == 0:
+            trainer.model.config.save_pretrained(save16_dir)
     return result

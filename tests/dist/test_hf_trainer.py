@@ -91,3 +91,54 @@ def test_trainer_matches_plain_trainer_with_sgd(
     ref = _reference(tmp_path_factory, "gpt2", optim="sgd")
     ranks = run_ranks(run_trainer, WORLD, tmp_path, str(tmp_path / "run"), "gpt2", {"stage": stage}, optim="sgd")
     _check_parity(ref, ranks)
+
+
+def _assert_reloads(directory: Path, kind: str, weights: dict[str, torch.Tensor]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert reloaded.keys() == weights.keys()
+    for name, value in reloaded.items():
+        assert torch.equal(value, weights[name].to(value.dtype)), name
+
+
+@pytest.mark.parametrize(
+    ("kind", "zero"),
+    [
+        pytest.param("gpt2", {"stage": 3}, id="gpt2-zero3"),
+        pytest.param("llama", {"stage": 2}, id="llama-zero2", marks=pytest.mark.slow),
+        pytest.param("llama", {"stage": 3, "offload_param": {"device": "cpu"}}, id="llama-offload", marks=pytest.mark.slow),
+    ],
+)
+def test_checkpoint_resume_and_from_pretrained(tmp_path: Path, kind: str, zero: dict) -> None:
+    """Trainer checkpoints (saved every 2 steps) hold the engine's checkpoint; resuming from the first one gives the
+    uninterrupted run's remaining losses and final weights; ``save_model`` and ``save_16bit_model`` reload with
+    ``from_pretrained`` to the trained weights."""
+    zero = {**zero, "stage3_gather_16bit_weights_on_model_save": True}
+    first = run_ranks(
+        run_trainer,
+        WORLD,
+        tmp_path,
+        str(tmp_path / "a"),
+        kind,
+        zero,
+        save_steps=2,
+        evaluate=False,
+        save_dir=str(tmp_path / "saved"),
+        save16_dir=str(tmp_path / "saved16"),
+    )
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert {"latest", "global_step2", "model.safetensors", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    resumed = run_ranks(
+        run_trainer, WORLD, tmp_path, str(tmp_path / "b"), kind, zero, resume=str(checkpoint), evaluate=False, save_steps=2
+    )
+    for whole, tail in zip(first, resumed):
+        assert tail["losses"] == whole["losses"][2 * GAS :]
+        # the resumed log is the checkpoint's (steps 1-2) continued by the new steps
+        assert [(h["step"], h["loss"], h["learning_rate"]) for h in tail["log"]] == [
+            (h["step"], h["loss"], h["learning_rate"]) for h in whole["log"]
+        ]
+        for name, value in tail["weights"].items():
+            assert torch.equal(value, whole["weights"][name]), name
+    _assert_reloads(tmp_path / "saved", kind, first[0]["weights"])
+    _assert_reloads(tmp_path / "saved16", kind, first[0]["weights"])

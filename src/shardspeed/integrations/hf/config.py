@@ -124,7 +124,7 @@ def fill_auto(ds_config: dict[str, Any], hf: TrainerValues) -> dict[str, Any]:
     wanted = [k for k in hidden_keys if f.is_auto(k)]
     if wanted and hf.hidden_size is None:
         raise ValueError(
-            f"the DeepSpeed config sets {', '.join(wanted)} to \"auto\", which is derived from the model's "
+            f'the DeepSpeed config sets {", ".join(wanted)} to "auto", which is derived from the model\'s '
             "hidden_size, but the model's config has none; set these keys to numbers"
         )
     if hf.hidden_size is not None:
