@@ -174,7 +174,7 @@ class WithRandnParam(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.scale = nn.Parameter(torch.randn(4))  # no reset_parameters writes it: lost on the meta device
+        self.scale = nn.Parameter(torch.randn(4))  # no reset_parameters writes it: recorded, replayed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.scale
@@ -190,9 +190,99 @@ class WithArangeBuffer(nn.Module):
         return self.lin(x) + self.positions
 
 
+class RMSNorm(nn.Module):
+    """Like HF's LlamaRMSNorm: ``torch.ones`` in ``__init__``, no reset_parameters."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Conv1D(nn.Module):
+    """Like HF's GPT-2 Conv1D: ``normal_`` on a fresh ``torch.empty`` in ``__init__``, no reset_parameters."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], -1)
+
+
+class Rotary(nn.Module):
+    """Like HF's LlamaRotaryEmbedding: a buffer-only module, ``inv_freq`` computed from ``arange``."""
+
+    def __init__(self, dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq.repeat(2)
+
+
+def _init_free_modules() -> nn.Module:
+    return nn.Sequential(Conv1D(8, 8), RMSNorm(8), Rotary(8), WithRandnParam().lin, nn.Linear(8, 4))
+
+
+def _hf_style_cases(rank: int, world: int, kind: str, precision: str) -> dict:
+    torch.manual_seed(100 + rank)
+    with zero.Init():
+        model = _init_free_modules() if kind == "hf_style" else WithRandnParam() if kind == "param" else WithArangeBuffer()
+    engine, *_ = shardspeed.initialize(model=model, config=_config(0, precision))
+    state = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    state.update({k: v.clone() for k, v in engine.module.named_buffers()})
+    return state
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision"), [("hf_style", "fp32"), ("hf_style", "bf16"), ("param", "fp32"), ("buffer", "fp32")]
+)
+def test_values_set_in_init_without_reset_parameters(dist_run, kind: str, precision: str) -> None:
+    """torch.ones / normal_ in __init__, a randn parameter, an arange buffer, a buffer-only module (inv_freq, also
+    under bf16): each equal to a normal build (then cast), with no init_fn. Used to raise UninitializedTensorError
+    (and inv_freq stayed unwritten under bf16)."""
+    state = dist_run(_hf_style_cases, 2, kind, precision)[1]
+    torch.manual_seed(100)
+    model = _init_free_modules() if kind == "hf_style" else WithRandnParam() if kind == "param" else WithArangeBuffer()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    expected = dict(model.state_dict())
+    expected.update(dict(model.named_buffers()))
+    assert sorted(state) == sorted(expected)
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+
+
+class WithEmptyParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.empty(4))  # nobody ever writes it: no values in a normal build either
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class WithEmptyBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("positions", torch.empty(4, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.positions
+
+
 def _build_uninitialized(rank: int, world: int, kind: str) -> None:
     with zero.Init():
-        model = WithRandnParam() if kind == "param" else WithArangeBuffer()
+        model = WithEmptyParam() if kind == "param" else WithEmptyBuffer()
     shardspeed.initialize(model=model, config=_config(0))
 
 
@@ -204,6 +294,30 @@ def test_unwritten_tensor_is_an_error_naming_it(dist_run, kind: str, name: str) 
     assert len(messages) == 2  # every rank raises the same error: nobody hangs
     for message in messages:
         assert name in message and "never initialized" in message and "init_fn" in message, message
+
+
+def _build_unreplayable(rank: int, world: int, case: str) -> None:
+    if case == "outside":  # a buffer computed from a meta tensor made outside the block: nothing recorded it
+        outside = torch.ones(4, device="meta")
+        with zero.Init():
+            model = WithArangeBuffer()
+            model.register_buffer("offsets", outside * 2)
+    else:  # written in place on the meta device after the block: the write was not recorded
+        with zero.Init():
+            model = WithArangeBuffer()
+        with torch.no_grad():
+            model.lin.weight.zero_()
+    shardspeed.initialize(model=model, config=_config(0))
+
+
+@pytest.mark.parametrize(("case", "names"), [("outside", ["'offsets'", "outside"]), ("after", ["'lin.weight'", "after"])])
+def test_unreplayable_value_is_an_error_naming_it(dist_run, case: str, names: list[str]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        dist_run(_build_unreplayable, 2, case)
+    messages = failure.value.messages()
+    assert len(messages) == 2
+    for message in messages:
+        assert "zero.Init" in message and all(n in message for n in names), message
 
 
 def _batchnorm_and_fixed_buffer(rank: int, world: int) -> dict:

@@ -2,9 +2,12 @@
 
 Inside the context every tensor factory defaults to the meta device (``torch.device("meta")`` used as a context
 manager — torch's own mechanism; no torch function or ``nn.Module.__init__`` is patched), so constructing the model
-allocates nothing. ``shardspeed.initialize`` with stage 3 then materializes it one unit at a time
-(``materialize.py``): allocate the unit, run ``reset_parameters()`` and ``init_fn``, broadcast from rank 0, keep
-this rank's shard, free the unit, next.
+allocates nothing. Meanwhile a dispatch mode records how every meta tensor's value is computed (factories,
+in-place initialization, HF's ``post_init``: [Note: init recording] in ``init_record.py``); at exit each module's
+parameters and buffers are bound to their recorded values (``RECORDED``). ``shardspeed.initialize`` with stage 3
+then materializes the model one unit at a time (``materialize.py``): allocate the unit, replay its recorded values
+(or, for a tensor with no recording, run ``reset_parameters()``), run ``init_fn``, broadcast from rank 0, keep this
+rank's shard, free the unit, next.
 
 How ``init_fn`` (and the rest of what Init knows) reaches the engine — [Note: creation records]. Init cannot know
 which object is "the model": a user may build several models inside one context, build submodules inside it and
@@ -32,6 +35,7 @@ from torch.nn.modules.module import (
 )
 
 from shardspeed.config.load import ConfigSource, read_config_source
+from shardspeed.zero.stage3.init_record import RecordDataFactories, Recording, RecordOps, TensorRef
 from shardspeed.zero.stage3.registry import WeakIdMap
 
 InitFn = Callable[[torch.nn.Module], None]
@@ -62,6 +66,45 @@ CREATED: WeakIdMap[CreationRecord] = WeakIdMap()
 
 def creation_record(tensor: torch.Tensor) -> CreationRecord | None:
     return CREATED.get(tensor)
+
+
+@dataclass(frozen=True)
+class RecordedValue:
+    """A module's parameter or buffer as it stood at the end of the ``zero.Init`` block: its recorded value."""
+
+    recording: Recording
+    ref: TensorRef
+    alias: torch.Tensor  # a meta alias sharing the tensor's version counter: detects writes after the block
+    version: int  # alias._version at the end of the block
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ref.dtype
+
+    def written_after_block(self) -> bool:
+        return self.alias._version != self.version
+
+    @property
+    def recorded(self) -> bool:
+        """Whether anything was recorded for it (a meta tensor made outside any block and untouched inside was not:
+        materialization falls back to reset_parameters / init_fn for it)."""
+        history = self.recording.histories[self.ref.storage]
+        return history.creation is not None or bool(history.writes)
+
+
+RECORDED: WeakIdMap[dict[str, RecordedValue]] = WeakIdMap()
+"""Module built under ``zero.Init`` → attribute → recorded value, bound when the block exits (keyed by module and
+name, not by tensor: the engine's cast to bf16 replaces meta buffers before materialization)."""
+
+
+def recorded_value(module: torch.nn.Module, attr: str) -> RecordedValue | None:
+    values = RECORDED.get(module)
+    return values.get(attr) if values is not None else None
+
+
+_ACTIVE: list[Recording] = []
+"""The recording of the outermost active zero.Init block: a nested block records into it (two dispatch modes
+would each advance the generator for the same random op). Process-local, not distributed state."""
 
 
 class Init:
@@ -102,6 +145,9 @@ class Init:
         self.settings = InitSettings(init_fn=init_fn)
         self._device_context: Any = None
         self._handles: list[Any] = []
+        self._modes: list[Any] = []
+        self._recording: Recording | None = None
+        self._seen: dict[int, weakref.ref[torch.nn.Module]] = {}  # modules that registered meta tensors
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -114,16 +160,47 @@ class Init:
             register_module_parameter_registration_hook(self._on_register),
             register_module_buffer_registration_hook(self._on_register),
         ]
+        self._seen = {}
+        if _ACTIVE:  # nested: the outer block's modes already record everything
+            self._recording, self._modes = _ACTIVE[-1], []
+        else:
+            self._recording = Recording()
+            self._modes = [RecordDataFactories(self._recording), RecordOps(self._recording)]
+            for mode in self._modes:
+                mode.__enter__()
+        _ACTIVE.append(self._recording)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled or self._device_context is None:
             return
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+        self._modes = []
+        _ACTIVE.pop()
         for handle in self._handles:
             handle.remove()
         self._handles = []
         context, self._device_context = self._device_context, None
         context.__exit__(None, None, None)
+        recording, self._recording = self._recording, None
+        if exc[0] is None and recording is not None:
+            self._bind_recorded_values(recording)
+        self._seen = {}
+
+    def _bind_recorded_values(self, recording: Recording) -> None:
+        """Every module that registered a meta tensor: its current parameters and buffers → their recorded value."""
+        for ref in self._seen.values():
+            module = ref()
+            if module is None:
+                continue
+            values = dict(RECORDED.get(module) or {})
+            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is None or not t.is_meta:
+                    continue
+                alias = t.detach()
+                values[attr] = RecordedValue(recording, recording.ref(t), alias, alias._version)
+            RECORDED.set(module, values)
 
     def _on_register(self, module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
         """A module registered a parameter or buffer: record its creator unless someone registered it first.
@@ -131,6 +208,9 @@ class Init:
         Nested contexts both see the same registration; the inner one (its hook runs last) wins."""
         if tensor is None or not tensor.is_meta:
             return
+        seen = self._seen.get(id(module))
+        if seen is None or seen() is not module:
+            self._seen[id(module)] = weakref.ref(module)
         existing = CREATED.get(tensor)
         if existing is not None and not (existing.creator is module and existing.name == name):
             return  # a later registration of a tensor created elsewhere: a tie, not a creation

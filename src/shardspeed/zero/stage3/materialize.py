@@ -1,5 +1,14 @@
 """Materialize a model built under ``zero.Init`` one ZeRO-3 unit at a time, sharding each before the next.
 
+[Note: recorded values first] A tensor whose computation was recorded under the ``zero.Init`` block (every tensor
+built inside one: ``init_record.py``) gets its value by replay (``init_replay.py``) when its unit opens or, for a
+buffer, when its module comes up: that value already includes the module's own initialization in ``__init__``
+(``reset_parameters()`` called there) and anything run later in the block (HF's ``post_init``), so
+``reset_parameters()`` is *not* called again for a module whose tensors are all recorded. ``init_fn`` still runs
+after, as before (a normal build followed by ``model.apply(init_fn)``). Replay draws from recorded generator
+snapshots and leaves the generator where it was, so the schedule below only concerns reset/init_fn calls. The
+reset path below remains for meta tensors nothing recorded (created outside any block).
+
 Walk: modules in post-order (children before their parent — the order in which a normal build's constructors
 finish and call ``reset_parameters()``, and the order of ``model.apply(init_fn)``), keeping only modules that own a
 meta parameter or buffer directly. For each module:
@@ -40,7 +49,9 @@ import torch
 
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import padded_size
-from shardspeed.zero.stage3.init import InitFn, creation_record
+from shardspeed.zero.stage3.init import RECORDED, InitFn, RecordedValue, creation_record, recorded_value
+from shardspeed.zero.stage3.init_record import UnreplayableInitError
+from shardspeed.zero.stage3.init_replay import Replayer, preserved_rng
 from shardspeed.zero.stage3.plan import UnitPlan
 from shardspeed.zero.stage3.unit import ParamUnit
 
@@ -65,6 +76,7 @@ class _Module:
     created: list[str] = field(default_factory=list)  # direct parameters this module created
     aliases: list[str] = field(default_factory=list)  # direct parameters created by another module
     units: list[int] = field(default_factory=list)  # units its reset/init_fn write into
+    replayed: bool = False  # every direct meta tensor has a recorded value: no reset_parameters() call
 
 
 @dataclass
@@ -75,6 +87,7 @@ class _Param:
     creator: torch.nn.Module  # the module whose reset_parameters() initializes it
     holders: list[tuple[torch.nn.Module, str]]  # every (module, attribute) that holds it
     created_dtype: torch.dtype  # dtype at creation: initialization runs in it
+    recorded: RecordedValue | None = None  # its value as recorded under zero.Init
     current: torch.nn.Parameter | None = None  # the materialized parameter, once its unit is open
 
     @property
@@ -127,7 +140,10 @@ class _Materializer:
             creator = recorded if recorded is not None and id(recorded) in in_tree else first_holder
             creator_of[id(p)] = creator
             dtype = record.dtype if record is not None else p.dtype
-            info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype)
+            recorded = _recorded_of(holders[id(p)]) if p.is_meta else None
+            if recorded is not None:
+                dtype = recorded.dtype
+            info = _Param(p, name, plan.owner[name], creator, holders[id(p)], dtype, recorded)
             self.by_id[id(p)] = self.by_name[name] = info
 
         self.modules: list[_Module] = []
@@ -138,6 +154,11 @@ class _Materializer:
             if not metas:
                 continue
             entry = _Module(path, m, _init_fn_of(m))
+            entry.replayed = all(
+                _recorded_of([(m, attr)]) is not None
+                for attr, t in [*m._parameters.items(), *m._buffers.items()]
+                if t is not None and t.is_meta
+            )
             self.init_fns[id(m)] = entry.init_fn
             for attr, p in direct:
                 (entry.created if creator_of[id(p)] is m else entry.aliases).append(attr)
@@ -151,16 +172,27 @@ class _Materializer:
         self.open: dict[int, torch.Tensor] = {}  # unit → flat buffer (creation dtype)
         self._spare: torch.Tensor | None = None  # a closed unit's buffer, for the next one (see _take_buffer)
         self.built: dict[int, ParamUnit] = {}
+        self.replayers: dict[int, Replayer] = {}  # id(recording) → its replayer
+        self.root = root
 
     # --- walk ----------------------------------------------------------------------------------------------
     def run(self) -> list[ParamUnit]:
         schedule = _RngSchedule.survey(self.modules, self.device, self._scratch_all) if self._any_init_fn() else None
+        try:
+            self._walk(schedule)
+        finally:
+            for m in self.root.modules():  # the recordings are spent: free their constants and generator snapshots
+                RECORDED.pop(m)
+            self.replayers.clear()
+        return [self.built[u] for u in range(len(self.plan.units))]
+
+    def _walk(self, schedule: _RngSchedule | None) -> None:
         for position, entry in enumerate(self.modules):
             for unit in entry.units:
                 if unit not in self.open and unit not in self.built:
                     self._open(unit)
             fresh_buffers = self._allocate_buffers(entry)
-            if _has_reset(entry.module):
+            if _has_reset(entry.module) and not entry.replayed:
                 if schedule is not None:
                     schedule.restore(("reset", position))
                 with self._scratch(entry.module, entry.aliases):
@@ -179,7 +211,6 @@ class _Materializer:
                 self._open(unit)
                 self._close(unit)
         self._spare = None
-        return [self.built[u] for u in range(len(self.plan.units))]
 
     def _any_init_fn(self) -> bool:
         return any(entry.init_fn is not None for entry in self.modules)
@@ -206,6 +237,8 @@ class _Materializer:
             view = flat[offset : offset + info.shape.numel()].view(info.shape)
             if not old.is_meta:  # a parameter that already had data (built outside the context)
                 view.copy_(old.detach())
+            elif info.recorded is not None:
+                self._replay(info.recorded, view, "parameter", info.name, info.creator)
             new = torch.nn.Parameter(view, requires_grad=old.requires_grad)
             for holder, attr in info.holders:
                 holder._parameters[attr] = new
@@ -221,7 +254,10 @@ class _Materializer:
         params = [info.current for info in infos]
         for info, p in zip(infos, params):
             assert p is not None
-            if p.is_floating_point() and _has_nan(p):
+            unwritten_possible = info.recorded is None or self._replayer(info.recorded).maybe_uninitialized(
+                info.recorded.ref
+            )
+            if unwritten_possible and p.is_floating_point() and _has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
         target = infos[0].dtype
         if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
@@ -235,6 +271,8 @@ class _Materializer:
         built.shard_from_params(broadcast_from_rank0=True)
         self.built[unit] = built
         self._keep_spare(created)
+        for replayer in self.replayers.values():  # intermediates (inv_freq's arange…) are cheap to recompute
+            replayer.clear()
 
     def _take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for the next unit: the last closed unit's when it fits. Why reuse: the communication backend
@@ -258,12 +296,53 @@ class _Materializer:
         for attr, b in list(entry.module._buffers.items()):
             if b is None or not b.is_meta:
                 continue
+            recorded = _recorded_of([(entry.module, attr)])
+            name = f"{entry.path}.{attr}" if entry.path else attr
+            if recorded is not None:  # computed as created (fp32), then cast as the engine cast the meta buffer
+                value = torch.empty(b.shape, dtype=recorded.dtype, device=self.device)
+                self._replay(recorded, value, "buffer", name, entry.module)
+                new = value.to(b.dtype)
+                entry.module._buffers[attr] = new
+                maybe_unwritten = self._replayer(recorded).maybe_uninitialized(recorded.ref)
+                # a recorded non-float buffer is written unless replay found it never written (which raised)
+                fresh[attr] = (new, new._version if maybe_unwritten else -1)
+                continue
             new = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             if new.is_floating_point():
                 new.fill_(float("nan"))
             entry.module._buffers[attr] = new
             fresh[attr] = (new, new._version)
         return fresh
+
+    # --- replay --------------------------------------------------------------------------------------------
+    def _replayer(self, recorded: RecordedValue) -> Replayer:
+        found = self.replayers.get(id(recorded.recording))
+        if found is None:
+            found = self.replayers[id(recorded.recording)] = Replayer(recorded.recording)
+        return found
+
+    def _replay(
+        self, recorded: RecordedValue, out: torch.Tensor, kind: str, name: str, module: torch.nn.Module
+    ) -> None:
+        """``out`` ← the recorded value; an error naming the tensor when it cannot be computed. See [Note:
+        recorded values first]."""
+        where = f"zero.Init: {kind} '{name}' of {type(module).__name__}"
+        if recorded.written_after_block():
+            raise UnreplayableInitError(
+                f"{where} was written in place after the zero.Init block, while it was still on the meta device, "
+                "so the write was not recorded. Do it inside the block, or after shardspeed.initialize() under "
+                "zero.GatheredParameters(..., modifier_rank=0)"
+            )
+        replayer = self._replayer(recorded)
+        try:
+            with preserved_rng():
+                replayer.fill(recorded.ref, out)
+        except UnreplayableInitError as exc:
+            raise UnreplayableInitError(f"{where} cannot be computed: {exc}") from exc
+        except Exception as exc:
+            raise UnreplayableInitError(
+                f"{where} cannot be computed: replaying its recorded ops failed: {exc}"
+            ) from exc
 
     @torch.no_grad()
     def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
@@ -338,6 +417,15 @@ def _post_order(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
+def _recorded_of(holders: list[tuple[torch.nn.Module, str]]) -> RecordedValue | None:
+    """The recorded value of a tensor held as ``(module, attr)`` (any holder: ties share one storage)."""
+    for module, attr in holders:
+        found = recorded_value(module, attr)
+        if found is not None and found.recorded:
+            return found
+    return None
+
+
 def _has_nan(tensor: torch.Tensor) -> bool:
     """Whether any element is NaN, without a tensor-sized temporary in the common case: a NaN makes the sum NaN
     (the exact check only runs then, so +inf and -inf summing to NaN is no false alarm)."""
@@ -385,7 +473,7 @@ class _RngSchedule:
     ) -> _RngSchedule:
         schedule = cls(device)
         for position, entry in enumerate(modules):
-            if _has_reset(entry.module):
+            if _has_reset(entry.module) and not entry.replayed:
                 schedule.states[("reset", position)] = schedule._get()
                 with scratch(entry.module):
                     entry.module.reset_parameters()
