@@ -15,7 +15,7 @@ import transformers
 from torch.utils.data import SequentialSampler
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from shardspeed.integrations.hf import ShardSpeedTrainer
+from shardspeed.integrations.hf import ShardSpeedTrainer, from_config
 
 SAMPLES, SEQ, VOCAB, MB, GAS, WORLD = 32, 16, 128, 2, 2, 2
 STEPS = SAMPLES // (MB * GAS * WORLD)  # one epoch
@@ -40,8 +40,12 @@ def tiny_config(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def build_model(kind: str) -> torch.nn.Module:
+def build_model(kind: str, under_init_with: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The model, seeded; with ``under_init_with`` (a stage-3 DeepSpeed config) built under ``zero.Init`` through
+    ``from_config`` (no init_fn), which must equal the normal build bitwise."""
     torch.manual_seed(0)
+    if under_init_with is not None:
+        return from_config(tiny_config(kind), under_init_with)
     return (GPT2LMHeadModel if kind == "gpt2" else LlamaForCausalLM)(tiny_config(kind))
 
 
@@ -100,11 +104,14 @@ def run_trainer(
     save_dir: str | None = None,
     save16_dir: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    zero_init: bool = False,
 ) -> dict[str, Any]:
     """One training run; ``zero=None`` is the plain Trainer. Returns losses, the log, final weights, eval loss."""
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # accelerate reads torchrun's variables; the harness sets the rest
     transformers.logging.set_verbosity_error()
-    model = build_model(kind)
+    config = ds_config(zero, **(extra_config or {})) if zero is not None else None
+    model = build_model(kind, config if zero_init else None)
+    built_on_meta = all(p.is_meta for p in model.parameters())
     args = TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=MB * WORLD // world,
@@ -130,13 +137,14 @@ def run_trainer(
     if zero is None:
         trainer: Any = PlainTrainer(**common)
     else:
-        trainer = RecordingShardSpeedTrainer(**common, shardspeed_config=ds_config(zero, **(extra_config or {})))
+        trainer = RecordingShardSpeedTrainer(**common, shardspeed_config=config)
     trainer.micro_losses = []
     trainer.train(resume_from_checkpoint=resume)
     result: dict[str, Any] = {
         "losses": trainer.micro_losses,
         "log": [h for h in trainer.state.log_history if "loss" in h],
         "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None,
+        "built_on_meta": built_on_meta,
     }
     state = trainer.engine.module_state_dict() if zero is not None else trainer.model.state_dict()
     result["weights"] = {k: v.detach().clone() for k, v in state.items()}

@@ -83,6 +83,28 @@ def test_trainer_matches_plain_trainer(
     _check_parity(ref, ranks)
 
 
+INIT_CASES = [
+    pytest.param("gpt2", {"stage": 3}, True, id="gpt2-gc"),
+    pytest.param("llama", {"stage": 3}, False, id="llama", marks=pytest.mark.slow),
+    pytest.param("llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-offload-gc", marks=pytest.mark.slow),
+    pytest.param("gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="gpt2-offload", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("kind", "zero", "gc"), INIT_CASES)
+def test_trainer_trains_a_model_built_under_zero_init(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kind: str, zero: dict, gc: bool
+) -> None:
+    """``from_config`` under ``zero.Init`` (no init_fn, never whole on a rank) through the Trainer equals the plain
+    Trainer on a normally built model: same initial weights bitwise, so the same losses and final weights."""
+    ref = _reference(tmp_path_factory, kind)
+    ranks = run_ranks(
+        run_trainer, WORLD, tmp_path, str(tmp_path / "run"), kind, zero, gradient_checkpointing=gc, zero_init=True
+    )
+    assert all(r["built_on_meta"] for r in ranks)  # no rank ever held the model whole
+    _check_parity(ref, ranks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_trainer_matches_plain_trainer_with_sgd(
