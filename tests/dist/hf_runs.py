@@ -105,6 +105,8 @@ def run_trainer(
     save16_dir: str | None = None,
     extra_config: dict[str, Any] | None = None,
     zero_init: bool = False,
+    samples: int = SAMPLES,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     """One training run; ``zero=None`` is the plain Trainer. Returns losses, the log, final weights, eval loss."""
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # accelerate reads torchrun's variables; the harness sets the rest
@@ -132,8 +134,9 @@ def run_trainer(
         use_cpu=True,
         disable_tqdm=True,
         gradient_checkpointing=gradient_checkpointing,
+        bf16=bf16,
     )
-    common = {"model": model, "args": args, "train_dataset": dataset(), "eval_dataset": dataset(8, seed=2)}
+    common = {"model": model, "args": args, "train_dataset": dataset(samples), "eval_dataset": dataset(8, seed=2)}
     if zero is None:
         trainer: Any = PlainTrainer(**common)
     else:
@@ -145,6 +148,7 @@ def run_trainer(
         "log": [h for h in trainer.state.log_history if "loss" in h],
         "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None,
         "built_on_meta": built_on_meta,
+        "compute_dtype": str(trainer.engine.config.compute_dtype) if zero is not None else None,
     }
     state = trainer.engine.module_state_dict() if zero is not None else trainer.model.state_dict()
     result["weights"] = {k: v.detach().clone() for k, v in state.items()}
