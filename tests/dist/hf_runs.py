@@ -107,6 +107,10 @@ def run_trainer(
     zero_init: bool = False,
     samples: int = SAMPLES,
     bf16: bool = False,
+    weight_decay: float = 0.01,
+    learning_rate: float = LR,
+    adam_beta2: float = 0.999,
+    adam_epsilon: float = 1e-8,
 ) -> dict[str, Any]:
     """One training run; ``zero=None`` is the plain Trainer. Returns losses, the log, final weights, eval loss."""
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # accelerate reads torchrun's variables; the harness sets the rest
@@ -121,8 +125,10 @@ def run_trainer(
         gradient_accumulation_steps=GAS,
         num_train_epochs=1,
         max_steps=max_steps,
-        learning_rate=LR,
-        weight_decay=0.01,
+        learning_rate=learning_rate,
+        adam_beta2=adam_beta2,
+        adam_epsilon=adam_epsilon,
+        weight_decay=weight_decay,
         warmup_steps=1,
         max_grad_norm=1.0,
         optim=optim,
@@ -149,6 +155,11 @@ def run_trainer(
         "eval_loss": trainer.evaluate()["eval_loss"] if evaluate else None,
         "built_on_meta": built_on_meta,
         "compute_dtype": str(trainer.engine.config.compute_dtype) if zero is not None else None,
+        "optimizer": (
+            {k: v for k, v in trainer.engine.optimizer.param_groups[0].items() if k in ("betas", "eps", "weight_decay")}
+            if zero is not None
+            else None
+        ),
     }
     state = trainer.engine.module_state_dict() if zero is not None else trainer.model.state_dict()
     result["weights"] = {k: v.detach().clone() for k, v in state.items()}

@@ -57,8 +57,10 @@ def _check_parity(ref: dict[str, Any], ranks: list[dict[str, Any]], steps: int =
 
 CASES = [
     pytest.param("gpt2", {"stage": 0}, False, id="gpt2-zero0", marks=pytest.mark.slow),
-    pytest.param("gpt2", {"stage": 2}, False, id="gpt2-zero2"),
-    pytest.param("llama", {"stage": 3}, True, id="llama-zero3-gc"),
+    # default suite: stage 2 runs in test_config_optimizer_filled_from_the_training_arguments, stage 3 with
+    # gradient checkpointing in test_trainer_trains_a_model_built_under_zero_init
+    pytest.param("gpt2", {"stage": 2}, False, id="gpt2-zero2", marks=pytest.mark.slow),
+    pytest.param("llama", {"stage": 3}, True, id="llama-zero3-gc", marks=pytest.mark.slow),
     pytest.param("gpt2", {"stage": 1}, False, id="gpt2-zero1", marks=pytest.mark.slow),
     pytest.param("gpt2", {"stage": 3}, False, id="gpt2-zero3", marks=pytest.mark.slow),
     pytest.param("gpt2", {"stage": 3}, True, id="gpt2-zero3-gc", marks=pytest.mark.slow),
@@ -85,8 +87,33 @@ def test_trainer_matches_plain_trainer(
     _check_parity(ref, ranks)
 
 
+HF_STYLE_OPTIMIZER = {  # as in transformers' DeepSpeed docs: every value "auto"
+    "optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}},
+}
+
+
+def test_config_optimizer_filled_from_the_training_arguments(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A config with its own optimizer section, all "auto": the engine builds it with the TrainingArguments' lr /
+    betas / eps / weight decay — the plain Trainer's AdamW (weight decay 0: a config optimizer has no per-parameter
+    decay groups) — and the Trainer's linear warmup schedule drives it. (A config ``scheduler`` is DeepSpeed's own
+    curve — WarmupDecayLR warms up over at least 2 steps — so it is not compared with the Trainer's.)"""
+    # values other than every default, so "auto" that fell back to a default would show
+    hyper = {"weight_decay": 0.0, "learning_rate": 2e-3, "adam_beta2": 0.99, "adam_epsilon": 1e-7}
+    ref = _reference(tmp_path_factory, "gpt2", **hyper)
+    ranks = run_ranks(
+        run_trainer, WORLD, tmp_path, str(tmp_path / "run"), "gpt2", {"stage": 2}, extra_config=HF_STYLE_OPTIMIZER, **hyper
+    )
+    _check_parity(ref, ranks)
+    assert ref["log"][1]["learning_rate"] == 2e-3  # the warmup reached the TrainingArguments' rate
+    for r in ranks:
+        assert r["optimizer"] == {"betas": (0.9, 0.99), "eps": 1e-7, "weight_decay": 0.0}, r["optimizer"]
+
+
 INIT_CASES = [
-    pytest.param("gpt2", {"stage": 3}, True, id="gpt2-gc"),
+    pytest.param("llama", {"stage": 3}, True, id="llama-gc"),
+    pytest.param("gpt2", {"stage": 3}, True, id="gpt2-gc", marks=pytest.mark.slow),
     pytest.param("llama", {"stage": 3}, False, id="llama", marks=pytest.mark.slow),
     pytest.param("llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-offload-gc", marks=pytest.mark.slow),
     pytest.param("gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="gpt2-offload", marks=pytest.mark.slow),
