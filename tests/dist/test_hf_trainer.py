@@ -134,6 +134,24 @@ def test_trainer_trains_a_model_built_under_zero_init(
     _check_parity(ref, ranks)
 
 
+def _evaluate_untrained_init_model(rank: int, world: int, out: str) -> str:
+    from hf_runs import RecordingShardSpeedTrainer, build_model, dataset, ds_config
+    from transformers import TrainingArguments
+
+    from harness import error_of
+
+    config = ds_config({"stage": 3})
+    args = TrainingArguments(output_dir=out, report_to=[], use_cpu=True, disable_tqdm=True)
+    model = build_model("gpt2", config)
+    trainer = RecordingShardSpeedTrainer(model=model, args=args, eval_dataset=dataset(4), shardspeed_config=config)
+    return error_of(trainer.evaluate)
+
+
+def test_evaluating_an_untrained_zero_init_model_is_a_clear_error(tmp_path: Path) -> None:
+    (message,) = run_ranks(_evaluate_untrained_init_model, 1, tmp_path, str(tmp_path / "run"))
+    assert message.startswith("RuntimeError") and "zero.Init" in message and "train()" in message, message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_trainer_matches_plain_trainer_with_sgd(
