@@ -55,6 +55,7 @@ from transformers.optimization import get_scheduler
 
 from shardspeed.integrations.hf.config import TrainerValues, fill_auto, model_hidden_size
 from shardspeed.integrations.hf.engine_view import EngineModule, EngineOptimizer, EngineScheduler
+from shardspeed.zero.stage3.init import has_deferred_tensors
 
 
 def _read_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -95,8 +96,14 @@ class ShardSpeedTrainer(Trainer):
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         if self._engine_module is not None:
             return self._engine_module
-        if not training:
-            return model  # evaluation before any training: the plain model (stages 0-2 and a normally built model)
+        if not training:  # evaluation before any training: the plain model (stages 0-2 and a normally built model)
+            if has_deferred_tensors(model):
+                raise RuntimeError(
+                    "ShardSpeedTrainer: evaluation before train() of a model built under zero.Init: its parameters "
+                    "are still on the meta device (the engine materializes them when training starts); call "
+                    "trainer.train() first, or build the model normally to evaluate it untrained"
+                )
+            return model
         self._build_engine()
         return self._engine_module
 
