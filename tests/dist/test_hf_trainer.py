@@ -172,14 +172,18 @@ def _assert_reloads(directory: Path, kind: str, weights: dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize(
-    ("kind", "zero"),
+    ("kind", "zero", "zero_init"),
     [
-        pytest.param("gpt2", {"stage": 3}, id="gpt2-zero3"),
-        pytest.param("llama", {"stage": 2}, id="llama-zero2", marks=pytest.mark.slow),
-        pytest.param("llama", {"stage": 3, "offload_param": {"device": "cpu"}}, id="llama-offload", marks=pytest.mark.slow),
+        pytest.param("gpt2", {"stage": 3}, False, id="gpt2-zero3"),
+        pytest.param("llama", {"stage": 2}, False, id="llama-zero2", marks=pytest.mark.slow),
+        pytest.param(
+            "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="llama-offload", marks=pytest.mark.slow
+        ),
+        pytest.param("llama", {"stage": 3}, True, id="llama-zero-init", marks=pytest.mark.slow),
+        pytest.param("gpt2", {"stage": 3}, True, id="gpt2-zero-init", marks=pytest.mark.slow),
     ],
 )
-def test_checkpoint_resume_and_from_pretrained(tmp_path: Path, kind: str, zero: dict) -> None:
+def test_checkpoint_resume_and_from_pretrained(tmp_path: Path, kind: str, zero: dict, zero_init: bool) -> None:
     """Trainer checkpoints (saved every 2 steps) hold the engine's checkpoint; resuming from the first one gives the
     uninterrupted run's remaining losses and final weights; ``save_model`` and ``save_16bit_model`` reload with
     ``from_pretrained`` to the trained weights."""
@@ -195,11 +199,13 @@ def test_checkpoint_resume_and_from_pretrained(tmp_path: Path, kind: str, zero: 
         evaluate=False,
         save_dir=str(tmp_path / "saved"),
         save16_dir=str(tmp_path / "saved16"),
+        zero_init=zero_init,
     )
     checkpoint = tmp_path / "a" / "checkpoint-2"
     assert {"latest", "global_step2", "model.safetensors", "trainer_state.json"} <= set(os.listdir(checkpoint))
     resumed = run_ranks(
-        run_trainer, WORLD, tmp_path, str(tmp_path / "b"), kind, zero, resume=str(checkpoint), evaluate=False, save_steps=2
+        run_trainer, WORLD, tmp_path, str(tmp_path / "b"), kind, zero, resume=str(checkpoint), evaluate=False, save_steps=2,
+        zero_init=zero_init,
     )
     for whole, tail in zip(first, resumed):
         assert tail["losses"] == whole["losses"][2 * GAS :]
@@ -228,7 +234,7 @@ def test_short_last_accumulation_window_steps_like_the_trainer(
 @pytest.mark.slow
 def test_bf16_from_the_training_arguments(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """``bf16=True`` in the TrainingArguments fills ``"bf16": {"enabled": "auto"}``: the engine trains in bf16 and its
-    losses track the fp32 plain Trainer's."""
+    losses track the fp32 plain Trainer's; ``save_model`` and ``save_16bit_model`` hold the bf16 weights exactly."""
     ref = _reference(tmp_path_factory, "gpt2")
     ranks = run_ranks(
         run_trainer,
@@ -236,10 +242,15 @@ def test_bf16_from_the_training_arguments(tmp_path: Path, tmp_path_factory: pyte
         tmp_path,
         str(tmp_path / "run"),
         "gpt2",
-        {"stage": 3},
+        {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
         bf16=True,
         extra_config={"bf16": {"enabled": "auto"}},
+        save_dir=str(tmp_path / "saved"),
+        save16_dir=str(tmp_path / "saved16"),
     )
     assert all(r["compute_dtype"] == "torch.bfloat16" for r in ranks)
+    assert all(v.dtype == torch.bfloat16 for v in ranks[0]["weights"].values())
     mean = [sum(values) / WORLD for values in zip(*(r["losses"] for r in ranks))]
     assert max(abs(a - b) for a, b in zip(mean, ref["losses"])) < 0.05
+    _assert_reloads(tmp_path / "saved", "gpt2", ranks[0]["weights"])  # bf16 values, exactly
+    _assert_reloads(tmp_path / "saved16", "gpt2", ranks[0]["weights"])
