@@ -27,7 +27,7 @@ Trainer documents for custom training ("Subclass and override"), each doing what
   ``engine.step`` (accelerate's ``DeepSpeedEngineWrapper.backward``): the accumulation boundary is the Trainer's
   (``accelerator.sync_gradients``, so a short last window of an epoch steps), and since the Trainer's loss is
   already normalized over the accumulation window (``num_items_in_batch``, or divided by the window length),
-  the engine's own ``1/gradient_accumulation_steps`` is undone — DeepSpeed's ``scale_wrt_gas=False``.
+  the engine's own ``1/gradient_accumulation_steps`` is skipped: ``engine.backward(loss, scale_wrt_gas=False)``.
 - Clipping happens in the engine (``gradient_clipping`` ← ``max_grad_norm``). The Trainer's own
   ``clip_grad_norm_`` runs after ``training_step``, when the engine has stepped and zeroed its gradients, so it
   multiplies by 1; the logged ``grad_norm`` is the engine's (``_maybe_log_save_evaluate``).
@@ -153,8 +153,8 @@ class ShardSpeedTrainer(Trainer):
             loss = loss / self.current_gradient_accumulation_steps  # as the Trainer does
         boundary = bool(self.accelerator.sync_gradients)
         engine.set_gradient_accumulation_boundary(boundary)
-        # The loss is already normalized over the window; engine.backward divides by the config's GAS again.
-        engine.backward(loss * engine.gradient_accumulation_steps())
+        # The loss is already normalized over the window: the engine must not divide by its GAS again.
+        engine.backward(loss, scale_wrt_gas=False)
         if boundary:
             self.lr_scheduler.last_step_lr = engine.get_lr()  # the rate this step uses, which the Trainer logs
         engine.step()
