@@ -32,8 +32,9 @@ from shardspeed.data import build_dataloader
 from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.optim.build import state_bytes_per_element
+from shardspeed.precision.autocast import forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
+from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.timers import PhaseTimers
@@ -105,7 +106,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             from shardspeed.offload.malloc import pin_mmap_threshold
 
             pin_mmap_threshold()
-        self.states = build_model_states(zero, self.module, packed, comm, self.device)
+        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype)
         offload_params(config, self.states, topology.data, self.collectives, self.device)
         # No optimizer anywhere: an evaluation/inference engine (DeepSpeed allows it; see optim/absent.py).
         host_grads = False  # an offload optimizer with host copies of the gradients scales and forgets them itself
@@ -154,10 +155,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
             trainable_numel,
             topology.dp_world_size,
             zero.stage,
-            precision="fp32" if config.compute_dtype == torch.float32 else "mixed",
+            precision=memory_precision(config),
             accounting="shardspeed",
-            optimizer_state_bytes_per_param=(state_bytes_per_element(self.optimizer) if self.optimizer else 0)
-            + (4 if config.compute_dtype != torch.float32 else 0),
+            optimizer_state_bytes_per_param=optimizer_bytes_per_element(config, self.optimizer),
             padded_numel=max(self.states.padded_numel, trainable_numel),
         )
         """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
@@ -240,7 +240,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
-        with self.events.phase("forward"):
+        with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self.module(*args, **kwargs)
 
     __call__ = forward
