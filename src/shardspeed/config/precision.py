@@ -158,7 +158,9 @@ class TorchAutocastConfig(ConfigModel):
     @field_validator("dtype")
     @classmethod
     def _bf16_only(cls, value: torch.dtype | None) -> torch.dtype | None:
-        if value not in (None, torch.bfloat16):
+        if value is None:  # null: the default, as DeepSpeed reads it
+            return torch.bfloat16
+        if value != torch.bfloat16:
             raise ValueError(
                 f"shardspeed's torch_autocast supports bfloat16 only; got {str(value).removeprefix('torch.')} (fp16 "
                 "autocast needs a gradient scaler shardspeed does not build)"
