@@ -901,3 +901,5 @@ def test_gradient_communication_dtype_defaults_to_the_training_dtype() -> None:
 def test_grad_accum_dtype_other_than_fp32_is_refused() -> None:
     message = error_of({**MICRO1, "data_types": {"grad_accum_dtype": "bf16"}})
     assert "data_types.grad_accum_dtype" in message and "accumulates gradients in fp32 only" in message
+    message = error_of({**MICRO1, "data_types": {"grad_accum_dtype": "fp16"}})
+    assert "data_types.grad_accum_dtype" in message and "accumulates gradients in fp32 only" in message

@@ -39,9 +39,16 @@ def test_bf16_full_loads_and_sets_the_master_dtype(stage: int) -> None:
 
 def test_optimizer_states_require_master_weights() -> None:
     message = _error({"bf16": {"enabled": True, "bf16_optimizer_states": True}})
-    assert message.startswith('bf16.bf16_optimizer_states: "bf16.bf16_optimizer_states" requires') or (
-        '"bf16.bf16_optimizer_states" requires "bf16.bf16_master_weights_and_grads": true' in message
-    )
+    assert message.startswith('"bf16.bf16_optimizer_states" requires "bf16.bf16_master_weights_and_grads": true')
+
+
+def test_grad_accum_dtype_follows_the_master_dtype() -> None:
+    config = load_config({**BASE, "bf16": FULL_BF16, "data_types": {"grad_accum_dtype": "bf16"}}, dp_world_size=1)
+    assert config.data_types.grad_accum_dtype == torch.bfloat16
+    message = _error({"bf16": FULL_BF16, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert message.startswith('"data_types.grad_accum_dtype" = "float32": shardspeed accumulates gradients in bf16')
+    message = _error({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert "accumulates gradients in fp32 only" in message
 
 
 def test_master_weights_without_bf16_states_are_refused_naming_the_key() -> None:

@@ -81,7 +81,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
         ["torch.nn.Linear"],
     ),
     "communication_data_type": _acts("gradient reduction dtype (CommContext)"),
-    "data_types.grad_accum_dtype": _acts("validated: fp32 (what shardspeed always accumulates in) or null"),
+    "data_types.grad_accum_dtype": _acts(
+        "validated: the master dtype gradients accumulate in (fp32; bf16 with bf16 masters)"
+    ),
     "prescale_gradients": _acts("GradScaling"),
     "gradient_predivide_factor": _acts("GradScaling"),
     "zero_allow_untested_optimizer": _acts("engine: non-element-wise optimizers under ZeRO"),

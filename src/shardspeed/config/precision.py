@@ -18,7 +18,8 @@ master copy shardspeed does not keep.
   world 2): bf16 reductions vs fp32 reductions change the final loss by < 1% — within bf16 training's own
   noise, so we follow DeepSpeed.
 - the *accumulation* dtype (``data_types.grad_accum_dtype``): where gradients sum across micro-steps and what
-  the optimizer reads. DeepSpeed defaults it to the training dtype; shardspeed always accumulates in fp32 (the
+  the optimizer reads: the master dtype ([Note: low-precision masters]: bf16 only when the config asks for bf16
+  master weights). DeepSpeed defaults it to the training dtype; shardspeed otherwise accumulates in fp32 (the
   flat gradient buffer / the fp32 gradient shards) and accepts only ``"fp32"`` (or null) here. A deliberate
   difference: summing many micro-steps in bf16 loses the low bits of every small gradient, and our gradient
   memory is already one fp32 copy per element (stage 0/1) or per shard (stages 2/3).
@@ -173,12 +174,13 @@ class DataTypesConfig(ConfigModel):
 
     grad_accum_dtype: DtypeName = None
     """dtype gradients accumulate in across micro-steps. DeepSpeed default: null = the training dtype.
-    shardspeed always accumulates in fp32 and accepts only ``"fp32"`` or null (a deliberate difference)."""
+    shardspeed accumulates in the master dtype: fp32 (accepts ``"fp32"`` or null; a deliberate difference), or
+    bf16 with ``bf16.bf16_master_weights_and_grads`` (accepts ``"bf16"`` or null; checked in root.py)."""
 
     @field_validator("grad_accum_dtype")
     @classmethod
     def _fp32_only(cls, value: torch.dtype | None) -> torch.dtype | None:
-        if value not in (None, torch.float32):
+        if value not in (None, torch.float32, torch.bfloat16):  # bf16: only beside bf16 masters (root.py)
             raise ValueError(
                 f"shardspeed accumulates gradients in fp32 only; got {str(value).removeprefix('torch.')}. Remove "
                 'the key or set it to "fp32" (bf16/fp16 accumulation would drop the low bits of small gradients)'

@@ -69,8 +69,8 @@ class ShardSpeedConfig(ConfigModel):
     [Note: gradient dtypes] in config/precision.py)."""
 
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-    """``grad_accum_dtype``: shardspeed accumulates in fp32 (only "fp32" or null accepted). DeepSpeed default:
-    the training dtype."""
+    """``grad_accum_dtype``: shardspeed accumulates in the master dtype (fp32, or bf16 with bf16 master
+    weights). DeepSpeed default: the training dtype."""
 
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce instead of after (overflow headroom for
@@ -136,6 +136,18 @@ class ShardSpeedConfig(ConfigModel):
         """DeepSpeed's combination rules for bf16 masters and torch_autocast (the sections' own validators check
         what lies inside one section)."""
         zero = self.zero_optimization
+        accum = self.data_types.grad_accum_dtype
+        if accum is not None and accum != self.master_dtype:
+            raise InvalidValue(
+                "data_types.grad_accum_dtype",
+                f'"{{path}}" = "{str(accum).removeprefix("torch.")}": shardspeed accumulates gradients in '
+                + (
+                    'bf16 when "bf16.bf16_master_weights_and_grads" is true; remove the key or set it to "bf16"'
+                    if self.bf16.bf16_master_weights_and_grads
+                    else 'fp32 only (bf16 accumulation only with "bf16.bf16_master_weights_and_grads": true); remove '
+                    'the key or set it to "fp32"'
+                ),
+            )
         if self.bf16.bf16_master_weights_and_grads:
             for key in ("offload_optimizer", "offload_param"):
                 section = getattr(zero, key)
