@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from parity import IN, OUT, make_model
 
 import shardspeed
+from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 WIDTH, DEPTH, MB = 32, 3, 2
 FULL_BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
@@ -114,8 +115,12 @@ def _run(rank: int, world: int, stage: int, bf16: dict, steps: int, save_to: str
 def test_bf16_master_resume_equals_uninterrupted(dist_run, tmp_path: Path, stage: int) -> None:
     where = str(tmp_path / "ckpt")
     full = dist_run(_run, 2, stage, FULL_BF16, 4, None, None)
-    dist_run(_run, 2, stage, FULL_BF16, 2, where, None)
+    saved = dist_run(_run, 2, stage, FULL_BF16, 2, where, None)
     resumed = dist_run(_run, 2, stage, FULL_BF16, 2, None, where)
+    # zero_to_fp32 reads the bf16 values back (exactly: bf16 → fp32 is lossless)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(where)
+    for name, value in saved[0]["params"].items():
+        assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], value), name
     for a, b in zip(full, resumed):
         assert b["state_dtypes"] == {torch.bfloat16}
         for name in a["params"]:
