@@ -102,6 +102,12 @@ def _train(rank: int, world: int, stage: int, kind: str, steps: int, autocast: b
         "out_dtypes": out_dtypes,
         "state_dtypes": state_dtypes,
         "buffers": {k: v.dtype for k, v in engine.states.buffers().items() if isinstance(v, torch.Tensor)},
+        "accessors": (
+            engine.bf16_master_weights_and_gradients(),
+            engine.bf16_optimizer_states(),
+            engine.torch_autocast_enabled(),
+            engine.torch_autocast_dtype(),
+        ),
     }
 
 
@@ -170,6 +176,7 @@ def test_bf16_full_with_torch_autocast_matches_plain_torch(dist_run, stage: int)
     reference = _mirrored_reference("adamw", global_batches(STEPS, MB * 2), 2, bf16_params=True, autocast=True)
     _assert_parity(results, reference)
     _assert_bf16_masters(results)
+    assert results[0]["accessors"] == (True, True, True, torch.bfloat16)  # DeepSpeed's engine accessors
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
