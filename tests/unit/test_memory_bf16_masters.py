@@ -25,3 +25,12 @@ def test_bf16_model_state_bytes_per_stage(stage: int, expected: tuple[int, int, 
     # against fp32 masters under bf16 (shardspeed accounting: fp32 gradients, 12 B of master + Adam states)
     mixed = model_state_bytes(1000, 4, stage, precision="mixed", accounting="shardspeed")
     assert got.total() < mixed.total()
+
+
+def test_bf16_has_no_offload_rows() -> None:
+    from shardspeed.zero.memory import estimate_zero_memory
+
+    rows = estimate_zero_memory(num_params=1000, precision="bf16", print_table=False)
+    assert len(rows) == 4 and all("offload_optimizer=none" in str(row) for row in rows), rows
+    with pytest.raises(ValueError, match="cannot be combined with offload"):
+        model_state_bytes(1000, 2, 3, precision="bf16", offload_optimizer=True)

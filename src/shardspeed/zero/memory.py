@@ -163,6 +163,8 @@ def model_state_bytes(
         raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage 0 has no optimizer partition)")
     if offload_param and stage != 3:
         raise ValueError(f"offload_param=True needs ZeRO stage 3 (parameters are only partitioned there); got {stage}")
+    if precision == "bf16" and (offload_optimizer or offload_param):
+        raise ValueError('precision="bf16" (bf16 master weights) cannot be combined with offload in shardspeed')
     per_param = bytes_per_param(precision, accounting, optimizer_state_bytes_per_param)
 
     shard = -(-padded_numel // world)  # ceil: a partial last shard still occupies a full slot
@@ -238,6 +240,8 @@ def estimate_zero_memory(
     rows: list[dict[str, Any]] = []
     for stage, variants in OFFLOAD_VARIANTS.items():
         for offload_optimizer, offload_param in variants:
+            if precision == "bf16" and (offload_optimizer or offload_param):
+                continue  # bf16 master weights refuse offload (config/root.py)
             states = model_state_bytes(
                 num_params,
                 world,
