@@ -6,11 +6,12 @@ AdamW/SGD stepping the bf16 parameters. It mirrors the engine's arithmetic: each
 is back-propagated separately (bf16 gradients), the halves are summed in bf16 and halved (what a bf16 all-reduce /
 reduce-scatter of two ranks followed by the 1/N post-scale computes), then the optimizer steps. With that mirror
 every operation is the same bf16 operation in the same order (element-wise optimizers cannot tell a bucket slice
-or a shard from a parameter), so AdamW matches bit for bit on this machine at every stage. The asserted tolerance
-is one bf16 ulp per element: CPU kernels may evaluate ``p + alpha·buf`` with or without an fp32 FMA depending on a
-tensor's length and alignment (at lr 0.01, SGD's update on a bucket slice vs a whole parameter differed by one ulp in
-one element), which can flip a bf16 rounding. To show the tolerance is tight, fp32 masters (the lr is small enough
-that bf16 masters drop part of each update) land several ulps away. A reference that back-propagated the whole
+or a shard from a parameter): measured 0 ulps at every stage for AdamW and SGD, with and without autocast, GAS 1
+and 2. The asserted tolerance is one bf16 ulp per element: CPU kernels may evaluate ``p + alpha·buf`` with or
+without an fp32 FMA depending on a tensor's length and alignment (at lr 0.01, SGD's update on a bucket slice vs a
+whole parameter differed by one ulp in one element), which can flip a bf16 rounding. The tolerance is tight: fp32
+masters (the lr is small enough that bf16 masters drop part of each update) land 14 ulps away, and summing the
+micro-steps in the other stage family's order 8 ulps away. A reference that back-propagated the whole
 global batch at once would differ by bf16 rounding of the weight-gradient matmul, hence the mirror.
 """
 
