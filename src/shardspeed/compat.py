@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 
 class DeepSpeedCompatMixin:
     config: Any
@@ -52,6 +54,18 @@ class DeepSpeedCompatMixin:
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self.config.torch_autocast.dtype
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping

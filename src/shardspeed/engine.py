@@ -33,8 +33,9 @@ from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.optim.build import state_bytes_per_element
+from shardspeed.precision.autocast import forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
+from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.timers import PhaseTimers
@@ -108,7 +109,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             from shardspeed.offload.malloc import pin_mmap_threshold
 
             pin_mmap_threshold()
-        self.states = build_model_states(zero, self.module, packed, comm, self.device)
+        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype)
         offload_params(config, self.states, topology.data, self.collectives, self.device)
         # No optimizer anywhere: an evaluation/inference engine (DeepSpeed allows it; see optim/absent.py).
         host_grads = False  # an offload optimizer with host copies of the gradients scales and forgets them itself
@@ -157,10 +158,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             trainable_numel,
             topology.dp_world_size,
             zero.stage,
-            precision="fp32" if config.compute_dtype == torch.float32 else "mixed",
+            precision=memory_precision(config),
             accounting="shardspeed",
-            optimizer_state_bytes_per_param=(state_bytes_per_element(self.optimizer) if self.optimizer else 0)
-            + (4 if config.compute_dtype != torch.float32 else 0),
+            optimizer_state_bytes_per_param=optimizer_bytes_per_element(config, self.optimizer),
             padded_numel=max(self.states.padded_numel, trainable_numel),
         )
         """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
@@ -244,7 +244,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
-        with self.events.phase("forward"):
+        with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -289,7 +289,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
     ("key", "value"),
     [
         ("amp", {"enabled": True, "opt_level": "O1"}),
-        ("torch_autocast", {"enabled": True}),
         ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}),
         ("sparse_attention", {"mode": "fixed"}),
         ("curriculum_learning", {"enabled": True}),
@@ -340,8 +339,8 @@ def test_unsupported_keys_switched_off_are_accepted_silently(key: str, value: An
 def test_nested_unsupported_keys() -> None:
     message = error_of({**MICRO1, "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
     assert message.startswith('"fp16.fp16_master_weights_and_grads" is a DeepSpeed option shardspeed does not')
-    message = error_of({**MICRO1, "bfloat16": {"enabled": True, "bf16_optimizer_states": True}})
-    assert message.startswith('"bfloat16.bf16_optimizer_states" is a DeepSpeed option')
+    message = error_of({**MICRO1, "bfloat16": {"enabled": True, "check_overflow": True}})
+    assert message.startswith('"bfloat16.check_overflow" is a DeepSpeed option')
     assert load({"bf16": {"enabled": True, "check_grad_overflow": False}}).bf16.enabled
 
 
@@ -901,4 +900,6 @@ def test_gradient_communication_dtype_defaults_to_the_training_dtype() -> None:
 
 def test_grad_accum_dtype_other_than_fp32_is_refused() -> None:
     message = error_of({**MICRO1, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert "data_types.grad_accum_dtype" in message and "accumulates gradients in fp32 only" in message
+    message = error_of({**MICRO1, "data_types": {"grad_accum_dtype": "fp16"}})
     assert "data_types.grad_accum_dtype" in message and "accumulates gradients in fp32 only" in message

@@ -155,8 +155,6 @@ _ON_VALUES: dict[str, Any] = {
     "aio.io_backend": "posix",
     "aio.use_gds": True,
     "fp16.fp16_master_weights_and_grads": True,
-    "bf16.bf16_master_weights_and_grads": True,
-    "bf16.bf16_optimizer_states": True,
     "bf16.check_grad_overflow": True,
     "bf16.check_overflow": True,
     "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}},

@@ -72,8 +72,18 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "fp16.consecutive_hysteresis": _acts("LossScaler"),
     "fp16.min_loss_scale": _acts("LossScaler"),
     "bf16.enabled": _acts("compute dtype"),
+    "bf16.bf16_master_weights_and_grads": _acts("master dtype: stages' gradient buffers and stepped tensors"),
+    "bf16.bf16_optimizer_states": _acts("validated with bf16_master_weights_and_grads (states follow the masters)"),
+    "torch_autocast.enabled": _acts("engine forward under torch.autocast (precision/autocast.py)"),
+    "torch_autocast.dtype": _acts("the autocast dtype (bfloat16 only)"),
+    "torch_autocast.lower_precision_safe_modules": _refused(
+        "per-module gradient communication dtypes; every gradient reduces in communication_data_type",
+        ["torch.nn.Linear"],
+    ),
     "communication_data_type": _acts("gradient reduction dtype (CommContext)"),
-    "data_types.grad_accum_dtype": _acts("validated: fp32 (what shardspeed always accumulates in) or null"),
+    "data_types.grad_accum_dtype": _acts(
+        "validated: the master dtype gradients accumulate in (fp32; bf16 with bf16 masters)"
+    ),
     "prescale_gradients": _acts("GradScaling"),
     "gradient_predivide_factor": _acts("GradScaling"),
     "zero_allow_untested_optimizer": _acts("engine: non-element-wise optimizers under ZeRO"),

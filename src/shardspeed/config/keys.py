@@ -164,11 +164,8 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
 UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     # Precision: each changes the arithmetic of the forward/backward/step.
     "amp": KeyRule("NVIDIA Apex AMP mixed precision", _enabled_false, _ENABLED_OFF),
-    "torch_autocast": KeyRule("torch.autocast mixed precision", _enabled_false, _ENABLED_OFF),
     "fp8": KeyRule("fp8 training", _enabled_false, _ENABLED_OFF),
     "fp16.fp16_master_weights_and_grads": KeyRule("fp16 master weights", _false, _SET_FALSE),
-    "bf16.bf16_master_weights_and_grads": KeyRule("bf16 master weights", _false, _SET_FALSE),
-    "bf16.bf16_optimizer_states": KeyRule("bf16 optimizer states", _false, _SET_FALSE),
     "bf16.check_grad_overflow": KeyRule("skipping bf16 steps on inf/nan gradients", _false, _SET_FALSE),
     "bf16.check_overflow": KeyRule("skipping bf16 steps on inf/nan gradients", _false, _SET_FALSE),
     "compression_training": KeyRule("compression-aware training", _nothing_enabled, _ENABLED_OFF),
@@ -318,6 +315,5 @@ SECTION_KEYS: Mapping[str, tuple[str, ...]] = {
         "enable_nebula_load",
         "load_path",
     ),
-    "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
 }
 """Tabled section (dotted path) -> the keys DeepSpeed reads inside it."""

@@ -12,7 +12,7 @@ from .activation import ActivationCheckpointingConfig
 from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
-from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config
+from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
@@ -60,14 +60,17 @@ class ShardSpeedConfig(ConfigModel):
     bf16: BF16Config = Field(default_factory=BF16Config)
     """bf16 mixed precision (legacy key ``bfloat16`` accepted). DeepSpeed default: disabled."""
 
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    """Run the forward under ``torch.autocast``. DeepSpeed default: disabled."""
+
     communication_data_type: DtypeName = None
     """dtype gradients are reduced in: "fp32"/"float32", "fp16"/"float16"/"half" or "bf16"/"bfloat16"
     (case-insensitive). DeepSpeed default: none, meaning the training dtype (``grad_comm_dtype``; see
     [Note: gradient dtypes] in config/precision.py)."""
 
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-    """``grad_accum_dtype``: shardspeed accumulates in fp32 (only "fp32" or null accepted). DeepSpeed default:
-    the training dtype."""
+    """``grad_accum_dtype``: shardspeed accumulates in the master dtype (fp32, or bf16 with bf16 master
+    weights). DeepSpeed default: the training dtype."""
 
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce instead of after (overflow headroom for
@@ -126,12 +129,52 @@ class ShardSpeedConfig(ConfigModel):
                 '"{path}" and "bf16.enabled" are both true; mixed precision uses one 16-bit format, so '
                 "enable at most one",
             )
+        self._check_low_precision()
         return self
+
+    def _check_low_precision(self) -> None:
+        """DeepSpeed's combination rules for bf16 masters and torch_autocast (the sections' own validators check
+        what lies inside one section)."""
+        zero = self.zero_optimization
+        accum = self.data_types.grad_accum_dtype
+        if accum is not None and accum != self.master_dtype:
+            raise InvalidValue(
+                "data_types.grad_accum_dtype",
+                f'"{{path}}" = "{str(accum).removeprefix("torch.")}": shardspeed accumulates gradients in '
+                + (
+                    'bf16 when "bf16.bf16_master_weights_and_grads" is true; remove the key or set it to "bf16"'
+                    if self.bf16.bf16_master_weights_and_grads
+                    else 'fp32 only (bf16 accumulation only with "bf16.bf16_master_weights_and_grads": true); remove '
+                    'the key or set it to "fp32"'
+                ),
+            )
+        if self.bf16.bf16_master_weights_and_grads:
+            for key in ("offload_optimizer", "offload_param"):
+                section = getattr(zero, key)
+                if section is not None and section.device != "none":
+                    raise InvalidValue(
+                        "bf16.bf16_master_weights_and_grads",
+                        f'"{{path}}" with zero_optimization.{key} (device "{section.device}") is not supported: '
+                        "shardspeed's offload keeps fp32 values in its store. Remove the offload section or the "
+                        "bf16 master weights",
+                    )
+        if self.torch_autocast.enabled and self.fp16.enabled:
+            raise InvalidValue(
+                "torch_autocast.enabled",
+                '"{path}" with "fp16.enabled" is not supported: fp16 parameters under bfloat16 autocast would mix '
+                'two 16-bit formats. Use "bf16" (or fp32 parameters) with torch_autocast',
+            )
 
     @property
     def grad_comm_dtype(self) -> torch.dtype:
         """dtype of gradient reductions: ``communication_data_type``, else the training dtype (DeepSpeed's rule)."""
         return self.communication_data_type or self.compute_dtype
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """dtype the optimizer steps and gradients accumulate in ([Note: low-precision masters]): bfloat16 with
+        ``bf16.bf16_master_weights_and_grads``, else float32."""
+        return torch.bfloat16 if self.bf16.bf16_master_weights_and_grads else torch.float32
 
     @property
     def compute_dtype(self) -> torch.dtype:

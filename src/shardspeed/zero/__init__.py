@@ -14,8 +14,16 @@ from shardspeed.zero.states import ModelStates
 
 
 def build_model_states(
-    zero: ZeroConfig, module: torch.nn.Module, packed: PackedParams, ctx: CommContext, device: torch.device
+    zero: ZeroConfig,
+    module: torch.nn.Module,
+    packed: PackedParams,
+    ctx: CommContext,
+    device: torch.device,
+    master_dtype: torch.dtype = torch.float32,
 ) -> ModelStates:
+    """``master_dtype``: what the optimizer steps and gradients accumulate in (fp32, or bf16 with
+    ``bf16_master_weights_and_grads``; [Note: low-precision masters] in config/precision.py). A master copy is
+    kept only where it differs from the parameters' dtype."""
     from shardspeed.zero.partitioned import PartitionedStates
     from shardspeed.zero.replicated import ReplicatedStates
     from shardspeed.zero.stage3.states import Stage3States
@@ -44,6 +52,7 @@ def build_model_states(
             ),
             model_persistence_threshold=zero.model_persistence_threshold,
             guard_placeholders=zero.override_module_apply,
+            master_dtype=master_dtype,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
     # by both sizes.
@@ -52,9 +61,9 @@ def build_model_states(
     world = ctx.axis.size if stage > 0 else 1
     planner = LayoutPlanner(tuple(p.numel() for p in packed.params), tuple(packed.groups), bucket_numel, world)
     if stage == 0:
-        return ReplicatedStates(packed, planner, ctx, device, overlap)
+        return ReplicatedStates(packed, planner, ctx, device, overlap, master_dtype)
     if stage in (1, 2):
-        return PartitionedStates(stage, packed, planner, ctx, device, overlap)
+        return PartitionedStates(stage, packed, planner, ctx, device, overlap, master_dtype)
     raise ValueError(f"ZeRO stage {stage} is not implemented")
 
 

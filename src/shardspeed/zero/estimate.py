@@ -85,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_gpus", type=_positive_int, default=1, help="GPUs per node (default 1)")
     parser.add_argument("--num_nodes", type=_positive_int, default=1, help="nodes (default 1)")
     parser.add_argument(
-        "--precision", choices=PRECISIONS, default="mixed", help="mixed: fp16/bf16 + fp32 master (default); fp32"
+        "--precision",
+        choices=PRECISIONS,
+        default="mixed",
+        help="mixed: fp16/bf16 + fp32 master (default); fp32; bf16: bf16 masters and states",
     )
     parser.add_argument(
         "--accounting",

@@ -9,7 +9,10 @@ divides whatever a stage shards by the N data-parallel ranks. shardspeed's engin
 bf16/fp16 training it accumulates gradients in fp32 (low-precision gradients exist only transiently inside
 backward), so its gradient buffer costs 4 B per element, not 2. ``accounting="paper"`` reproduces the paper's
 table; ``accounting="shardspeed"`` is what the engine really allocates. fp32 training is the same under both:
-params 4Ψ, grads 4Ψ, Adam 8Ψ (no separate master copy).
+params 4Ψ, grads 4Ψ, Adam 8Ψ (no separate master copy). ``precision="bf16"`` is bf16 master weights and
+optimizer states (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``; [Note: low-precision masters] in
+config/precision.py): params 2Ψ, grads 2Ψ, Adam 4Ψ (momentum 2 + variance 2), again no separate master copy and
+the same under both accountings (DeepSpeed's example README counts a separate bf16 master, 2Ψ more).
 
 [Note: padding] Gradients and optimizer states live in flat buffers whose buckets are padded to a multiple of N
 (see ``layout.py``), so those are counted over ``padded_numel`` elements; the module's own (unsharded)
@@ -34,12 +37,13 @@ from shardspeed.config.errors import did_you_mean
 if TYPE_CHECKING:
     import torch
 
-PRECISIONS: tuple[str, ...] = ("mixed", "fp32")
+PRECISIONS: tuple[str, ...] = ("mixed", "fp32", "bf16")
 ACCOUNTINGS: tuple[str, ...] = ("paper", "shardspeed")
 STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 MIXED_ADAM_STATE_BYTES = 12  # K of the paper: fp32 master 4 + momentum 4 + variance 4
 FP32_ADAM_STATE_BYTES = 8  # momentum 4 + variance 4; the fp32 parameters are their own master copy
+BF16_ADAM_STATE_BYTES = 4  # bf16 momentum 2 + variance 2; the bf16 parameters are their own master copy
 CPU_GRAD_BYTES = 4  # a CPU optimizer steps on fp32 gradients, whatever the training precision
 
 GB = 10**9  # the paper's unit (120 GB for 7.5B parameters at stage 0)
@@ -69,6 +73,9 @@ class BytesPerParam:
             head = "mixed precision Adam"
             grads = "fp32 gradient accumulation" if self.grads == 4 else "fp16/bf16 gradients"
             states = "fp32 master 4 + momentum 4 + variance 4" if self.optimizer == 12 else "incl. fp32 master 4"
+        elif self.precision == "bf16":
+            head, grads = "bf16 master weights Adam", "bf16 gradients"
+            states = "bf16 momentum 2 + variance 2" if self.optimizer == 4 else "no separate master copy"
         else:
             head, grads = "fp32 Adam", "fp32 gradients"
             states = "momentum 4 + variance 4" if self.optimizer == 8 else "no separate master copy"
@@ -95,17 +102,21 @@ def bytes_per_param(
     """The per-parameter byte counts for ``precision`` x ``accounting`` (see [Note: two accountings]).
 
     ``optimizer_state_bytes_per_param`` is the paper's K (master copy included for mixed precision); default 12
-    for mixed-precision Adam and 8 for fp32 Adam.
+    for mixed-precision Adam, 8 for fp32 Adam and 4 for bf16 master weights with bf16 Adam states.
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("accounting", accounting, ACCOUNTINGS)
     if optimizer_state_bytes_per_param is None:
-        optimizer = MIXED_ADAM_STATE_BYTES if precision == "mixed" else FP32_ADAM_STATE_BYTES
+        optimizer = {"mixed": MIXED_ADAM_STATE_BYTES, "fp32": FP32_ADAM_STATE_BYTES}.get(
+            precision, BF16_ADAM_STATE_BYTES
+        )
     else:
         _check_count("optimizer_state_bytes_per_param", optimizer_state_bytes_per_param, 0)
         optimizer = optimizer_state_bytes_per_param
     if precision == "fp32":
         return BytesPerParam(4, 4, optimizer, precision, accounting)
+    if precision == "bf16":
+        return BytesPerParam(2, 2, optimizer, precision, accounting)
     grads = 4 if accounting == "shardspeed" else 2
     return BytesPerParam(2, grads, optimizer, precision, accounting)
 
@@ -152,6 +163,8 @@ def model_state_bytes(
         raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage 0 has no optimizer partition)")
     if offload_param and stage != 3:
         raise ValueError(f"offload_param=True needs ZeRO stage 3 (parameters are only partitioned there); got {stage}")
+    if precision == "bf16" and (offload_optimizer or offload_param):
+        raise ValueError('precision="bf16" (bf16 master weights) cannot be combined with offload in shardspeed')
     per_param = bytes_per_param(precision, accounting, optimizer_state_bytes_per_param)
 
     shard = -(-padded_numel // world)  # ceil: a partial last shard still occupies a full slot
@@ -227,6 +240,8 @@ def estimate_zero_memory(
     rows: list[dict[str, Any]] = []
     for stage, variants in OFFLOAD_VARIANTS.items():
         for offload_optimizer, offload_param in variants:
+            if precision == "bf16" and (offload_optimizer or offload_param):
+                continue  # bf16 master weights refuse offload (config/root.py)
             states = model_state_bytes(
                 num_params,
                 world,

@@ -3,13 +3,13 @@
 Layout (see [Note: bucket-major sharding] in zero/layout.py): the model's parameters are repacked as views of one
 flat, padded buffer; this rank owns the same 1/N slice of every bucket. What lives where, per rank:
 
-                          fp32 training            bf16/fp16 training
-  parameters (full)       4Ψ  (the flat buffer)    2Ψ
-  fp32 master shard       — (steps the param       4Ψ/N
-                            buffer's own slices)
-  gradients (fp32)        stage 1: 4Ψ full buffer (the shard is this rank's slices of it)
-                          stage 2: 4Ψ/N shard (+ buckets in flight during backward)
-  optimizer states        K·Ψ/N (Adam: 8Ψ/N)
+                          fp32 training            bf16/fp16 training       bf16 master weights
+  parameters (full)       4Ψ  (the flat buffer)    2Ψ                       2Ψ
+  master shard            — (steps the param       4Ψ/N (fp32)              — (steps the param buffer,
+                            buffer's own slices)                              as fp32 training does)
+  gradients               stage 1: 4Ψ full buffer (the shard is this rank's slices of it); bf16 masters: 2Ψ
+                          stage 2: 4Ψ/N shard (+ buckets in flight during backward); bf16 masters: 2Ψ/N
+  optimizer states        K·Ψ/N (Adam: 8Ψ/N; bf16 masters: 4Ψ/N)
 
 The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
 step every bucket is all-gathered back into the parameter buffer in one equal-split collective. With a streamed
@@ -48,8 +48,10 @@ class PartitionedStates(FlatLayoutStates):
         ctx: CommContext,
         device: torch.device,
         overlap: bool,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         assert stage in (1, 2), stage
+        self.master_dtype = master_dtype  # [Note: low-precision masters]
         self.stage, self.planner, self.ctx, self.device = stage, planner, ctx, device
         self.packed = packed
         self.communicate_every_micro_step = stage == 2
@@ -66,7 +68,7 @@ class PartitionedStates(FlatLayoutStates):
         """Every buffer that follows the layout; parameter values are copied from the parameters as they are."""
         self.layout = layout
         packed, device, rank = self.packed, self.device, self.ctx.axis.rank
-        mixed = self.compute_dtype != torch.float32
+        mixed = self.compute_dtype != self.master_dtype  # a separate master shard only then
         # Parameters become views of one padded flat buffer (the all-gather destination).
         self.param_flat = torch.zeros(layout.total, dtype=self.compute_dtype, device=device)
         with torch.no_grad():
@@ -75,17 +77,19 @@ class PartitionedStates(FlatLayoutStates):
                 p.data = view
         self.master_shard: torch.Tensor | None = None
         if mixed:
-            self.master_shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+            self.master_shard = torch.empty(layout.shard_numel, dtype=self.master_dtype, device=device)
         self.grad_buffer: FlatGradBuffer | None = None
         self.shard_flat: torch.Tensor | None = None
         if self.stage == 1:
-            self.grad_buffer = FlatGradBuffer(packed.params, layout, torch.float32, as_views=not mixed, device=device)
+            self.grad_buffer = FlatGradBuffer(
+                packed.params, layout, self.master_dtype, as_views=not mixed, device=device
+            )
             self.grad_shards = [
                 self.grad_buffer.flat.narrow(0, *_start_len(layout.rank_slice(k, rank)))
                 for k in range(len(layout.buckets))
             ]
         else:
-            self.shard_flat = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            self.shard_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=device)
             self.grad_shards = [
                 self.shard_flat.narrow(0, *_start_len(layout.shard_offset(k))) for k in range(len(layout.buckets))
             ]
@@ -149,7 +153,7 @@ class PartitionedStates(FlatLayoutStates):
         rank, differ = self.ctx.axis.rank, False
         for k, tensor in enumerate(self.bucket_tensors):
             params = self.param_flat[slice(*self.layout.rank_slice(k, rank))]
-            differ = differ or not torch.equal(tensor, params.float())
+            differ = differ or not torch.equal(tensor, params.to(self.master_dtype))
         flag = torch.tensor([float(differ)], device=self.master_shard.device)
         self.ctx.collectives.all_reduce_max(flag, self.ctx.axis, tag="relayout")
         return flag.item() > 0

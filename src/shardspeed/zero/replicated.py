@@ -1,4 +1,5 @@
-"""Stage 0 model states: full gradients all-reduced in buckets; fp32 masters when training in bf16/fp16."""
+"""Stage 0 model states: full gradients all-reduced in buckets; masters (fp32) when the parameters' dtype differs
+from the master dtype (bf16/fp16 training; none with bf16 master weights: [Note: low-precision masters])."""
 
 from __future__ import annotations
 
@@ -23,9 +24,16 @@ class ReplicatedStates(FlatLayoutStates):
     communicate_every_micro_step = False
 
     def __init__(
-        self, packed: PackedParams, planner: LayoutPlanner, ctx: CommContext, device: torch.device, overlap: bool
+        self,
+        packed: PackedParams,
+        planner: LayoutPlanner,
+        ctx: CommContext,
+        device: torch.device,
+        overlap: bool,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.mixed = any(p.dtype != torch.float32 for p in packed.params)
+        self.master_dtype = master_dtype
+        self.mixed = any(p.dtype != master_dtype for p in packed.params)
         self.packed, self.planner, self.ctx, self.device = packed, planner, ctx, device
         self.rank, self.world = ctx.axis.rank, ctx.axis.size
         self.meter = StagingMeter()
@@ -35,7 +43,7 @@ class ReplicatedStates(FlatLayoutStates):
     def _build(self, layout: ShardLayout) -> None:
         self.layout = layout
         self.grad_buffer = FlatGradBuffer(
-            self.packed.params, layout, torch.float32, as_views=not self.mixed, device=self.device
+            self.packed.params, layout, self.master_dtype, as_views=not self.mixed, device=self.device
         )
         self.grad_sync = AllReduceGrads(self.grad_buffer, self.ctx, self.meter)
         # masters copy the model's parameters, which stage 0 never repacks: a re-layout only moves them

@@ -77,10 +77,18 @@ class StagingBudget:
 
 
 class UnitGrads:
-    def __init__(self, unit: ParamUnit, ctx: CommContext, budget: StagingBudget, bucket_numel: int) -> None:
+    def __init__(
+        self,
+        unit: ParamUnit,
+        ctx: CommContext,
+        budget: StagingBudget,
+        bucket_numel: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``dtype``: the gradient shard's (the master dtype: fp32, or bf16 with bf16 master weights)."""
         self.unit, self.ctx, self.budget = unit, ctx, budget
         self.trainable = {i for i, p in enumerate(unit.params) if p.requires_grad}
-        self.grad_shard = _zeros(unit.shard_numel if self.trainable else 0, unit.device)
+        self.grad_shard = _zeros(unit.shard_numel if self.trainable else 0, unit.device, dtype)
         self.arrived: set[int] = set()
         self.launched = False
         self._held: dict[int, torch.Tensor] = {}  # local parameter index → its gradient this backward
@@ -165,11 +173,11 @@ class UnitGrads:
         self._held.clear()
 
 
-def _zeros(numel: int, device: torch.device) -> torch.Tensor:
-    """fp32 zeros. On the CPU from a fresh anonymous mapping, whose pages the kernel zero-fills on first touch:
+def _zeros(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros of ``dtype``. On the CPU from a fresh anonymous mapping, whose pages the kernel zero-fills on first touch:
     a gradient shard costs no resident memory until a backward writes it, so building the model (which holds
     every parameter shard for a moment when parameters are offloaded) does not also hold every gradient shard.
     Small shards use the allocator: a mapping each would cost a page and count against the kernel's map limit."""
     if device.type != "cpu" or numel < _MAPPED_MIN_NUMEL:
-        return torch.zeros(numel, dtype=torch.float32, device=device)
-    return aligned_empty(numel, torch.float32)
+        return torch.zeros(numel, dtype=dtype, device=device)
+    return aligned_empty(numel, dtype)

@@ -58,6 +58,7 @@ class Stage3States:
         leaves: Sequence[str] = (),
         model_persistence_threshold: int | None = None,
         guard_placeholders: bool = True,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``leaves``: module paths gathered whole as one unit each (leaves.py). ``model_persistence_threshold``:
         cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
@@ -107,7 +108,8 @@ class Stage3States:
         named = dict(module.named_parameters())
         # one staging budget for every unit's reduce-scatter pieces: reduce_bucket_size in the wire dtype
         self.staging = StagingBudget(reduce_bucket_numel * ctx.comm_dtype.itemsize)
-        self.grads = [UnitGrads(u, ctx, self.staging, reduce_bucket_numel) for u in self.units]
+        # gradient shards in the master dtype (bf16 with bf16 master weights: [Note: low-precision masters])
+        self.grads = [UnitGrads(u, ctx, self.staging, reduce_bucket_numel, master_dtype) for u in self.units]
         self.reducer = Stage3Runtime(
             self.units,
             self.grads,
@@ -120,9 +122,9 @@ class Stage3States:
         # leaf units: which parameters get gradients differs between ranks, so reduce them after backward
         self.reducer.reduce_after_backward = {i for i, spec in enumerate(plan.units) if spec.data_dependent}
         self.leaf_units = [spec.name for spec in plan.units if spec.data_dependent]
-        mixed = any(u.dtype != torch.float32 for u in self.units)
-        self.mixed = mixed
-        self.masters: list[torch.Tensor | None] = [u.shard.float() if mixed else None for u in self.units]
+        mixed = any(u.dtype != master_dtype for u in self.units)  # a separate master copy only then
+        self.mixed, self.master_dtype = mixed, master_dtype
+        self.masters: list[torch.Tensor | None] = [u.shard.to(master_dtype) if mixed else None for u in self.units]
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
         # a streamed offload optimizer: it keeps the fp32 values (the masters, or fp32 values themselves) in its
         # store, so a GatheredParameters edit must be written there too (after_shard_edit)
