@@ -241,7 +241,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
         with self.events.phase("forward"):
-            return self.module(*args, **kwargs)
+            # output hooks: loss.backward() starts this engine's backward, 1/GAS (training/backward_passes.py)
+            return self._driver.passes.watch_outputs(self.module(*args, **kwargs))
 
     __call__ = forward
 
@@ -250,13 +251,20 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         require_optimizer(self.optimizer, "backward")
         return self._driver.backward(loss, retain_graph)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale, for ``scaled.backward()``."""
+        require_optimizer(self.optimizer, "scale")
+        return self._driver.scale(loss)
+
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         require_optimizer(self.optimizer, "step")
         self._driver.step()
 
     def zero_grad(self) -> None:
-        self._core.zero_grads()
+        """Forget every gradient accumulated since the last step (``module.zero_grad()`` and the optimizer's
+        ``zero_grad()`` work too: [Note: gradient markers] in zero/grad_markers.py)."""
+        self._driver.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._driver.is_boundary()

@@ -110,6 +110,7 @@ class StepCore:
     def zero_grads(self) -> None:
         """Forget every gradient accumulated since the last step (flat buffers, shards, host copies)."""
         self.states.zero_grads()
+        self.states.mark_grads_clean()
         if self.host_grads:
             self.optimizer.forget_grads()
 

@@ -1,0 +1,262 @@
+"""Gradient semantics like torch: ``loss.backward()`` instead of ``engine.backward(loss)``, several backward passes
+before a step, and ``zero_grad()`` on the engine, its optimizer or the user's module clearing everything
+([Note: autograd-started backward] in training/backward_passes.py, [Note: gradient markers] in
+zero/grad_markers.py, [Note: several backward passes] in zero/reducer.py).
+
+Every engine run is compared with plain torch on the global batch (fp32: ≤ 1e-5)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import global_batches, make_model, rank_slice
+
+import shardspeed
+
+EXAMPLES = Path(__file__).parents[1] / "fixtures" / "examples"
+MB, LR = 2, 0.05
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"shardspeed_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+gan = _load("gan_deepspeed_train")
+
+
+def _config(stage: int, gas: int = 1, optimizer: str = "sgd", **zero) -> dict:
+    params = {"lr": LR, "momentum": 0.9} if optimizer == "sgd" else {"lr": LR / 10}
+    return {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD" if optimizer == "sgd" else "AdamW", "params": params},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, "allgather_bucket_size": 50, **zero},
+        "steps_per_print": 1000,
+    }
+
+
+def _reference(batches: list, optimizer: str = "sgd", gas: int = 1) -> dict[str, torch.Tensor]:
+    model = make_model()
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR / 10)
+    for x, y in batches:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(got: dict, want: dict, tol: float = 1e-5) -> None:
+    for name, value in want.items():
+        assert (got[name].float() - value).abs().max().item() <= tol, name
+
+
+# --- loss.backward() ---------------------------------------------------------------------------------------------
+def _train(rank: int, world: int, stage: int, gas: int, mode: str, extra: dict) -> dict:
+    model = make_model()
+    config = _config(stage, gas, **extra)
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = global_batches(3, MB * gas * world)
+    for x, y in batches:
+        for m in range(gas):
+            loss = F.mse_loss(engine(rank_slice(x, m, rank, world, MB)), rank_slice(y, m, rank, world, MB))
+            if mode == "engine":
+                engine.backward(loss)
+            elif mode == "scale":
+                engine.scale(loss).backward()
+            else:
+                loss.backward()
+            engine.step()
+    out = {n: v.float().clone() for n, v in engine.module_state_dict().items()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_loss_backward_matches_engine_backward_and_torch_with_gas(dist_run, stage: int) -> None:
+    """``loss.backward()`` at GAS 2: the outputs' hooks apply 1/GAS, the boundary backward reduces; the same
+    parameters as ``engine.backward(loss)`` and as plain torch on the global batch."""
+    want = _reference(global_batches(3, MB * 2 * 2))
+    direct = dist_run(_train, 2, stage, 2, "loss", {})
+    for r in direct:
+        _assert_close(r, want)
+    if stage in (0, 3):
+        for r in dist_run(_train, 2, stage, 2, "scale", {}):
+            _assert_close(r, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_loss_backward_with_offload_optimizer(dist_run, stage: int) -> None:
+    extra = {"optimizer": "adamw", "offload_optimizer": {"device": "cpu"}}
+    want = _reference(global_batches(3, MB * 2 * 2), "adamw")
+    for r in dist_run(_train, 2, stage, 2, "loss", extra):
+        _assert_close(r, want)
+
+
+def _fp16_plain_backward(rank: int, world: int, stage: int) -> str:
+    model = make_model()
+    config = {**_config(stage), "fp16": {"enabled": True, "initial_scale_power": 4}}
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x, y = global_batches(1, MB * world)[0]
+    rows = slice(rank * MB, (rank + 1) * MB)
+    loss = F.mse_loss(engine(x[rows].half()).float(), y[rows])
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    # the failed backward left nothing open: scale() + backward + step work
+    loss = F.mse_loss(engine(x[rows].half()).float(), y[rows])
+    engine.scale(loss).backward()
+    engine.step()
+    return message
+
+
+def test_fp16_plain_loss_backward_asks_for_scale(dist_run) -> None:
+    """As DeepSpeed: fp16 needs the loss scale, so a plain ``loss.backward()`` raises naming
+    ``engine.scale(loss)``; afterwards ``engine.scale(loss).backward()`` trains."""
+    for message in dist_run(_fp16_plain_backward, 2, 2):
+        assert "Loss scaling is required" in message and "engine.scale(loss).backward()" in message
+
+
+# --- several backward passes, zero_grad ----------------------------------------------------------------------------
+def _two_backwards(rank: int, world: int, stage: int, clear: str) -> dict:
+    """Per step: a throw-away backward, ``clear``, then two backward passes (halves of the micro-batch) and a step:
+    equals plain torch on the whole batch."""
+    model = make_model()
+    engine, optimizer, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage)
+    )
+    memory = None
+    for x, y in global_batches(3, MB * world):
+        xs, ys = rank_slice(x, 0, rank, world, MB), rank_slice(y, 0, rank, world, MB)
+        junk = engine(xs * 3).square().mean()
+        if clear == "none":
+            pass  # the junk loss is never backpropagated
+        else:
+            junk.backward()
+            if clear == "engine":
+                engine.zero_grad()
+            elif clear == "optimizer":
+                optimizer.zero_grad()
+            elif clear == "optimizer_keep":
+                optimizer.zero_grad(set_to_none=False)
+            elif clear == "module":
+                model.zero_grad()
+            elif clear == "module_keep":
+                model.zero_grad(set_to_none=False)
+        for half in (slice(0, MB // 2), slice(MB // 2, MB)):
+            loss = F.mse_loss(engine(xs[half]), ys[half]) / 2
+            engine.backward(loss)
+        engine.step()
+        memory = engine.memory_breakdown()
+    out = {n: v.float().clone() for n, v in engine.module_state_dict().items()}
+    engine.destroy()
+    return {"params": out, "memory": memory}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("clear", ["engine", "optimizer", "module", "module_keep"])
+def test_zero_grad_forgets_a_reduced_backward(dist_run, stage: int, clear: str) -> None:
+    """A whole boundary backward (reduced across ranks) is forgotten by ``engine.zero_grad()``,
+    ``optimizer.zero_grad()`` or the user's ``module.zero_grad()`` (set_to_none True/False); the next two
+    backward passes accumulate (the second reduces only its own increment) and the step equals plain torch.
+    Model-state memory is what a plain run holds."""
+    want = _reference(global_batches(3, MB * 2))
+    plain = dist_run(_two_backwards, 2, stage, "none")
+    for r in plain:
+        _assert_close(r["params"], want)
+    for r, p in zip(dist_run(_two_backwards, 2, stage, clear), plain):
+        _assert_close(r["params"], want)
+        assert r["memory"] == p["memory"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_zero_grad_keep_tensors(dist_run, stage: int) -> None:
+    want = _reference(global_batches(3, MB * 2))
+    for r in dist_run(_two_backwards, 2, stage, "optimizer_keep"):
+        _assert_close(r["params"], want)
+
+
+# --- the GAN fixture ---------------------------------------------------------------------------------------------
+def _gan_reference(optimizer: str, iterations: int, world: int) -> dict:
+    """Plain torch: the fixture's loop on the global batch."""
+    netG, netD = gan.build_models(0)
+    criterion = torch.nn.BCELoss()
+    optD = gan.make_optimizer(optimizer, netD.parameters(), 0.05)
+    optG = gan.make_optimizer(optimizer, netG.parameters(), 0.05)
+    batch = MB * world
+    for i in range(iterations):
+        real, noise = gan.global_batch(i, batch)
+        netD.zero_grad()
+        errD_real = criterion(netD(real), torch.ones(batch))
+        errD_real.backward()
+        fake = netG(noise)
+        errD_fake = criterion(netD(fake.detach()), torch.zeros(batch))
+        errD_fake.backward()
+        optD.step()
+        netG.zero_grad()
+        errG = criterion(netD(fake), torch.ones(batch))
+        errG.backward()
+        optG.step()
+    return {"G": dict(netG.state_dict()), "D": dict(netD.state_dict())}
+
+
+def _gan_rank(rank: int, world: int, argv: list[str]) -> dict:
+    return gan.main(argv)
+
+
+def _run_gan(dist_run, tmp_path: Path, world: int, stage: int, optimizer: str, set_to_none: int = 1) -> list:
+    config = tmp_path / f"ds_{stage}.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": MB,
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "allgather_bucket_size": 40},
+                "steps_per_print": 1000,
+            }
+        )
+    )
+    argv = ["--deepspeed_config", str(config), "--optimizer", optimizer, "--iterations", "3"]
+    return dist_run(_gan_rank, world, [*argv, "--zero_grad_set_to_none", str(set_to_none)])
+
+
+def _check_gan(results: list, want: dict) -> None:
+    for r in results:
+        for net in ("G", "D"):
+            _assert_close(r[net], want[net])
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "optimizer"),
+    [(2, 0, "adam"), (2, 1, "sgd"), (2, 2, "adam"), (2, 3, "sgd"), (1, 3, "adam")],
+)
+def test_gan_two_engines_match_torch(dist_run, tmp_path: Path, world: int, stage: int, optimizer: str) -> None:
+    """DeepSpeedExamples' GAN pattern: the generator's loss flows through the discriminator; its gradients must
+    not reach the discriminator's next update (the script's ``netD.zero_grad()`` clears them)."""
+    _check_gan(_run_gan(dist_run, tmp_path, world, stage, optimizer), _gan_reference(optimizer, 3, world))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("set_to_none", [0, 1])
+def test_gan_matrix(dist_run, tmp_path: Path, world: int, stage: int, optimizer: str, set_to_none: int) -> None:
+    _check_gan(
+        _run_gan(dist_run, tmp_path, world, stage, optimizer, set_to_none), _gan_reference(optimizer, 3, world)
+    )
