@@ -260,3 +260,83 @@ def test_gan_matrix(dist_run, tmp_path: Path, world: int, stage: int, optimizer:
     _check_gan(
         _run_gan(dist_run, tmp_path, world, stage, optimizer, set_to_none), _gan_reference(optimizer, 3, world)
     )
+
+
+# --- the bf16_master_weight fixture --------------------------------------------------------------------------------
+bf16_example = _load("bf16_master_weight_train")
+BF16_STEPS, BF16_LR = 4, 0.2
+
+
+def _bf16_rank(rank: int, world: int, argv: list[str]) -> dict:
+    return bf16_example.main(argv)
+
+
+def _bf16_reference(world: int, micro: int) -> dict:
+    """Plain torch, bf16 model with fp32 master weights (SGD with momentum on the masters, bf16 copies after each
+    step), on the global batch. SGD, not Adam: some gradients here are pure bf16 rounding noise (attention's key
+    bias gets an exactly-zero gradient in exact arithmetic), which Adam normalizes into full-size steps of
+    either sign, so no two summation orders agree under Adam; under SGD that noise stays noise-sized."""
+    args = bf16_example.get_args(["--deepspeed_config", "unused"])
+    model = bf16_example.build_model(args).to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.SGD(masters, lr=BF16_LR, momentum=0.9)
+    losses = []
+    for step in range(BF16_STEPS):
+        ids, labels = bf16_example.global_batch(step, micro * world, args)
+        loss = torch.nn.functional.cross_entropy(model(ids).view(-1, args.vocab_size).float(), labels.view(-1))
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().float() for n, p in model.named_parameters()}}
+
+
+def _run_bf16(dist_run, tmp_path: Path, world: int, stage: int) -> list:
+    config = tmp_path / "bf16.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": MB,
+                "bf16": {"enabled": True},
+                "optimizer": {"type": "SGD", "params": {"lr": BF16_LR, "momentum": 0.9}},
+                "zero_optimization": {"stage": stage},
+                "steps_per_print": 1000,
+            }
+        )
+    )
+    return dist_run(_bf16_rank, world, ["--deepspeed_config", str(config), "--num_steps", str(BF16_STEPS)])
+
+
+BF16_PARAM_TOL = 2**-7  # relative: bf16 keeps 8 significant bits; the ranks' bf16 gradients are summed in a
+# different order (and travel in bf16) than the single process's, so a master can round to the neighbouring
+# bf16 value; a parameter then differs by at most about one bf16 step of its magnitude
+BF16_LOSS_TOL = 1e-2
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_master_weight_example_with_loss_backward(dist_run, tmp_path: Path, stage: int) -> None:
+    """DeepSpeedExamples' bf16_master_weight API use (``loss.backward()``, ``model_engine.step()``) at every stage:
+    a bf16 model with fp32 masters tracks plain torch's bf16 + fp32-master training as closely as bf16 allows."""
+    want = _bf16_reference(2, MB)
+    initial = {
+        n: p.detach().float()
+        for n, p in bf16_example.build_model(bf16_example.get_args(["--deepspeed_config", "x"]))
+        .to(torch.bfloat16)
+        .named_parameters()
+    }
+    moved = max((want["params"][n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 5e-3
+    results = _run_bf16(dist_run, tmp_path, 2, stage)
+    mean_losses = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results))]  # each rank's own rows
+    assert mean_losses == pytest.approx(want["losses"], rel=BF16_LOSS_TOL)
+    for r in results:
+        assert r["dtype"] == "torch.bfloat16"
+        for name, value in want["params"].items():
+            bound = BF16_PARAM_TOL * value.abs() + 1e-3
+            assert bool(((r["params"][name] - value).abs() <= bound).all()), name
