@@ -241,8 +241,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
         with self.events.phase("forward"):
-            # output hooks: loss.backward() starts this engine's backward, 1/GAS (training/backward_passes.py)
-            return self._driver.passes.watch_outputs(self.module(*args, **kwargs))
+            return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
     __call__ = forward
 
@@ -262,8 +261,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin):
         self._driver.step()
 
     def zero_grad(self) -> None:
-        """Forget every gradient accumulated since the last step (``module.zero_grad()`` and the optimizer's
-        ``zero_grad()`` work too: [Note: gradient markers] in zero/grad_markers.py)."""
+        """Forget every gradient accumulated since the last step (as ``module.zero_grad()`` does too)."""
         self._driver.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -19,6 +19,7 @@ from parity import global_batches, make_model, rank_slice
 import shardspeed
 
 EXAMPLES = Path(__file__).parents[1] / "fixtures" / "examples"
+SLOW = pytest.mark.slow  # the default suite runs a representative subset; the whole matrix under -m slow
 MB, LR = 2, 0.05
 
 
@@ -83,7 +84,7 @@ def _train(rank: int, world: int, stage: int, gas: int, mode: str, extra: dict) 
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=SLOW), 1, pytest.param(2, marks=SLOW), 3])
 def test_loss_backward_matches_engine_backward_and_torch_with_gas(dist_run, stage: int) -> None:
     """``loss.backward()`` at GAS 2: the outputs' hooks apply 1/GAS, the boundary backward reduces; the same
     parameters as ``engine.backward(loss)`` and as plain torch on the global batch."""
@@ -135,61 +136,61 @@ def test_fp16_plain_loss_backward_asks_for_scale(dist_run) -> None:
 # --- several backward passes, zero_grad ----------------------------------------------------------------------------
 def _two_backwards(rank: int, world: int, stage: int, clear: str) -> dict:
     """Per step: a throw-away backward, ``clear``, then two backward passes (halves of the micro-batch) and a step:
-    equals plain torch on the whole batch."""
-    model = make_model()
-    engine, optimizer, *_ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(stage)
-    )
-    memory = None
-    for x, y in global_batches(3, MB * world):
-        xs, ys = rank_slice(x, 0, rank, world, MB), rank_slice(y, 0, rank, world, MB)
-        junk = engine(xs * 3).square().mean()
-        if clear == "none":
-            pass  # the junk loss is never backpropagated
-        else:
-            junk.backward()
-            if clear == "engine":
-                engine.zero_grad()
-            elif clear == "optimizer":
-                optimizer.zero_grad()
-            elif clear == "optimizer_keep":
-                optimizer.zero_grad(set_to_none=False)
-            elif clear == "module":
-                model.zero_grad()
-            elif clear == "module_keep":
-                model.zero_grad(set_to_none=False)
-        for half in (slice(0, MB // 2), slice(MB // 2, MB)):
-            loss = F.mse_loss(engine(xs[half]), ys[half]) / 2
-            engine.backward(loss)
-        engine.step()
-        memory = engine.memory_breakdown()
-    out = {n: v.float().clone() for n, v in engine.module_state_dict().items()}
-    engine.destroy()
-    return {"params": out, "memory": memory}
+    equals plain torch on the whole batch. A second engine runs the same without the throw-away backward (the
+    memory it holds is the reference)."""
+    out = {}
+    for run in ("plain", clear):
+        model = make_model()
+        engine, optimizer, *_ = shardspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage)
+        )
+        for x, y in global_batches(3, MB * world):
+            xs, ys = rank_slice(x, 0, rank, world, MB), rank_slice(y, 0, rank, world, MB)
+            if run != "plain":
+                engine(xs * 3).square().mean().backward()
+                if run == "engine":
+                    engine.zero_grad()
+                elif run == "optimizer":
+                    optimizer.zero_grad()
+                elif run == "optimizer_keep":
+                    optimizer.zero_grad(set_to_none=False)
+                elif run == "module":
+                    model.zero_grad()
+                elif run == "module_keep":
+                    model.zero_grad(set_to_none=False)
+            for half in (slice(0, MB // 2), slice(MB // 2, MB)):
+                engine.backward(F.mse_loss(engine(xs[half]), ys[half]) / 2)
+            engine.step()
+        out[run] = {
+            "params": {n: v.float().clone() for n, v in engine.module_state_dict().items()},
+            "memory": engine.memory_breakdown(),
+        }
+        engine.destroy()
+    return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("clear", ["engine", "optimizer", "module", "module_keep"])
+ZERO_GRAD_CASES = [
+    (stage, clear)
+    for stage in (0, 1, 2, 3)
+    for clear in ("engine", "optimizer", "optimizer_keep", "module", "module_keep")
+]
+ZERO_GRAD_DEFAULT = {(0, "module"), (1, "optimizer"), (2, "module_keep"), (3, "module"), (3, "optimizer_keep")}
+
+
+@pytest.mark.parametrize(
+    ("stage", "clear"),
+    [pytest.param(*case, marks=() if case in ZERO_GRAD_DEFAULT else SLOW) for case in ZERO_GRAD_CASES],
+)
 def test_zero_grad_forgets_a_reduced_backward(dist_run, stage: int, clear: str) -> None:
     """A whole boundary backward (reduced across ranks) is forgotten by ``engine.zero_grad()``,
     ``optimizer.zero_grad()`` or the user's ``module.zero_grad()`` (set_to_none True/False); the next two
     backward passes accumulate (the second reduces only its own increment) and the step equals plain torch.
-    Model-state memory is what a plain run holds."""
+    Model-state memory (``memory_breakdown()``) is what a run without any of it holds."""
     want = _reference(global_batches(3, MB * 2))
-    plain = dist_run(_two_backwards, 2, stage, "none")
-    for r in plain:
-        _assert_close(r["params"], want)
-    for r, p in zip(dist_run(_two_backwards, 2, stage, clear), plain):
-        _assert_close(r["params"], want)
-        assert r["memory"] == p["memory"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
-def test_optimizer_zero_grad_keep_tensors(dist_run, stage: int) -> None:
-    want = _reference(global_batches(3, MB * 2))
-    for r in dist_run(_two_backwards, 2, stage, "optimizer_keep"):
-        _assert_close(r["params"], want)
+    for r in dist_run(_two_backwards, 2, stage, clear):
+        _assert_close(r["plain"]["params"], want)
+        _assert_close(r[clear]["params"], want)
+        assert r[clear]["memory"] == r["plain"]["memory"]
 
 
 # --- the GAN fixture ---------------------------------------------------------------------------------------------
@@ -243,7 +244,13 @@ def _check_gan(results: list, want: dict) -> None:
 
 @pytest.mark.parametrize(
     ("world", "stage", "optimizer"),
-    [(2, 0, "adam"), (2, 1, "sgd"), (2, 2, "adam"), (2, 3, "sgd"), (1, 3, "adam")],
+    [
+        (2, 0, "adam"),
+        pytest.param(2, 1, "sgd", marks=SLOW),
+        pytest.param(2, 2, "adam", marks=SLOW),
+        (2, 3, "sgd"),
+        (1, 2, "adam"),
+    ],
 )
 def test_gan_two_engines_match_torch(dist_run, tmp_path: Path, world: int, stage: int, optimizer: str) -> None:
     """DeepSpeedExamples' GAN pattern: the generator's loss flows through the discriminator; its gradients must
@@ -319,7 +326,7 @@ BF16_PARAM_TOL = 2**-7  # relative: bf16 keeps 8 significant bits; the ranks' bf
 BF16_LOSS_TOL = 1e-2
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_bf16_master_weight_example_with_loss_backward(dist_run, tmp_path: Path, stage: int) -> None:
     """DeepSpeedExamples' bf16_master_weight API use (``loss.backward()``, ``model_engine.step()``) at every stage:
     a bf16 model with fp32 masters tracks plain torch's bf16 + fp32-master training as closely as bf16 allows."""
@@ -340,3 +347,59 @@ def test_bf16_master_weight_example_with_loss_backward(dist_run, tmp_path: Path,
         for name, value in want["params"].items():
             bound = BF16_PARAM_TOL * value.abs() + 1e-3
             assert bool(((r["params"][name] - value).abs() <= bound).all()), name
+
+
+# --- misuse: asymmetric clearing, a backward that raised --------------------------------------------------------------
+def _asymmetric_clear(rank: int, world: int, stage: int, how: str) -> str:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+    x, y = global_batches(1, MB * world)[0]
+    rows = slice(rank * MB, (rank + 1) * MB)
+    engine.backward(F.mse_loss(engine(x[rows]), y[rows]))  # reduced: every rank holds the agreed gradient
+    if rank == 0:
+        model.zero_grad() if how == "module" else engine.zero_grad()
+    try:
+        engine.step()
+    except RuntimeError as err:
+        return str(err)
+    return "stepped"
+
+
+@pytest.mark.parametrize(("stage", "how"), [(0, "module"), pytest.param(3, "engine", marks=SLOW)])
+def test_clearing_on_one_rank_only_is_an_error_on_every_rank(dist_run, stage: int, how: str) -> None:
+    """Rank 0 zeroes the reduced gradients, rank 1 keeps them: every rank raises at the step (no hang, no silent
+    divergence)."""
+    for message in dist_run(_asymmetric_clear, 2, stage, how):
+        assert "gradients were cleared" in message and "between 0 and 1 times" in message
+
+
+def _backward_raises(rank: int, world: int, stage: int) -> dict:
+    """A ``loss.backward()`` that raises midway (a hook on an activation) leaves nothing open: the next backward
+    and step train like plain torch on the later batches."""
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+    batches = global_batches(3, MB * world)
+    x, y = batches[0]
+    rows = slice(rank * MB, (rank + 1) * MB)
+    hidden = engine.module.mid.register_forward_hook(
+        lambda m, args, out: out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom")))
+    )
+    message = ""
+    try:
+        F.mse_loss(engine(x[rows]), y[rows]).backward()
+    except ValueError as err:
+        message = str(err)
+    hidden.remove()
+    engine.zero_grad()
+    for x, y in batches:
+        F.mse_loss(engine(x[rows]), y[rows]).backward()
+        engine.step()
+    return {"message": message, "params": {n: v.float() for n, v in engine.module_state_dict().items()}}
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=SLOW)])
+def test_loss_backward_that_raised_is_cleaned_up(dist_run, stage: int) -> None:
+    want = _reference(global_batches(3, MB * 2))
+    for r in dist_run(_backward_raises, 2, stage):
+        assert r["message"] == "boom"
+        _assert_close(r["params"], want)

@@ -23,6 +23,7 @@ find the pass started and do nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ class BackwardPasses:
         gradient_accumulation_steps: int,
         needs_loss_scale: bool,
         on_forget: Callable[[int], None],
+        events: Any = None,
     ) -> None:
         self.states = states
         self._prologue = prologue  # the driver's: boundary decision, host copies, reducer.before_backward
@@ -57,6 +59,8 @@ class BackwardPasses:
         self.explicit = False  # opened by engine.backward (the loss already carries 1/GAS and the loss scale)
         self._tasks: set[int] = set()  # graph tasks whose end callback is queued
         self.scale_called = False  # engine.scale(loss) since the last autograd-started pass
+        self._events = events  # EngineEvents: an autograd-started pass is a "backward" phase too (timers)
+        self._phase = contextlib.ExitStack()
 
     # --- start ---------------------------------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -85,7 +89,13 @@ class BackwardPasses:
             )
         self.scale_called = False
         self.sweep()
-        self._prologue()
+        if self._events is not None:
+            self._phase.enter_context(self._events.phase("backward"))
+        try:
+            self._prologue()
+        except BaseException:
+            self._phase.close()
+            raise
         self.open, self.explicit = True, False
         self._queue_end(task)
 
@@ -105,13 +115,19 @@ class BackwardPasses:
     # --- end -----------------------------------------------------------------------------------------------------
     def end(self) -> None:
         self.open = False
-        self.states.reducer.after_backward()
-        self.states.mark_grads_clean()
+        try:
+            self.states.reducer.after_backward()
+            self.states.mark_grads_clean()
+        finally:
+            self._phase.close()
 
     def abort(self) -> None:
         self.open, self.explicit = False, False
         self._tasks.clear()
-        self.states.reducer.abort_backward()
+        try:
+            self.states.reducer.abort_backward()
+        finally:
+            self._phase.close()
 
     def abort_stale(self) -> bool:
         """Outside autograd a pass still open is one whose backward raised (its end callback never ran)."""

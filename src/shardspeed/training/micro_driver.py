@@ -63,6 +63,7 @@ class MicroStepDriver:
             gradient_accumulation_steps=gradient_accumulation_steps,
             needs_loss_scale=core.loss_scaler is not None,
             on_forget=self._forgot,
+            events=events,
         )
         # hooks of a backward nobody announced (loss.backward()) start it: training/backward_passes.py
         states.reducer.backward_starter = self.passes.start_from_autograd
@@ -109,7 +110,7 @@ class MicroStepDriver:
         self.states.reducer.before_backward(communicate, final=boundary)
 
     def _forgot(self, events: int) -> None:
-        self.cleared_since_step += events
+        self.cleared_since_step += 1  # one clearing (however many parameters it reached): compared across ranks
         if self.core.host_grads:
             self.core.optimizer.forget_grads()  # host copies of forgotten gradients: taken again at the step
 
@@ -138,6 +139,7 @@ class MicroStepDriver:
         """``engine.zero_grad()``: forget every gradient accumulated since the last step."""
         self.passes.abort_stale()
         self.core.zero_grads()
+        self.cleared_since_step += 1
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
@@ -156,7 +158,8 @@ class MicroStepDriver:
     def _boundary_step(self) -> None:
         progress = self.progress
         reporting = (progress.global_steps + 1) % self.steps_per_print == 0
-        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps)
+        clearings, self.cleared_since_step = self.cleared_since_step, 0
+        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps, clearings=clearings)
         self.global_grad_norm = outcome.grad_norm
         progress.skipped_steps += outcome.skipped
         progress.global_steps += 1

@@ -5,7 +5,8 @@ norm → overflow → unscale × clip → optimizer step → copy back → LR sc
 [Note: agreed step] Each decision here must come out the same on every rank, or ranks step differently and
 diverge silently (or one waits in a collective the others skipped). The global norm is computed from reduced
 gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
-coefficient are identical too; the unused-parameter check is one all-reduce issued on every rank. Nothing in the
+coefficient are identical too; the unused-parameter check and the count of gradient clearings since the last step
+are one small all-reduce issued on every rank. Nothing in the
 step may depend on a rank-local value that was not agreed first.
 
 The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
@@ -71,18 +72,19 @@ class StepCore:
         self.logger = logger
         self.global_rank = global_rank
 
-    def run(self, *, want_norm: bool, step_index: int) -> StepOutcome:
+    def run(self, *, want_norm: bool, step_index: int, clearings: int = 0) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines."""
+        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines.
+        ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
+        it must be the same on every rank (checked with the unused-parameter check, in one collective)."""
         if not self.states.reducer.reduced:
             raise RuntimeError(
                 "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
                 "boundary backward ran under no_sync(). Ranks would step on different gradients and diverge."
             )
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
-        if not self.ignore_unused_parameters:
-            self._check_no_unused_parameters()
+        self._agree_before_step(clearings)
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         needed = want_norm or self.gradient_clipping > 0 or self.loss_scaler is not None
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
@@ -114,15 +116,26 @@ class StepCore:
         if self.host_grads:
             self.optimizer.forget_grads()
 
-    def _check_no_unused_parameters(self) -> None:
-        """``ignore_unused_parameters: false``: every rank learns whether any rank saw an unused parameter (one
-        scalar all-reduce, issued on every rank), so all ranks raise together instead of some hanging."""
-        unused = self.states.reducer.unused_names()
-        flag = torch.tensor([float(len(unused))], device=self.device)
-        self.collectives.all_reduce_max(flag, self.axis, tag="unused_check")
-        if flag.item() > 0:
+    def _agree_before_step(self, clearings: int) -> None:
+        """One small all-reduce (MAX) issued on every rank, so all ranks raise together instead of some hanging or
+        stepping on different gradients:
+        - ``ignore_unused_parameters: false``: whether any rank saw a trainable parameter without gradient;
+        - gradient clearings since the last step: a rank that zeroed (possibly reduced, agreed) gradients the
+          others kept would step on different gradients, silently at stage 0 (replicated parameters)."""
+        unused = [] if self.ignore_unused_parameters else self.states.reducer.unused_names()
+        flags = torch.tensor([float(len(unused)), float(clearings), -float(clearings)], device=self.device)
+        self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
+        if flags[0].item() > 0:
             where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
             raise RuntimeError(
                 f"parameters received no gradient this step ({where}) and zero_optimization."
                 "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
+            )
+        most, least = flags[1].item(), -flags[2].item()
+        if most != least:
+            raise RuntimeError(
+                f"gradients were cleared (zero_grad on the module, the optimizer or the engine) {clearings} time(s) "
+                f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
+                "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
+                "gradients"
             )

@@ -92,6 +92,7 @@ class Stage3Runtime:
         self._marked = [(u, i) for u, g in enumerate(self.grads) for i in sorted(g.trainable)]
         self._marker_of = {key: m for m, key in enumerate(self._marked)}
         self.markers = GradMarkers([self.units[u].params[i] for u, i in self._marked])
+        self.markers.install_all()  # from the start, so a clearing is seen alike on every rank
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
