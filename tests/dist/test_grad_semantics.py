@@ -174,7 +174,7 @@ ZERO_GRAD_CASES = [
     for stage in (0, 1, 2, 3)
     for clear in ("engine", "optimizer", "optimizer_keep", "module", "module_keep")
 ]
-ZERO_GRAD_DEFAULT = {(0, "module"), (1, "optimizer"), (2, "module_keep"), (3, "module"), (3, "optimizer_keep")}
+ZERO_GRAD_DEFAULT = {(0, "module"), (1, "optimizer"), (2, "module_keep"), (3, "module")}
 
 
 @pytest.mark.parametrize(
@@ -326,7 +326,7 @@ BF16_PARAM_TOL = 2**-7  # relative: bf16 keeps 8 significant bits; the ranks' bf
 BF16_LOSS_TOL = 1e-2
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=SLOW) for s in (0, 1, 2)] + [3])
 def test_bf16_master_weight_example_with_loss_backward(dist_run, tmp_path: Path, stage: int) -> None:
     """DeepSpeedExamples' bf16_master_weight API use (``loss.backward()``, ``model_engine.step()``) at every stage:
     a bf16 model with fp32 masters tracks plain torch's bf16 + fp32-master training as closely as bf16 allows."""
@@ -381,9 +381,13 @@ def _backward_raises(rank: int, world: int, stage: int) -> dict:
     batches = global_batches(3, MB * world)
     x, y = batches[0]
     rows = slice(rank * MB, (rank + 1) * MB)
-    hidden = engine.module.mid.register_forward_hook(
-        lambda m, args, out: out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom")))
-    )
+    def boom(grad: torch.Tensor) -> None:
+        raise ValueError("boom")
+
+    def watch(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(boom)
+
+    hidden = engine.module.mid.register_forward_hook(watch)
     message = ""
     try:
         F.mse_loss(engine(x[rows]), y[rows]).backward()
