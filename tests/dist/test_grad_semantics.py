@@ -100,10 +100,15 @@ def test_loss_backward_matches_engine_backward_and_torch_with_gas(dist_run, stag
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_loss_backward_with_offload_optimizer(dist_run, stage: int) -> None:
+    """Under ``offload_optimizer`` (CPU Adam on host copies) ``loss.backward()`` gives what ``engine.backward``
+    gives (≤ 1e-6, as the offload tests compare), and both follow plain torch's AdamW (≤ 1e-4: CPU Adam's
+    arithmetic differs from torch's in the last bits, amplified by Adam's normalization)."""
     extra = {"optimizer": "adamw", "offload_optimizer": {"device": "cpu"}}
     want = _reference(global_batches(3, MB * 2 * 2), "adamw")
-    for r in dist_run(_train, 2, stage, 2, "loss", extra):
-        _assert_close(r, want)
+    engine_runs = dist_run(_train, 2, stage, 2, "engine", extra)
+    for direct, explicit in zip(dist_run(_train, 2, stage, 2, "loss", extra), engine_runs):
+        _assert_close(direct, explicit, 1e-6)
+        _assert_close(direct, want, 1e-4)
 
 
 def _fp16_plain_backward(rank: int, world: int, stage: int) -> str:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from shardspeed.log import logger
+
 __all__ = ["BackwardPasses"]
 
 
@@ -61,6 +63,7 @@ class BackwardPasses:
         self.scale_called = False  # engine.scale(loss) since the last autograd-started pass
         self._events = events  # EngineEvents: an autograd-started pass is a "backward" phase too (timers)
         self._phase = contextlib.ExitStack()
+        self._warned_unscaled = False
 
     # --- start ---------------------------------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -75,8 +78,8 @@ class BackwardPasses:
         self._prologue()
         self.open, self.explicit = True, True
 
-    def start_from_autograd(self) -> None:
-        """A hook of this engine fired in a backward it was not told about."""
+    def start_from_autograd(self, from_output: bool = False) -> None:
+        """A hook of this engine fired in a backward it was not told about (``from_output``: a forward output's)."""
         task = _graph_task()
         if self.open:
             if not self.explicit and task != -1 and task not in self._tasks:
@@ -88,6 +91,14 @@ class BackwardPasses:
                 "without scaling the loss. Use engine.backward(loss) or engine.scale(loss).backward()."
             )
         self.scale_called = False
+        if not from_output and self.gradient_accumulation_steps > 1 and not self._warned_unscaled:
+            self._warned_unscaled = True
+            logger.warning(
+                "a backward reached this engine's parameters without passing its forward outputs (the module was "
+                "called directly, not through the engine): its gradients are not divided by "
+                "gradient_accumulation_steps=%d (as in DeepSpeed). Call engine(x), or use engine.backward(loss).",
+                self.gradient_accumulation_steps,
+            )
         self.sweep()
         if self._events is not None:
             self._phase.enter_context(self._events.phase("backward"))
@@ -147,7 +158,7 @@ class BackwardPasses:
         return output
 
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        self.start_from_autograd()
+        self.start_from_autograd(from_output=True)
         if self.explicit or self.gradient_accumulation_steps == 1:
             return None
         return grad / self.gradient_accumulation_steps

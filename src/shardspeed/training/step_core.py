@@ -6,7 +6,7 @@ norm → overflow → unscale × clip → optimizer step → copy back → LR sc
 diverge silently (or one waits in a collective the others skipped). The global norm is computed from reduced
 gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
 coefficient are identical too; the unused-parameter check and the count of gradient clearings since the last step
-are one small all-reduce issued on every rank. Nothing in the
+and whether every rank reduced this step's gradients are one small all-reduce issued on every rank. Nothing in the
 step may depend on a rank-local value that was not agreed first.
 
 The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
@@ -78,13 +78,8 @@ class StepCore:
         clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines.
         ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
         it must be the same on every rank (checked with the unused-parameter check, in one collective)."""
-        if not self.states.reducer.reduced:
-            raise RuntimeError(
-                "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
-                "boundary backward ran under no_sync(). Ranks would step on different gradients and diverge."
-            )
-        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         self._agree_before_step(clearings)
+        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         needed = want_norm or self.gradient_clipping > 0 or self.loss_scaler is not None
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
@@ -123,14 +118,11 @@ class StepCore:
         - gradient clearings since the last step: a rank that zeroed (possibly reduced, agreed) gradients the
           others kept would step on different gradients, silently at stage 0 (replicated parameters)."""
         unused = [] if self.ignore_unused_parameters else self.states.reducer.unused_names()
-        flags = torch.tensor([float(len(unused)), float(clearings), -float(clearings)], device=self.device)
+        unreduced = not self.states.reducer.reduced
+        flags = torch.tensor(
+            [float(len(unused)), float(clearings), -float(clearings), float(unreduced)], device=self.device
+        )
         self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
-        if flags[0].item() > 0:
-            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
-            raise RuntimeError(
-                f"parameters received no gradient this step ({where}) and zero_optimization."
-                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
-            )
         most, least = flags[1].item(), -flags[2].item()
         if most != least:
             raise RuntimeError(
@@ -138,4 +130,17 @@ class StepCore:
                 f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
                 "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
                 "gradients"
+            )
+        if flags[3].item() > 0:
+            where = "this rank's" if unreduced else "another data-parallel rank's"
+            raise RuntimeError(
+                f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
+                "all-reduced: no backward since zero_grad(), or the boundary backward ran under no_sync(). Ranks "
+                "would step on different gradients and diverge."
+            )
+        if flags[0].item() > 0:
+            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
+            raise RuntimeError(
+                f"parameters received no gradient this step ({where}) and zero_optimization."
+                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
             )
