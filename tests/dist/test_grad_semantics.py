@@ -412,3 +412,36 @@ def test_loss_backward_that_raised_is_cleaned_up(dist_run, stage: int) -> None:
     for r in dist_run(_backward_raises, 2, stage):
         assert r["message"] == "boom"
         _assert_close(r["params"], want)
+
+
+class _Reentrant(torch.nn.Module):
+    """The parity model with its middle layers under torch's reentrant checkpointing: the recomputation and its
+    backward run as a nested graph task inside the outer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        h = torch.tanh(net.inp(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(net.mid2(torch.tanh(net.mid(t)))), h, use_reentrant=True)
+        return net.out(h)
+
+
+def _reentrant(rank: int, world: int, stage: int) -> dict:
+    model = _Reentrant()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+    rows = slice(rank * MB, (rank + 1) * MB)
+    for x, y in global_batches(3, MB * world):
+        F.mse_loss(engine(x[rows]), y[rows]).backward()
+        engine.step()
+    return {n.removeprefix("net."): v.float() for n, v in engine.module_state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(0, marks=SLOW), pytest.param(1, marks=SLOW)])
+def test_loss_backward_under_reentrant_checkpointing(dist_run, stage: int) -> None:
+    """The pass ends when the outer graph task does, not when the first nested one (the recomputation) ends."""
+    want = _reference(global_batches(3, MB * 2))
+    for r in dist_run(_reentrant, 2, stage):
+        _assert_close(r, want)
