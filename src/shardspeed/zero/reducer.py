@@ -183,7 +183,9 @@ class GradReducer:
         if self._communicate and self.state[bucket] is not BucketState.ACCUMULATING:
             raise RuntimeError(
                 f"gradient for '{self.names[index]}' arrived after its bucket was already reduced in this backward "
-                "(a parameter reached twice through separate autograd graphs?). Compute one loss per backward."
+                "(reached again after its bucket's gradients were all in, e.g. through a nested autograd graph joined "
+                "into this backward). Run separate backward passes instead: gradients of several backward passes "
+                "accumulate."
             )
         self.grad_sync.absorb(index, param)
         self.markers.install(index)
@@ -290,15 +292,6 @@ class GradReducer:
         for i in indices:
             self.grad_sync.forget(i)
             self.markers.install(i)
-
-    @property
-    def in_backward(self) -> bool:
-        return self._in_backward
-
-    @property
-    def holds_reduced(self) -> bool:
-        """Whether some bucket holds reduced (agreed across ranks) gradients."""
-        return any(s is BucketState.REDUCED for s in self.state)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -405,11 +405,3 @@ class Stage3Runtime:
             u, i = self._marked[m]
             self.grads[u].forget(i)
             self.markers.install(m)
-
-    @property
-    def in_backward(self) -> bool:
-        return self._in_backward
-
-    @property
-    def holds_reduced(self) -> bool:
-        return self._reduced
