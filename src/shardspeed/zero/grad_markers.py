@@ -56,6 +56,18 @@ class GradMarkers:
         for i in range(len(self.params)):
             self.install(i)
 
+    def uninstall(self, i: int) -> None:
+        """No marker (ZeRO-3 while the parameter is an empty placeholder: a sentinel must have the parameter's
+        full shape, which ``.grad`` cannot take then; the next gradient, arriving while it is gathered, installs
+        one)."""
+        if self.params[i].grad is self._sentinels[i]:
+            self.params[i].grad = None
+        self._sentinels[i] = None
+
+    def uninstall_all(self) -> None:
+        for i in range(len(self.params)):
+            self.uninstall(i)
+
     def before_accumulate(self, i: int) -> None:
         """Tensor pre-hook: autograd is about to accumulate parameter i's gradient; a sentinel must not be added
         into (a user's own tensor is kept: torch semantics, the stage folds the sum in)."""

@@ -92,7 +92,6 @@ class Stage3Runtime:
         self._marked = [(u, i) for u, g in enumerate(self.grads) for i in sorted(g.trainable)]
         self._marker_of = {key: m for m, key in enumerate(self._marked)}
         self.markers = GradMarkers([self.units[u].params[i] for u, i in self._marked])
-        self.markers.install_all()  # from the start, so a clearing is seen alike on every rank
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
@@ -396,7 +395,7 @@ class Stage3Runtime:
         self._reduced = False
         for g in self.grads:
             g.zero()
-        self.markers.install_all()
+        self.markers.uninstall_all()  # nothing held: nothing to clear until the next gradient installs a marker
 
     def forget(self, indices: list[int]) -> None:
         """User code cleared these (marker-numbered) parameters' ``.grad``: drop their reduced shard pieces."""
@@ -404,4 +403,4 @@ class Stage3Runtime:
         for m in indices:
             u, i = self._marked[m]
             self.grads[u].forget(i)
-            self.markers.install(m)
+            self.markers.uninstall(m)
