@@ -11,7 +11,10 @@ anything in torch:
 A tensor pre-hook (runs before AccumulateGrad) sets ``.grad = None`` over a sentinel so autograd starts a fresh
 gradient (AccumulateGrad would otherwise add into the 0-stride tensor); after the stage absorbed the gradient the
 marker is installed again. ``cleared()`` lists the parameters whose marker user code removed or zeroed since:
-their accumulated gradient is forgotten by the stage (zero/grad_forget.py says how, per stage).
+their accumulated gradient is forgotten by the stage (each GradSync's / UnitGrads' ``forget``).
+ZeRO-3: ``.grad`` must match the parameter's current shape when assigned, and between uses a parameter is an
+empty placeholder, so a sentinel (full shape) is installed only as a gradient arrives (the unit is gathered then)
+and removed at the step's zeroing: with nothing held there is nothing to clear.
 
 ``SteppedGrads`` does the same for the tensors the optimizer steps (masters, bucket slices, unit shards), whose
 ``.grad`` are views of the stage's reduced gradients: ``optimizer.zero_grad()`` sets them to ``None``.
