@@ -245,7 +245,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
         with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
-            return self.module(*args, **kwargs)
+            return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / GAS`` (× loss scale; ``scale_wrt_gas=False``: without 1/GAS); reduces gradients on
@@ -253,6 +253,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         require_optimizer(self.optimizer, "backward")
         self._driver.backward(loss, retain_graph, scale_wrt_gas=scale_wrt_gas)
         return loss / self._driver.gradient_accumulation_steps if scale_wrt_gas else loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale, for ``scaled.backward()``."""
+        require_optimizer(self.optimizer, "scale")
+        return self._driver.scale(loss)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary (``lr_kwargs`` go to the LR scheduler's ``step``);
@@ -263,7 +268,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
 
     def zero_grad(self) -> None:
-        self._core.zero_grads()
+        """Forget every gradient accumulated since the last step (as ``module.zero_grad()`` does too)."""
+        self._driver.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._driver.is_boundary()

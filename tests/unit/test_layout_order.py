@@ -84,6 +84,12 @@ class _FakeSync:
     def zero(self) -> None:
         pass
 
+    def forget(self, index: int) -> None:
+        pass
+
+    def reopen(self) -> None:
+        pass
+
 
 def _chain(depth: int = 6) -> tuple[torch.nn.Sequential, list[torch.nn.Parameter], list[str]]:
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.training.backward_passes import BackwardPasses
 from shardspeed.training.events import EngineEvents, StepReport
 from shardspeed.training.step_core import StepCore
 
@@ -55,6 +56,17 @@ class MicroStepDriver:
         self.last_loss: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
+        self.cleared_since_step = 0  # user clearings of gradients seen since the last step ([Note: gradient markers])
+        self.passes = BackwardPasses(
+            states=states,
+            prologue=self._prologue,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            needs_loss_scale=core.loss_scaler is not None,
+            on_forget=self._forgot,
+            events=events,
+        )
+        # hooks of a backward nobody announced (loss.backward()) start it: training/backward_passes.py
+        states.reducer.backward_starter = self.passes.start_from_autograd
 
     # --- accumulation boundaries --------------------------------------------------------------------------------
     def is_boundary(self) -> bool:
@@ -79,6 +91,29 @@ class MicroStepDriver:
             self._no_sync = previous
 
     # --- the loop -------------------------------------------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)`` for a manual ``loss.backward()``: the loss times fp16's loss scale
+        (1/GAS is applied by the forward outputs' hooks, as in DeepSpeed)."""
+        if loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("engine.scale(loss) expects a scalar loss with a grad_fn")
+        self.passes.scale_called = True
+        self.last_loss = loss.detach()
+        scaler = self.core.loss_scaler
+        return loss.float() * scaler.scale if scaler is not None else loss
+
+    def _prologue(self) -> None:
+        """Before any backward of this engine, however started: the boundary decision and the reducer."""
+        boundary = self.is_boundary()
+        communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
+        if self.core.host_grads and boundary and communicate:
+            self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no copies or scale behind
+        self.states.reducer.before_backward(communicate, final=boundary)
+
+    def _forgot(self, events: int) -> None:
+        self.cleared_since_step += 1  # one clearing (however many parameters it reached): compared across ranks
+        if self.core.host_grads:
+            self.core.optimizer.forget_grads()  # host copies of forgotten gradients: taken again at the step
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
@@ -86,27 +121,34 @@ class MicroStepDriver:
         scale = 1.0 / self.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.core.loss_scaler is not None:
             scale *= self.core.loss_scaler.scale
-        boundary = self.is_boundary()
-        communicate = (boundary or self.states.communicate_every_micro_step) and not self._no_sync
-        reducer = self.states.reducer
-        if self.core.host_grads and boundary and communicate:
-            self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no copies or scale behind
-        reducer.before_backward(communicate, final=boundary)
+        self.passes.start_explicit()
         with self.events.phase("backward"):
             try:
                 (loss.float() * scale).backward(retain_graph=retain_graph)
             except BaseException as err:
-                reducer.abort_backward()
+                self.passes.abort()
                 # ZeRO-3 names a parameter read as an empty placeholder; anything else is raised as it came
                 explained = self.states.explain_backward_error(err, loss)
                 if explained is err:
                     raise
                 raise explained from err
-            reducer.after_backward()
+            self.passes.end()
         return loss
+
+    def zero_grad(self) -> None:
+        """``engine.zero_grad()``: forget every gradient accumulated since the last step."""
+        self.passes.abort_stale()
+        self.core.zero_grads()
+        self.cleared_since_step += 1
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        if self.passes.abort_stale():
+            raise RuntimeError(
+                "step(): the last backward raised before it finished, so its gradients were never reduced; "
+                "zero_grad() and run the backward again"
+            )
+        self.passes.sweep()
         if self.is_boundary():
             with self.events.phase("step"):
                 self._boundary_step(lr_kwargs)
@@ -116,7 +158,10 @@ class MicroStepDriver:
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         progress = self.progress
         reporting = (progress.global_steps + 1) % self.steps_per_print == 0
-        outcome = self.core.run(want_norm=reporting, step_index=progress.global_steps, lr_kwargs=lr_kwargs)
+        clearings, self.cleared_since_step = self.cleared_since_step, 0
+        outcome = self.core.run(
+            want_norm=reporting, step_index=progress.global_steps, clearings=clearings, lr_kwargs=lr_kwargs
+        )
         self.global_grad_norm = outcome.grad_norm
         progress.skipped_steps += outcome.skipped
         progress.global_steps += 1

@@ -5,7 +5,8 @@ norm → overflow → unscale × clip → optimizer step → copy back → LR sc
 [Note: agreed step] Each decision here must come out the same on every rank, or ranks step differently and
 diverge silently (or one waits in a collective the others skipped). The global norm is computed from reduced
 gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
-coefficient are identical too; the unused-parameter check is one all-reduce issued on every rank. Nothing in the
+coefficient are identical too; the unused-parameter check and the count of gradient clearings since the last step
+and whether every rank reduced this step's gradients are one small all-reduce issued on every rank. Nothing in the
 step may depend on a rank-local value that was not agreed first.
 
 The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
@@ -71,19 +72,17 @@ class StepCore:
         self.logger = logger
         self.global_rank = global_rank
 
-    def run(self, *, want_norm: bool, step_index: int, lr_kwargs: dict[str, Any] | None = None) -> StepOutcome:
+    def run(
+        self, *, want_norm: bool, step_index: int, clearings: int = 0, lr_kwargs: dict[str, Any] | None = None
+    ) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines; ``lr_kwargs`` go
-        to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
-        if not self.states.reducer.reduced:
-            raise RuntimeError(
-                "step() at a gradient-accumulation boundary, but this step's gradients were never all-reduced: the "
-                "boundary backward ran under no_sync(). Ranks would step on different gradients and diverge."
-            )
+        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines.
+        ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
+        it must be the same on every rank (checked with the unused-parameter check, in one collective).
+        ``lr_kwargs`` go to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
+        self._agree_before_step(clearings)
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
-        if not self.ignore_unused_parameters:
-            self._check_no_unused_parameters()
         loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         needed = want_norm or self.gradient_clipping > 0 or self.loss_scaler is not None
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
@@ -111,16 +110,38 @@ class StepCore:
     def zero_grads(self) -> None:
         """Forget every gradient accumulated since the last step (flat buffers, shards, host copies)."""
         self.states.zero_grads()
+        self.states.mark_grads_clean()
         if self.host_grads:
             self.optimizer.forget_grads()
 
-    def _check_no_unused_parameters(self) -> None:
-        """``ignore_unused_parameters: false``: every rank learns whether any rank saw an unused parameter (one
-        scalar all-reduce, issued on every rank), so all ranks raise together instead of some hanging."""
-        unused = self.states.reducer.unused_names()
-        flag = torch.tensor([float(len(unused))], device=self.device)
-        self.collectives.all_reduce_max(flag, self.axis, tag="unused_check")
-        if flag.item() > 0:
+    def _agree_before_step(self, clearings: int) -> None:
+        """One small all-reduce (MAX) issued on every rank, so all ranks raise together instead of some hanging or
+        stepping on different gradients:
+        - ``ignore_unused_parameters: false``: whether any rank saw a trainable parameter without gradient;
+        - gradient clearings since the last step: a rank that zeroed (possibly reduced, agreed) gradients the
+          others kept would step on different gradients, silently at stage 0 (replicated parameters)."""
+        unused = [] if self.ignore_unused_parameters else self.states.reducer.unused_names()
+        unreduced = not self.states.reducer.reduced
+        flags = torch.tensor(
+            [float(len(unused)), float(clearings), -float(clearings), float(unreduced)], device=self.device
+        )
+        self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
+        most, least = flags[1].item(), -flags[2].item()
+        if most != least:
+            raise RuntimeError(
+                f"gradients were cleared (zero_grad on the module, the optimizer or the engine) {clearings} time(s) "
+                f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
+                "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
+                "gradients"
+            )
+        if flags[3].item() > 0:
+            where = "this rank's" if unreduced else "another data-parallel rank's"
+            raise RuntimeError(
+                f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
+                "all-reduced: no backward since zero_grad(), or the boundary backward ran under no_sync(). Ranks "
+                "would step on different gradients and diverge."
+            )
+        if flags[0].item() > 0:
             where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
             raise RuntimeError(
                 f"parameters received no gradient this step ({where}) and zero_optimization."

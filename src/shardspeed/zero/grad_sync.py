@@ -120,6 +120,12 @@ class AllReduceGrads:
     def zero(self) -> None:
         self.buffer.zero()
 
+    def forget(self, index: int) -> None:
+        self.buffer.views[index].zero_()
+
+    def reopen(self) -> None:
+        """Every rank holds the same mean: averaging it again returns it (see [Note: several backward passes])."""
+
 
 class _ShardReduceScatter:
     """Shared by stages 1 and 2: reduce-scatter a full bucket; this rank's reduced slice is its gradient shard.
@@ -183,6 +189,21 @@ class ReduceScatterGrads(_ShardReduceScatter):
 
     def zero(self) -> None:
         self.buffer.zero()
+
+    def forget(self, index: int) -> None:
+        self.buffer.views[index].zero_()  # the local part and, where this rank owns it, the reduced part
+
+    @torch.no_grad()
+    def reopen(self) -> None:
+        """Each bucket: this rank's slice holds the mean, the rest stale local gradients. Keep N × mean in the
+        slice and zeros elsewhere: the next reduce-scatter's sum then starts from N × mean, so the result is
+        mean + mean(new) ([Note: several backward passes] in reducer.py)."""
+        rank, world = self.ctx.axis.rank, self.layout.world
+        for k, b in enumerate(self.layout.buckets):
+            start, end = self.layout.rank_slice(k, rank)
+            self.buffer.flat[b.start : start].zero_()
+            self.buffer.flat[end : b.end].zero_()
+            self.buffer.flat[start:end].mul_(world)
 
 
 class StagedReduceScatter(_ShardReduceScatter):
@@ -249,3 +270,15 @@ class StagedReduceScatter(_ShardReduceScatter):
             self.meter.release(staging)
         self._staging.clear()
         self.shard_flat.zero_()
+
+    def forget(self, index: int) -> None:
+        """This rank's reduced part of the parameter (its shard pieces); staging lives only within a backward."""
+        k, rank = self.bucket_of[index], self.ctx.axis.rank
+        start, end = self.layout.rank_slice(k, rank)
+        lo, hi = self.layout.span(index)
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            self.grad_shards[k][a - start : b - start].zero_()
+
+    def reopen(self) -> None:
+        """Each backward's increment is reduced into the shard by itself: nothing to undo."""

@@ -30,6 +30,7 @@ from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
+from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter, StagingMeter
 from shardspeed.zero.layout import ShardLayout, intersect
 from shardspeed.zero.param_groups import PackedParams
@@ -63,6 +64,22 @@ class PartitionedStates(FlatLayoutStates):
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
+        self._set_markers()
+
+    def _set_markers(self) -> None:
+        """[Note: gradient markers]: stage 1 fp32 parameters' .grad view the full buffer; otherwise sentinels."""
+        buffer = self.grad_buffer
+        self.reducer.markers.set_views(buffer.views if buffer is not None and buffer.as_views else None)
+        storage = buffer.flat if buffer is not None else self.shard_flat
+        assert storage is not None
+        self._stepped = SteppedGrads(lambda: self.bucket_tensors, lambda: [storage])
+        self._stepped.snapshot()
+
+    def _stepped_grads(self) -> SteppedGrads:
+        return self._stepped
+
+    def _clears_everything_when_written(self) -> bool:
+        return self.stage == 1
 
     def _build(self, layout: ShardLayout) -> None:
         """Every buffer that follows the layout; parameter values are copied from the parameters as they are."""
@@ -142,6 +159,7 @@ class PartitionedStates(FlatLayoutStates):
             assert old_sync.shard_flat.count_nonzero() == 0, "stage 2 re-layout after a reduction"
             self.grad_sync.adopt(old_sync)
         self.reducer.set_layout(layout, self.grad_sync)
+        self._set_markers()
 
     def _relayout_streamed(self, layout: ShardLayout, optimizer: Any, groups: list[dict[str, Any]]) -> None:
         relayout_streamed(self, layout, optimizer, groups)

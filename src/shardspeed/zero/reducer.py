@@ -30,6 +30,18 @@ completed), during backward. With gradients arriving in bucket order the staging
 ``max_in_flight`` + 1 buckets (the one filling). ``REDUCTIONS_IN_FLIGHT`` = 2, as ZeRO-3's
 REDUCE_SCATTERS_IN_FLIGHT: one bucket's collective runs while the next is launched; more only buys memory.
 ``overlap_comm: false`` is a cap of 0: each bucket is finished as it launches.
+
+[Note: several backward passes] As in torch, gradients of every backward accumulate until they are zeroed: a
+second backward before ``step()`` (two losses, or another engine's loss flowing through this module: a GAN's
+generator loss through the discriminator) adds to what is held. On a boundary each backward reduces; when one
+follows an already reduced backward, ``before_backward`` asks the GradSync to ``reopen`` its buffers so the
+reduced part is not averaged again: stage 0 holds the same mean on every rank, whose average is itself; stage 1
+keeps N × its reduced slice and zeroes the rest of the bucket (the sum over ranks is then N × mean); stage 2 (and
+ZeRO-3) reduce each backward's own increment into the shard already. A backward is started by
+``engine.backward`` or by autograd itself (``loss.backward()``): the first hook calls ``backward_starter``
+(training/backward_passes.py), which runs ``before_backward`` and queues ``after_backward`` at the end of the
+graph task. Between backward passes ``param.grad`` holds a marker ([Note: gradient markers] in grad_markers.py)
+so a script's own ``zero_grad`` is noticed and the parameter's gradient forgotten (``forget``).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import torch
 
 from shardspeed.comm import Work
 from shardspeed.log import logger
+from shardspeed.zero.grad_markers import GradMarkers
 from shardspeed.zero.layout import ShardLayout
 
 
@@ -57,6 +70,15 @@ class GradSync(Protocol):
     def complete(self, bucket: int) -> None: ...
 
     def zero(self) -> None: ...
+
+    def forget(self, index: int) -> None:
+        """Drop parameter ``index``'s accumulated gradient (user code cleared its ``.grad``)."""
+        ...
+
+    def reopen(self) -> None:
+        """Another backward follows a reduction before the step: make the held gradients such that reducing
+        them again plus the new ones yields reduced + mean(new) ([Note: several backward passes])."""
+        ...
 
 
 class BucketState(enum.Enum):
@@ -99,11 +121,15 @@ class GradReducer:
         self._order_changed_logged = False
         self._planned = False  # plan_layout has run
         self._inflight: collections.deque[int] = collections.deque()
+        # called by the first hook of a backward nobody announced (loss.backward()): starts it (before_backward)
+        self.backward_starter: Callable[[], None] | None = None
+        self.markers = GradMarkers(self.params)  # the stage sets buffer views where .grad views the buffer
         self.set_layout(layout, sync)
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(params)
         ]
+        self._hooks += [p.register_hook(functools.partial(self._before_accumulate, i)) for i, p in enumerate(params)]
 
     def set_layout(self, layout: ShardLayout, sync: GradSync) -> None:
         """Adopt a new bucket layout and the GradSync built for it (same parameters, same indices)."""
@@ -125,16 +151,23 @@ class GradReducer:
         self._in_backward, self._communicate, self._next_launch = True, communicate, 0
         self._final = final and communicate
         self._recording = self.plan_layout is not None
+        if any(state is BucketState.REDUCED for state in self.state):  # [Note: several backward passes]
+            self.grad_sync.reopen()
         self._arrived.clear()
         self._order.clear()
         self._last_bucket = -1
         for k, b in enumerate(self.layout.buckets):
             self.state[k], self._pending[k] = BucketState.ACCUMULATING, len(b.members)
 
+    def _before_accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Tensor pre-hook (before AccumulateGrad): start an unannounced backward; clear a sentinel ``.grad``."""
+        if not self._in_backward and self.backward_starter is not None:
+            self.backward_starter()
+        self.markers.before_accumulate(index)
+
     def _on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         if not self._in_backward:
-            # loss.backward() called directly instead of engine.backward(loss): the gradient is kept, nothing is
-            # reduced, and engine.step() refuses to step on unreduced gradients.
+            # no driver (the reducer used on its own): the gradient is kept, nothing is reduced
             self.grad_sync.absorb(index, param)
             return
         self._arrived_since_zero.add(index)
@@ -150,9 +183,12 @@ class GradReducer:
         if self._communicate and self.state[bucket] is not BucketState.ACCUMULATING:
             raise RuntimeError(
                 f"gradient for '{self.names[index]}' arrived after its bucket was already reduced in this backward "
-                "(a parameter reached twice through separate autograd graphs?). Compute one loss per backward."
+                "(reached again after its bucket's gradients were all in, e.g. through a nested autograd graph joined "
+                "into this backward). Run separate backward passes instead: gradients of several backward passes "
+                "accumulate."
             )
         self.grad_sync.absorb(index, param)
+        self.markers.install(index)
         if not self._communicate or index in self._arrived:
             return
         self._arrived.add(index)
@@ -247,6 +283,15 @@ class GradReducer:
         self._arrived_since_zero.clear()
         self.grad_sync.zero()
         self.state = [BucketState.ACCUMULATING] * len(self.state)
+        self.markers.install_all()
+
+    def forget(self, indices: Sequence[int]) -> None:
+        """User code cleared these parameters' ``.grad`` since: drop what the stage accumulated for them (on a
+        boundary that can be reduced data: every rank clears the same parameters in a sane script)."""
+        assert not self._in_backward, "forget during backward"
+        for i in indices:
+            self.grad_sync.forget(i)
+            self.markers.install(i)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

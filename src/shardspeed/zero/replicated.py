@@ -12,6 +12,7 @@ from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.master import MasterWeights
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer
+from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import AllReduceGrads, CommContext, StagingMeter
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
@@ -39,6 +40,18 @@ class ReplicatedStates(FlatLayoutStates):
         self.meter = StagingMeter()
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
+        self._set_markers()
+
+    def _set_markers(self) -> None:
+        """[Note: gradient markers]: fp32 parameters' .grad view the buffer; mixed ones hold sentinels."""
+        self.reducer.markers.set_views(None if self.mixed else self.grad_buffer.views)
+        self._stepped = SteppedGrads(
+            lambda: self.master.masters if self.master is not None else [], lambda: [self.grad_buffer.flat]
+        )
+        self._stepped.snapshot()
+
+    def _stepped_grads(self) -> SteppedGrads:
+        return self._stepped
 
     def _build(self, layout: ShardLayout) -> None:
         self.layout = layout
@@ -61,6 +74,7 @@ class ReplicatedStates(FlatLayoutStates):
                 new_master.copy_(old_one)
             carry_param_states(optimizer, list(zip(old_master.masters, self.master.masters)))
         self.reducer.set_layout(layout, self.grad_sync)
+        self._set_markers()
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.master is None:

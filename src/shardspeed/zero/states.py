@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, swap_optimizer_tensors
+from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
@@ -69,6 +71,36 @@ class ModelStates(Protocol):
         ``error`` itself (stage 3: parameters read as empty placeholders outside forward)."""
         ...
 
+    def sweep_cleared(self) -> int:
+        """Forget what user code cleared since the last sweep (``module.zero_grad()``, ``optimizer.zero_grad()``:
+        [Note: gradient markers]); returns how many clearings were seen (0: none)."""
+        ...
+
+    def mark_grads_clean(self) -> None:
+        """The engine itself just wrote the gradients (end of backward, zeroing): the state to compare with."""
+        ...
+
+
+def sweep_cleared(reducer: Any, stepped: SteppedGrads, forget_all: Callable[[], None], written_means_all: bool) -> int:
+    """Shared by every stage. The optimizer's tensors' ``.grad`` set to None (``optimizer.zero_grad()``) forgets
+    everything; in-place zeroing of the stage's gradient storage already zeroed what it reached (stage 1:
+    ``optimizer.zero_grad(set_to_none=False)`` reaches only this rank's slices, so everything is forgotten);
+    parameters whose marker was cleared are forgotten one by one."""
+    events = 0
+    if stepped.detached():
+        stepped.reattach()
+        forget_all()
+        events = 1
+    elif stepped.written():
+        events = 1
+        if written_means_all:
+            forget_all()
+    cleared = reducer.markers.cleared()
+    if cleared:
+        reducer.forget(cleared)
+    stepped.snapshot()
+    return events + len(cleared)
+
 
 class FlatLayoutStates:
     """Shared by the stages whose states follow one ShardLayout (0, 1, 2), including the re-layout from the first
@@ -87,6 +119,22 @@ class FlatLayoutStates:
 
     def verify_unit_order(self) -> None:
         """Nothing to verify: stages 0-2 have no units."""
+
+    def _stepped_grads(self) -> SteppedGrads:
+        """The optimizer's tensors whose ``.grad`` are the stage's (stage 0 fp32: the parameters, whose markers
+        already cover them) and the storages behind those gradients."""
+        raise NotImplementedError
+
+    def _clears_everything_when_written(self) -> bool:
+        return False
+
+    def sweep_cleared(self) -> int:
+        return sweep_cleared(
+            self.reducer, self._stepped_grads(), self.zero_grads, self._clears_everything_when_written()
+        )
+
+    def mark_grads_clean(self) -> None:
+        self._stepped_grads().snapshot()
 
     def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
         return error

@@ -172,6 +172,15 @@ class UnitGrads:
         self.grad_shard.zero_()
         self._held.clear()
 
+    def forget(self, local_index: int) -> None:
+        """Drop parameter ``local_index``'s gradient: its piece of this rank's reduced shard (user code cleared
+        its ``.grad`` between backward passes)."""
+        self._held.pop(local_index, None)
+        off, n, lo = self.unit.offsets[local_index], self.unit.numels[local_index], self.unit.rank_start
+        a, b = max(off, lo), min(off + n, lo + self.unit.shard_numel)
+        if a < b and self.grad_shard.numel():
+            self.grad_shard[a - lo : b - lo].zero_()
+
 
 def _zeros(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Zeros of ``dtype``. On the CPU from a fresh anonymous mapping, whose pages the kernel zero-fills on first touch:

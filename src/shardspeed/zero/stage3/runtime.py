@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.zero.grad_markers import GradMarkers
 from shardspeed.zero.stage3.grads import UnitGrads
 from shardspeed.zero.stage3.marks import BackwardUse, mark_outputs, watch_inputs
 from shardspeed.zero.stage3.needs import UnitNeeds
@@ -85,6 +86,12 @@ class Stage3Runtime:
         # of their parameters, so "all arrived" happens at different points per rank; they are reduced with the
         # leftovers after autograd returns (in unit order, the same on every rank).
         self.reduce_after_backward: set[int] = set()
+        # loss.backward(): the first hook of an unannounced backward starts it (training/backward_passes.py)
+        self.backward_starter: Callable[[], None] | None = None
+        # [Note: gradient markers] over every trainable parameter, in (unit, local index) order
+        self._marked = [(u, i) for u, g in enumerate(self.grads) for i in sorted(g.trainable)]
+        self._marker_of = {key: m for m, key in enumerate(self._marked)}
+        self.markers = GradMarkers([self.units[u].params[i] for u, i in self._marked])
 
     # --- hook registration -------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, roots: dict[str, int], foreign: dict[str, list[int]]) -> None:
@@ -118,6 +125,7 @@ class Stage3Runtime:
                 if p.requires_grad:
                     hook = functools.partial(self._on_grad, u, i)
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
+                    self._handles.append(p.register_hook(functools.partial(self._before_accumulate, u, i)))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -205,8 +213,17 @@ class Stage3Runtime:
         return any(use.pending and _will_run(use.node()) for use in self._unstarted[u])
 
     # --- backward ----------------------------------------------------------------------------------------
+    def _start_if_unannounced(self) -> None:
+        if not self._in_backward and self.backward_starter is not None:
+            self.backward_starter()
+
+    def _before_accumulate(self, u: int, i: int, grad: torch.Tensor) -> None:
+        self._start_if_unannounced()
+        self.markers.before_accumulate(self._marker_of[(u, i)])
+
     def _use_started(self, use: BackwardUse) -> None:
         """A call's backward begins (its output mark fired): its units are needed until the use ends."""
+        self._start_if_unannounced()
         if use.started_in == self._backward_index and not use.ended:
             return  # several outputs' marks of one call share one use
         use.started, use.ended, use.started_in = True, False, self._backward_index
@@ -250,9 +267,12 @@ class Stage3Runtime:
         if grads.launched:
             raise RuntimeError(
                 f"gradient for '{self.units[u].names[i]}' arrived after its ZeRO-3 unit '{self.units[u].name}' "
-                "was already reduced in this backward. Compute one loss per backward."
+                "was already reduced in this same backward (the parameter was reached again after all of its "
+                "unit's gradients were in, e.g. through a second autograd graph joined into this backward). "
+                "Run separate backward passes instead: gradients of several backward passes accumulate."
             )
         grads.absorb(i, param)
+        self.markers.install(self._marker_of[(u, i)])
         if self._communicate and grads.complete and u not in self.reduce_after_backward:
             self._launch(u)
         self._needs[u].grad_arrived(i)
@@ -375,3 +395,12 @@ class Stage3Runtime:
         self._reduced = False
         for g in self.grads:
             g.zero()
+        self.markers.uninstall_all()  # nothing held: nothing to clear until the next gradient installs a marker
+
+    def forget(self, indices: list[int]) -> None:
+        """User code cleared these (marker-numbered) parameters' ``.grad``: drop their reduced shard pieces."""
+        assert not self._in_backward, "forget during backward"
+        for m in indices:
+            u, i = self._marked[m]
+            self.grads[u].forget(i)
+            self.markers.uninstall(m)

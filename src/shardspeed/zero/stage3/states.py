@@ -24,6 +24,7 @@ import torch
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
@@ -38,6 +39,7 @@ from shardspeed.zero.stage3.registry import merge_external_parameters, register_
 from shardspeed.zero.stage3.runtime import Stage3Runtime
 from shardspeed.zero.stage3.shard_slices import ShardSlices
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
+from shardspeed.zero.states import sweep_cleared
 
 
 class Stage3States:
@@ -348,6 +350,23 @@ class Stage3States:
 
     def zero_grads(self) -> None:
         self.reducer.zero()
+
+    def _stepped_grads(self) -> SteppedGrads:
+        stepped = getattr(self, "_stepped", None)
+        if stepped is None:
+            stepped = self._stepped = SteppedGrads(
+                lambda: [t for entries in self._unit_tensors.values() for t, _, _ in entries],
+                lambda: [g.grad_shard for g in self.grads],
+            )
+            stepped.snapshot()
+        return stepped
+
+    def sweep_cleared(self) -> int:
+        """[Note: gradient markers]; in-place zeroing reaches every shard there is: nothing more to forget."""
+        return sweep_cleared(self.reducer, self._stepped_grads(), self.zero_grads, written_means_all=False)
+
+    def mark_grads_clean(self) -> None:
+        self._stepped_grads().snapshot()
 
     def explain_backward_error(self, error: BaseException, loss: torch.Tensor) -> BaseException:
         """A clear error naming the parameter when ``error`` came from reading an empty placeholder, else
