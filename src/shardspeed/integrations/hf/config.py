@@ -35,12 +35,15 @@ class TrainerValues:
     hidden_size: int | None = None
 
     @classmethod
-    def from_args(cls, args: Any, num_training_steps: int, hidden_size: int | None) -> TrainerValues:
+    def from_args(
+        cls, args: Any, num_training_steps: int, hidden_size: int | None, max_grad_norm: float | None = None
+    ) -> TrainerValues:
+        """``max_grad_norm``: the value to clip with when ``args.max_grad_norm`` was switched off for the loop."""
         return cls(
             world_size=args.world_size,
             per_device_train_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
-            max_grad_norm=args.max_grad_norm,
+            max_grad_norm=args.max_grad_norm if max_grad_norm is None else max_grad_norm,
             learning_rate=args.learning_rate,
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,

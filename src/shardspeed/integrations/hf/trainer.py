@@ -29,8 +29,10 @@ Trainer documents for custom training ("Subclass and override"), each doing what
   already normalized over the accumulation window (``num_items_in_batch``, or divided by the window length),
   the engine's own ``1/gradient_accumulation_steps`` is skipped: ``engine.backward(loss, scale_wrt_gas=False)``.
 - Clipping happens in the engine (``gradient_clipping`` ← ``max_grad_norm``). The Trainer's own
-  ``clip_grad_norm_`` runs after ``training_step``, when the engine has stepped and zeroed its gradients, so it
-  multiplies by 1; the logged ``grad_norm`` is the engine's (``_maybe_log_save_evaluate``).
+  ``clip_grad_norm_`` is switched off for the loop (``train`` sets ``args.max_grad_norm`` to 0 and restores it):
+  between backward passes ``param.grad`` holds the engine's gradient markers ([Note: gradient markers] in
+  ``zero/grad_markers.py``), not gradients, and an in-place multiply of a marker is an error. The logged
+  ``grad_norm`` is the engine's (``_maybe_log_save_evaluate``).
 - Checkpoints: ``save_model`` gathers the full state dict (``engine.module_state_dict()``, collective under
   ZeRO-3, on every rank) and rank 0 writes it with ``save_pretrained`` (so ``from_pretrained`` reloads it);
   optimizer, scheduler and module states go through the engine's rank-agnostic ``save_checkpoint`` into the same
@@ -79,12 +81,21 @@ class ShardSpeedTrainer(Trainer):
         self.engine: Any = None
         self._engine_module: EngineModule | None = None
         self._num_training_steps: int | None = None
+        self._max_grad_norm: float | None = None
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
             raise ValueError(
                 "ShardSpeedTrainer: TrainingArguments.deepspeed is set, which runs the Trainer through the "
                 "deepspeed package; pass the DeepSpeed config as shardspeed_config=... instead"
             )
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._max_grad_norm = self.args.max_grad_norm  # the engine clips with it: see [Note: HF Trainer integration]
+        self.args.max_grad_norm = 0.0
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.args.max_grad_norm = self._max_grad_norm
 
     # --- building the engine -------------------------------------------------------------------------------------
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -113,7 +124,8 @@ class ShardSpeedTrainer(Trainer):
         args, steps = self.args, self._num_training_steps
         if steps is None:
             raise RuntimeError("ShardSpeedTrainer: the engine is built by train(); call trainer.train()")
-        config = fill_auto(self.shardspeed_config, TrainerValues.from_args(args, steps, model_hidden_size(self.model)))
+        values = TrainerValues.from_args(args, steps, model_hidden_size(self.model), max_grad_norm=self._max_grad_norm)
+        config = fill_auto(self.shardspeed_config, values)
         optimizer = self.optimizer  # Trainer(optimizers=(opt, sched)) wins, as in the Trainer
         if optimizer is None and "optimizer" not in config:
             optimizer = Trainer.create_optimizer(self)  # the Trainer's optimizer with its weight-decay groups
