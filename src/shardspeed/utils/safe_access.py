@@ -138,6 +138,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
             if grad is None:
                 raise ValueError(f"parameter '{name}' has no gradient (frozen?)")
             piece_slice(grad, piece).copy_(flat[piece.start : piece.end] * scale)
+    engine.states.mark_grads_clean()  # the engine's own write, not a user's zero_grad ([Note: gradient markers])
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
@@ -214,6 +215,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         for piece in pieces:
             piece_slice(piece.opt_tensor.grad, piece).copy_(flat[offset : offset + piece.numel] * scale)
             offset += piece.numel
+    engine.states.mark_grads_clean()  # the engine's own write, not a user's zero_grad ([Note: gradient markers])
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
