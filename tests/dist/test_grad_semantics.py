@@ -344,13 +344,18 @@ def test_bf16_master_weight_example_with_loss_backward(dist_run, tmp_path: Path,
     }
     moved = max((want["params"][n] - initial[n]).abs().max().item() for n in initial)
     assert moved > 5e-3
-    results = _run_bf16(dist_run, tmp_path, 2, stage)
-    mean_losses = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results))]  # each rank's own rows
+    _assert_tracks_bf16_reference(_run_bf16(dist_run, tmp_path, 2, stage), want, BF16_PARAM_TOL)
+
+
+def _assert_tracks_bf16_reference(results: list, want: dict, param_tol: float) -> None:
+    """Mean of the ranks' losses (each rank's own rows) within ``BF16_LOSS_TOL`` of the reference's; every bf16
+    weight within ``param_tol`` of its magnitude (plus 1e-3 near zero)."""
+    mean_losses = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results))]
     assert mean_losses == pytest.approx(want["losses"], rel=BF16_LOSS_TOL)
     for r in results:
         assert r["dtype"] == "torch.bfloat16"
         for name, value in want["params"].items():
-            bound = BF16_PARAM_TOL * value.abs() + 1e-3
+            bound = param_tol * value.abs() + 1e-3
             assert bool(((r["params"][name] - value).abs() <= bound).all()), name
 
 
@@ -393,13 +398,7 @@ def test_bf16_master_weight_example_with_its_bf16_full_config(dist_run, tmp_path
     )
     want = _bf16_full_reference(2, MB)
     results = dist_run(_bf16_rank, 2, ["--deepspeed_config", str(config), "--num_steps", str(BF16_STEPS)])
-    mean_losses = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results))]
-    assert mean_losses == pytest.approx(want["losses"], rel=BF16_LOSS_TOL)
-    for r in results:
-        assert r["dtype"] == "torch.bfloat16"
-        for name, value in want["params"].items():
-            bound = BF16_FULL_PARAM_TOL * value.abs() + 1e-3
-            assert bool(((r["params"][name] - value).abs() <= bound).all()), name
+    _assert_tracks_bf16_reference(results, want, BF16_FULL_PARAM_TOL)
 
 
 BF16_FULL_PARAM_TOL = 2 * 2**-7  # no fp32 master absorbs rounding: a step's bf16 update can land one bf16 step
