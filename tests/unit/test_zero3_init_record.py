@@ -192,3 +192,26 @@ def test_storage_changing_op_is_an_error_naming_the_tensor() -> None:
     assert recorded is not None
     with pytest.raises(UnreplayableInitError, match=r"buffer 'grown' of ResizedBuffer .*resize_"):
         ReplaySession().fill(recorded, torch.empty(3), "buffer", "grown", model)
+
+
+def test_scratch_pool_reuses_one_buffer_across_random_ops() -> None:
+    """Random ops run only to advance the generator draw into one reused host buffer ([Note: init recording]):
+    one allocation per size increase, not one per op (per-op multi-MiB frees fragmented glibc's heap)."""
+    from shardspeed.zero.stage3.init_record import ScratchPool
+
+    pool = ScratchPool()
+    storages = set()
+    for _ in range(5):
+        pool.reset(ScratchPool.nbytes_of([torch.empty(32, 32)]))
+        a = pool.take((32, 32), (32, 1), torch.float32)
+        storages.add(a.untyped_storage().data_ptr())
+        a.normal_()
+    assert len(storages) == 1
+    pool.reset(ScratchPool.nbytes_of([torch.empty(4, 4), torch.empty(8, dtype=torch.bfloat16)]))
+    a, b = pool.take((4, 4), (1, 4), torch.float32), pool.take((8,), (1,), torch.bfloat16)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == next(iter(storages))
+    assert b.data_ptr() - a.data_ptr() >= 16 * 4  # disjoint regions
+    c = pool.take((1024,), (1,), torch.float32)  # more than reset() was told of: a fresh tensor, still correct
+    assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() and c.shape == (1024,)
+    pool.release()
+    assert pool._buffer.numel() == 0  # the block is over: nothing kept through materialization

@@ -192,6 +192,8 @@ class Init:
         context, self._device_context = self._device_context, None
         context.__exit__(None, None, None)
         recording, self._recording = self._recording, None
+        if not _ACTIVE and recording is not None:
+            recording.scratch.release()  # the outermost block is done: nothing random is drawn for it any more
         if exc[0] is None and recording is not None:
             self._bind_recorded_values(recording)
         self._seen = {}
