@@ -126,7 +126,8 @@ class StepCore:
             [float(len(unused)), float(clearings), -float(clearings), float(unreduced)], device=self.device
         )
         self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
-        most, least = flags[1].item(), -flags[2].item()
+        any_unused, most, neg_least, any_unreduced = flags.tolist()  # one host read, not four
+        least = -neg_least
         if most != least:
             raise RuntimeError(
                 f"gradients were cleared (zero_grad on the module, the optimizer or the engine) {clearings} time(s) "
@@ -134,14 +135,14 @@ class StepCore:
                 "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
                 "gradients"
             )
-        if flags[3].item() > 0:
+        if any_unreduced > 0:
             where = "this rank's" if unreduced else "another data-parallel rank's"
             raise RuntimeError(
                 f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
                 "all-reduced: no backward since zero_grad(), or the boundary backward ran under no_sync(). Ranks "
                 "would step on different gradients and diverge."
             )
-        if flags[0].item() > 0:
+        if any_unused > 0:
             where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
             raise RuntimeError(
                 f"parameters received no gradient this step ({where}) and zero_optimization."
