@@ -269,9 +269,7 @@ def test_gan_two_engines_match_torch(dist_run, tmp_path: Path, world: int, stage
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("set_to_none", [0, 1])
 def test_gan_matrix(dist_run, tmp_path: Path, world: int, stage: int, optimizer: str, set_to_none: int) -> None:
-    _check_gan(
-        _run_gan(dist_run, tmp_path, world, stage, optimizer, set_to_none), _gan_reference(optimizer, 3, world)
-    )
+    _check_gan(_run_gan(dist_run, tmp_path, world, stage, optimizer, set_to_none), _gan_reference(optimizer, 3, world))
 
 
 # --- the bf16_master_weight fixture --------------------------------------------------------------------------------
@@ -438,6 +436,7 @@ def _backward_raises(rank: int, world: int, stage: int) -> dict:
     batches = global_batches(3, MB * world)
     x, y = batches[0]
     rows = slice(rank * MB, (rank + 1) * MB)
+
     def boom(grad: torch.Tensor) -> None:
         raise ValueError("boom")
 
@@ -499,3 +498,56 @@ def test_loss_backward_under_reentrant_checkpointing(dist_run, stage: int) -> No
     want = _reference(global_batches(3, MB * 2))
     for r in dist_run(_reentrant, 2, stage):
         _assert_close(r, want)
+
+
+# --- in combination: loss.backward() + module.zero_grad() + frozen weights + non-reentrant checkpointing --------
+class _CheckpointedLoRALike(torch.nn.Module):
+    """TinyNet with most weights frozen (``inp.bias``, ``mid.weight``: trainable parameters beside frozen ones in
+    one module, as LoRA leaves them) and its middle blocks recomputed by non-reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model(frozen=True)
+        self.net.mid.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        h = torch.tanh(net.inp(x))
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(net.mid2(torch.tanh(net.mid(t)))), h, use_reentrant=False
+        )
+        return net.out(h)
+
+
+def _combined_rank(rank: int, world: int, stage: int, gas: int) -> dict:
+    model = _CheckpointedLoRALike()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=trainable, config=_config(stage, gas))
+    for x, y in global_batches(3, MB * gas * world):
+        model.zero_grad()  # the script's own zeroing, as a plain torch loop writes it
+        for m in range(gas):
+            F.mse_loss(engine(rank_slice(x, m, rank, world, MB)), rank_slice(y, m, rank, world, MB)).backward()
+            engine.step()
+    out = {n: v.float().clone() for n, v in engine.module_state_dict().items()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=SLOW) for s in (0, 1, 2)] + [3])
+def test_loss_backward_with_frozen_weights_and_checkpointing(dist_run, stage: int) -> None:
+    """The combination a PEFT script trains with: ``loss.backward()`` at GAS 2, the module's own ``zero_grad()``
+    before each step, frozen parameters beside trainable ones, non-reentrant activation checkpointing. Equal to
+    plain torch on the global batch (≤ 1e-5), frozen weights untouched."""
+    model = _CheckpointedLoRALike()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    for x, y in global_batches(3, MB * 2 * 2):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    initial = {n: p.detach().clone() for n, p in _CheckpointedLoRALike().named_parameters()}
+    assert not torch.equal(want["net.mid2.weight"], initial["net.mid2.weight"])  # the run trains something
+    for got in dist_run(_combined_rank, 2, stage, 2):
+        _assert_close(got, want)
+        for frozen in ("net.inp.bias", "net.mid.weight"):
+            assert torch.equal(got[frozen], initial[frozen]), frozen
