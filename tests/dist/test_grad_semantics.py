@@ -465,25 +465,30 @@ def test_loss_backward_that_raised_is_cleaned_up(dist_run, stage: int) -> None:
         _assert_close(r["params"], want)
 
 
-class _Reentrant(torch.nn.Module):
-    """The parity model with its middle layers under torch's reentrant checkpointing: the recomputation and its
-    backward run as a nested graph task inside the outer one."""
+class _Checkpointed(torch.nn.Module):
+    """The parity model with its middle layers under torch's activation checkpointing. Reentrant: the
+    recomputation and its backward run as a nested graph task inside the outer one. ``lora_like``: most weights
+    frozen (``inp.bias``, ``mid.weight``: trainable parameters beside frozen ones in one module, as LoRA leaves
+    them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool, lora_like: bool = False) -> None:
         super().__init__()
-        self.net = make_model()
+        self.net = make_model(frozen=lora_like)
+        if lora_like:
+            self.net.mid.weight.requires_grad_(False)
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = self.net
         h = torch.tanh(net.inp(x))
         h = torch.utils.checkpoint.checkpoint(
-            lambda t: torch.tanh(net.mid2(torch.tanh(net.mid(t)))), h, use_reentrant=True
+            lambda t: torch.tanh(net.mid2(torch.tanh(net.mid(t)))), h, use_reentrant=self.reentrant
         )
         return net.out(h)
 
 
 def _reentrant(rank: int, world: int, stage: int) -> dict:
-    model = _Reentrant()
+    model = _Checkpointed(reentrant=True)
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
     rows = slice(rank * MB, (rank + 1) * MB)
     for x, y in global_batches(3, MB * world):
@@ -501,26 +506,8 @@ def test_loss_backward_under_reentrant_checkpointing(dist_run, stage: int) -> No
 
 
 # --- in combination: loss.backward() + module.zero_grad() + frozen weights + non-reentrant checkpointing --------
-class _CheckpointedLoRALike(torch.nn.Module):
-    """TinyNet with most weights frozen (``inp.bias``, ``mid.weight``: trainable parameters beside frozen ones in
-    one module, as LoRA leaves them) and its middle blocks recomputed by non-reentrant activation checkpointing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_model(frozen=True)
-        self.net.mid.weight.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        net = self.net
-        h = torch.tanh(net.inp(x))
-        h = torch.utils.checkpoint.checkpoint(
-            lambda t: torch.tanh(net.mid2(torch.tanh(net.mid(t)))), h, use_reentrant=False
-        )
-        return net.out(h)
-
-
 def _combined_rank(rank: int, world: int, stage: int, gas: int) -> dict:
-    model = _CheckpointedLoRALike()
+    model = _Checkpointed(reentrant=False, lora_like=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = shardspeed.initialize(model=model, model_parameters=trainable, config=_config(stage, gas))
     for x, y in global_batches(3, MB * gas * world):
@@ -538,16 +525,37 @@ def test_loss_backward_with_frozen_weights_and_checkpointing(dist_run, stage: in
     """The combination a PEFT script trains with: ``loss.backward()`` at GAS 2, the module's own ``zero_grad()``
     before each step, frozen parameters beside trainable ones, non-reentrant activation checkpointing. Equal to
     plain torch on the global batch (≤ 1e-5), frozen weights untouched."""
-    model = _CheckpointedLoRALike()
+    model = _Checkpointed(reentrant=False, lora_like=True)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     for x, y in global_batches(3, MB * 2 * 2):
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
-    initial = {n: p.detach().clone() for n, p in _CheckpointedLoRALike().named_parameters()}
+    initial = {n: p.detach().clone() for n, p in _Checkpointed(reentrant=False, lora_like=True).named_parameters()}
     assert not torch.equal(want["net.mid2.weight"], initial["net.mid2.weight"])  # the run trains something
     for got in dist_run(_combined_rank, 2, stage, 2):
         _assert_close(got, want)
         for frozen in ("net.inp.bias", "net.mid.weight"):
             assert torch.equal(got[frozen], initial[frozen]), frozen
+
+
+def test_loss_backward_follows_set_train_batch_size() -> None:
+    """``set_train_batch_size()`` changes GAS; ``loss.backward()``'s 1/GAS (applied by the forward outputs' hooks)
+    must follow it, as ``engine.backward(loss)``'s does: both give the parameters of plain torch on the batch."""
+    batches = global_batches(2, MB * 2)
+    results = []
+    for mode in ("engine", "loss"):
+        model = make_model()
+        engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(0))
+        engine.set_train_batch_size(MB * 2)  # GAS 1 → 2
+        for x, y in batches:
+            for m in range(2):
+                loss = F.mse_loss(engine(rank_slice(x, m, 0, 1, MB)), rank_slice(y, m, 0, 1, MB))
+                engine.backward(loss) if mode == "engine" else loss.backward()
+                engine.step()
+        results.append({n: v.detach().clone() for n, v in engine.module_state_dict().items()})
+        engine.destroy()
+    want = _reference(batches)
+    for got in results:
+        _assert_close(got, want)

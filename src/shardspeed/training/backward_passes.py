@@ -47,14 +47,14 @@ class BackwardPasses:
         *,
         states: Any,
         prologue: Callable[[], None],
-        gradient_accumulation_steps: int,
+        gradient_accumulation_steps: Callable[[], int],
         needs_loss_scale: bool,
         on_forget: Callable[[int], None],
         events: Any = None,
     ) -> None:
         self.states = states
         self._prologue = prologue  # the driver's: boundary decision, host copies, reducer.before_backward
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._gas = gradient_accumulation_steps  # read at each use: set_train_batch_size() changes it
         self.needs_loss_scale = needs_loss_scale
         self._on_forget = on_forget
         self.open = False
@@ -91,13 +91,13 @@ class BackwardPasses:
                 "without scaling the loss. Use engine.backward(loss) or engine.scale(loss).backward()."
             )
         self.scale_called = False
-        if not from_output and self.gradient_accumulation_steps > 1 and not self._warned_unscaled:
+        if not from_output and self._gas() > 1 and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning(
                 "a backward reached this engine's parameters without passing its forward outputs (the module was "
                 "called directly, not through the engine): its gradients are not divided by "
                 "gradient_accumulation_steps=%d (as in DeepSpeed). Call engine(x), or use engine.backward(loss).",
-                self.gradient_accumulation_steps,
+                self._gas(),
             )
         self.sweep()
         if self._events is not None:
@@ -159,9 +159,10 @@ class BackwardPasses:
 
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.start_from_autograd(from_output=True)
-        if self.explicit or self.gradient_accumulation_steps == 1:
+        gas = self._gas()
+        if self.explicit or gas == 1:
             return None
-        return grad / self.gradient_accumulation_steps
+        return grad / gas
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

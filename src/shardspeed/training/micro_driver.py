@@ -60,7 +60,7 @@ class MicroStepDriver:
         self.passes = BackwardPasses(
             states=states,
             prologue=self._prologue,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_accumulation_steps=lambda: self.gradient_accumulation_steps,
             needs_loss_scale=core.loss_scaler is not None,
             on_forget=self._forgot,
             events=events,
