@@ -27,7 +27,25 @@ Status = Literal["implemented", "ignored", "refused"]
 
 _STATUS_OF_EFFECT: dict[str, Status] = {"acts": "implemented", "warns": "ignored", "refused": "refused"}
 
-SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset({"seed"})
+SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
+    {"seed", "fault_tolerance"}
+    | {
+        f"fault_tolerance.{k}"
+        for k in (
+            "propagate_failures",
+            "watch_interval_s",
+            "collective_timeout_s",
+            "verify_collective_order",
+            "skip_nonfinite_steps",
+            "max_consecutive_nonfinite",
+            "min_loss_scale_patience",
+            "checkpoint_dir",
+            "save_on_preemption",
+            "auto_resume",
+            "preemption_signals",
+        )
+    }
+)
 """Typed keys that are shardspeed's own, not DeepSpeed's (listed in the table, absent from DeepSpeed's inventory)."""
 
 

@@ -12,6 +12,7 @@ from .activation import ActivationCheckpointingConfig
 from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
+from .fault_tolerance import FaultToleranceConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
@@ -107,6 +108,10 @@ class ShardSpeedConfig(ConfigModel):
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous NVMe I/O settings, read by NVMe offload (``offload_optimizer.device: "nvme"``).
     DeepSpeed default: the defaults of each key."""
+
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
+    preemption, resume. Not a DeepSpeed key (shardspeed's own section)."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,
