@@ -9,6 +9,9 @@ import torch
 from shardspeed.config import load_config
 from shardspeed.distributed import init_distributed
 from shardspeed.engine import ShardSpeedEngine
+from shardspeed.faults.board import failure_board
+from shardspeed.faults.guard import EngineGuard
+from shardspeed.faults.startup import configured_timeout, early_fault_config
 from shardspeed.topology import Topology
 
 
@@ -56,19 +59,25 @@ def initialize(
         )
     if config is None:
         raise ValueError("initialize() needs config=… (a dict or a DeepSpeed JSON path), or args.deepspeed_config")
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = _topology_from_mpu(mpu) if mpu is not None else Topology.build()
-    cfg = load_config(config, dp_world_size=topology.dp_world_size)
-    engine = ShardSpeedEngine(
-        model,
-        cfg,
-        topology,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
+    faults = early_fault_config(config)  # the group's timeout is needed before the config can be parsed
+    init_distributed(
+        distributed_port=distributed_port, dist_init_required=dist_init_required, timeout=configured_timeout(faults)
     )
+    topology = _topology_from_mpu(mpu) if mpu is not None else Topology.build()
+    # Construction is guarded too: a rank that fails building its engine must not leave the others waiting in
+    # the construction's collectives ([Note: failure propagation] in faults/board.py).
+    with EngineGuard(failure_board(faults), topology.global_rank).call("shardspeed.initialize()"):
+        cfg = load_config(config, dp_world_size=topology.dp_world_size)
+        engine = ShardSpeedEngine(
+            model,
+            cfg,
+            topology,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            training_data=training_data,
+            collate_fn=collate_fn,
+        )
     if "activation_checkpointing" in cfg.model_fields_set:
         # The config names activation checkpointing: set up shardspeed.checkpointing the way a DeepSpeed user
         # would with deepspeed.checkpointing.configure(mpu, deepspeed_config=...), on this engine's topology.

@@ -31,6 +31,8 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
+from shardspeed.faults.board import failure_board
+from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import forward_autocast
@@ -74,7 +76,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             for warning in config.warnings:
                 self.logger.warning(warning)
         self.device = self._pick_device()
-        self.collectives = Collectives(CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops)))
+        board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
+        self.collectives = Collectives(
+            CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops)), board=board
+        )
 
         # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
         check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")
@@ -197,6 +202,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
+        setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self._position))  # last: a whole engine
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
@@ -234,6 +240,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             if not tensor.is_meta:  # zero.Init: stage 3 broadcasts each unit as it materializes it
                 self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
 
+    def _position(self) -> str:
+        return f"step {self.progress.global_steps} (micro-step {self.progress.micro_steps})"
+
     def _check_param_dtypes(self, packed: PackedParams) -> None:
         expected = self.config.compute_dtype
         for p, name in zip(packed.params, packed.names):
@@ -241,12 +250,14 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
                 raise TypeError(f"trainable parameter '{name}' is {p.dtype}; this config trains in {expected}")
 
     # --- training loop API ---------------------------------------------------------------------------------------
+    @guarded("engine.forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
         with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
+    @guarded("engine.backward()")
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / GAS`` (× loss scale; ``scale_wrt_gas=False``: without 1/GAS); reduces gradients on
         the accumulation boundary. Returns the loss as scaled for accumulation, as DeepSpeed does."""
@@ -259,6 +270,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         require_optimizer(self.optimizer, "scale")
         return self._driver.scale(loss)
 
+    @guarded("engine.step()")
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary (``lr_kwargs`` go to the LR scheduler's ``step``);
         otherwise only counts the micro-step."""
@@ -267,6 +279,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self._driver.step(lr_kwargs=lr_kwargs)
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
 
+    @guarded("engine.zero_grad()")
     def zero_grad(self) -> None:
         """Forget every gradient accumulated since the last step (as ``module.zero_grad()`` does too)."""
         self._driver.zero_grad()
@@ -290,6 +303,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         step, and on steps where nothing needed it (no clipping, no fp16, not a steps_per_print step)."""
         return self._driver.global_grad_norm
 
+    @guarded("engine.save_checkpoint()")
     def save_checkpoint(
         self,
         save_dir: str,
@@ -306,6 +320,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         save(self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters)
         return True
 
+    @guarded("engine.load_checkpoint()")
     def load_checkpoint(
         self,
         load_dir: str,
@@ -333,6 +348,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         )
         return (str(path) if path is not None else None), client_state
 
+    @guarded("engine.save_16bit_model()")
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.safetensors", exclude_frozen_parameters: bool = False
     ) -> bool:

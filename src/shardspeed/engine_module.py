@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from shardspeed.faults.errors import mark_agreed
+from shardspeed.faults.guard import guarded
 from shardspeed.param_access import canonical_names, full_shapes, write_values
 
 PREFIX = "module."
@@ -59,6 +61,7 @@ class EngineModule(torch.nn.Module):
     def _partitioned(self) -> bool:
         return self.config.zero_optimization.stage == 3
 
+    @guarded("engine.state_dict()")
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
@@ -66,17 +69,20 @@ class EngineModule(torch.nn.Module):
         if not self._partitioned():
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if args:
-            raise TypeError("engine.state_dict(): pass destination, prefix and keep_vars by keyword")
+            raise mark_agreed(TypeError("engine.state_dict(): pass destination, prefix and keep_vars by keyword"))
         if keep_vars:
-            raise ValueError(
-                "engine.state_dict(keep_vars=True) under ZeRO-3: the parameters are empty placeholders between "
-                "uses; call it without keep_vars for the gathered values, or use shardspeed.zero.GatheredParameters"
+            raise mark_agreed(
+                ValueError(
+                    "engine.state_dict(keep_vars=True) under ZeRO-3: the parameters are empty placeholders between "
+                    "uses; call it without keep_vars for the gathered values, or use shardspeed.zero.GatheredParameters"
+                )
             )
         out = destination if destination is not None else OrderedDict()
         for name, value in self.module_state_dict().items():
             out[prefix + PREFIX + name] = value
         return out
 
+    @guarded("engine.module_state_dict()")
     def module_state_dict(
         self,
         destination: Any = None,
@@ -89,7 +95,7 @@ class EngineModule(torch.nn.Module):
         full_state_dict = getattr(self.states, "full_state_dict", None)
         if full_state_dict is not None:
             if keep_vars:
-                raise ValueError("module_state_dict(keep_vars=True) under ZeRO-3: parameters are placeholders")
+                raise mark_agreed(ValueError("module_state_dict(keep_vars=True) under ZeRO-3: parameters are placeholders"))
             state = full_state_dict(self.module)
             out = destination if destination is not None else OrderedDict()
             for name, value in state.items():
@@ -102,15 +108,18 @@ class EngineModule(torch.nn.Module):
                     out.pop(prefix + name, None)
         return out
 
+    @guarded("engine.load_state_dict()")
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
         """nn.Module's load_state_dict for the engine (keys ``module.<name>``), written through the stage into
         masters, shards and optimizer-held values. Every rank must call it with the same state dict."""
         if assign:
-            raise ValueError(
-                "engine.load_state_dict(assign=True): the engine owns its parameters' storage (flat buffers, shards); "
-                "load values with assign=False"
+            raise mark_agreed(
+                ValueError(
+                    "engine.load_state_dict(assign=True): the engine owns its parameters' storage (flat buffers, "
+                    "shards); load values with assign=False"
+                )
             )
         inner = {k[len(PREFIX) :]: v for k, v in state_dict.items() if k.startswith(PREFIX)}
         outside = [k for k in state_dict if not k.startswith(PREFIX)]
@@ -168,11 +177,13 @@ def load_module_values(
     for rank, (other_error, keys) in enumerate(everyone):
         if other_error is not None:
             where = f"{type(module).__name__} (rank {rank})"
-            raise RuntimeError(f"Error(s) in loading state_dict for {where}: {other_error}")
+            raise mark_agreed(RuntimeError(f"Error(s) in loading state_dict for {where}: {other_error}"))
         if keys != everyone[0][1]:
-            raise RuntimeError(
-                "load_state_dict: data-parallel ranks were given state dicts with different keys; every rank must "
-                "load the same state dict"
+            raise mark_agreed(
+                RuntimeError(
+                    "load_state_dict: data-parallel ranks were given state dicts with different keys; every rank "
+                    "must load the same state dict"
+                )
             )
     canonical = canonical_names(module)
     values: dict[str, torch.Tensor] = {}

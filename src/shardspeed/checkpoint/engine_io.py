@@ -22,6 +22,7 @@ from shardspeed.checkpoint.commit import commit_checkpoint, make_tmp_dir, resolv
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
 from shardspeed.checkpoint.store import CheckpointReader, CheckpointWriter
+from shardspeed.faults.errors import mark_agreed  # same files, same model: every rank raises alike
 from shardspeed.symmetric import check_same_on_all_ranks
 
 if TYPE_CHECKING:
@@ -195,15 +196,19 @@ def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> N
     for index, (other_dir, other_tag) in enumerate(everyone):
         first_dir, first_tag = everyone[0]
         if other_dir != first_dir:
-            raise ValueError(
-                f"save_checkpoint: data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]} passed different "
-                f"directories ({first_dir!r} vs {other_dir!r}); every rank must pass the same save_dir, on a file "
-                "system all ranks share: one rank commits the checkpoint from the pieces all ranks wrote there"
+            raise mark_agreed(
+                ValueError(
+                    f"save_checkpoint: data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]} passed different "
+                    f"directories ({first_dir!r} vs {other_dir!r}); every rank must pass the same save_dir, on a file "
+                    "system all ranks share: one rank commits the checkpoint from the pieces all ranks wrote there"
+                )
             )
         if other_tag != first_tag:
-            raise ValueError(
-                f"checkpoint tag differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
-                f"{first_tag!r} vs {other_tag!r}"
+            raise mark_agreed(
+                ValueError(
+                    f"checkpoint tag differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
+                    f"{first_tag!r} vs {other_tag!r}"
+                )
             )
 
 
@@ -246,7 +251,9 @@ def load(
     reader = CheckpointReader(load_dir / tag)
     meta = reader.metadata
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})")
+        raise mark_agreed(
+            ValueError(f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})")
+        )
     pieces = _all_pieces(engine)
     model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
     _check_names(reader, pieces, model_names, strict, load_dir / tag)
@@ -255,9 +262,11 @@ def load(
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
     if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
-        raise ValueError(
-            f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
-            f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
+        raise mark_agreed(
+            ValueError(
+                f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
+                f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
+            )
         )
     optim_keys: dict[str, list[str]] = {}
     for entry in reader.names("optim/"):
@@ -317,16 +326,20 @@ def _check_names(
     theirs = {n.removeprefix("param/") for n in reader.names("param/")}
     for name, shape in ours.items():
         if name in theirs and tuple(reader.shape(f"param/{name}")) != shape:
-            raise ValueError(
-                f"parameter '{name}' is {tuple(reader.shape(f'param/{name}'))} in checkpoint {where} but {shape} "
-                "in this model"
+            raise mark_agreed(
+                ValueError(
+                    f"parameter '{name}' is {tuple(reader.shape(f'param/{name}'))} in checkpoint {where} but {shape} "
+                    "in this model"
+                )
             )
     if strict:
         missing, unexpected = sorted(model_names - theirs), sorted(theirs - model_names)
         if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {where} does not match the model (load_module_strict=True): missing "
-                f"{missing[:10]}, unexpected {unexpected[:10]}"
+            raise mark_agreed(
+                ValueError(
+                    f"checkpoint {where} does not match the model (load_module_strict=True): missing "
+                    f"{missing[:10]}, unexpected {unexpected[:10]}"
+                )
             )
 
 

@@ -3,14 +3,21 @@
 This is the only module that calls torch.distributed collectives, so backend quirks live here:
 - gloo has no PREMUL_SUM and no uneven all_gather: callers scale before/after and pad to equal shards.
 - torch >= 2.13 prefers all_gather_single / reduce_scatter_single; older releases only have the *_tensor names.
+
+With a failure board (``faults/board.py``) every wait is interruptible: synchronous calls are issued async and
+waited through the board, so a peer's published failure (or death) raises here instead of hanging in gloo
+([Note: failure propagation]). Without one (a world of one, ``propagate_failures: false``) calls are plain.
 """
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 import torch.distributed as dist
 
 from shardspeed.comm.log import CommsLog
+from shardspeed.faults.board import FailureBoard
 from shardspeed.topology import AxisGroup
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -18,14 +25,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class Work:
-    """A pending collective (or an already-finished no-op). ``wait()`` is idempotent."""
+    """A pending collective (or an already-finished no-op). ``wait()`` is idempotent; with a failure board it
+    raises ``PeerFailedError`` instead of waiting for a peer that failed."""
 
-    def __init__(self, handle: dist.Work | None) -> None:
+    def __init__(self, handle: dist.Work | None, board: FailureBoard | None = None, doing: str = "") -> None:
         self._handle = handle
+        self._board = board
+        self._doing = doing
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._handle.wait()
+            if self._board is None:
+                self._handle.wait()
+            else:
+                self._board.wait(self._handle, self._doing)
             self._handle = None
 
     def done(self) -> bool:
@@ -36,21 +49,46 @@ class Work:
 class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""
 
-    def __init__(self, log: CommsLog | None = None) -> None:
+    def __init__(self, log: CommsLog | None = None, board: FailureBoard | None = None) -> None:
         self.log = log or CommsLog(enabled=False)
+        self.board = board
+
+    # --- the waiting path: everything below issues through here ---------------------------------------------------
+    def _run(self, launch: object, axis: AxisGroup, op: str, tag: str, async_op: bool) -> Work:
+        """Issue ``launch(async_op)`` and return its Work, waited already unless ``async_op``: through the failure
+        board when there is one (always issued async then), else as torch's own synchronous call."""
+        doing = f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
+        if self.board is None:
+            return Work(launch(async_op), None, doing)  # type: ignore[operator]
+        work = Work(launch(True), self.board, doing)  # type: ignore[operator]
+        if not async_op:
+            work.wait()
+        return work
 
     def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
         """Sum ``tensor`` in place over ``axis``."""
         if axis.size == 1:
             return Work(None)
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
-        return Work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
+        return self._run(
+            lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
+            axis,
+            "all_reduce",
+            tag,
+            async_op,
+        )
 
     def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
         if axis.size == 1:
             return
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group)
+        self._run(
+            lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group, async_op=a),
+            axis,
+            "all_reduce(max)",
+            tag,
+            False,
+        )
 
     def all_gather(
         self,
@@ -69,7 +107,13 @@ class Collectives:
                 unsharded.copy_(shard)
             return Work(None)
         self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag)
-        return Work(_all_gather_single(unsharded, shard, group=axis.group, async_op=async_op))
+        return self._run(
+            lambda a: _all_gather_single(unsharded, shard, group=axis.group, async_op=a),
+            axis,
+            "all_gather",
+            tag,
+            async_op,
+        )
 
     def reduce_scatter(
         self,
@@ -88,19 +132,59 @@ class Collectives:
                 shard.copy_(unsharded)
             return Work(None)
         self.log.record("reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag)
-        return Work(_reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
+        return self._run(
+            lambda a: _reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
+            axis,
+            "reduce_scatter",
+            tag,
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
         """Copy axis member ``src_index``'s tensor to every member (``src_index`` is an axis index, not global)."""
         if axis.size == 1:
             return
         self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag)
-        dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group)
+        self._run(
+            lambda a: dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group, async_op=a),
+            axis,
+            "broadcast",
+            tag,
+            False,
+        )
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""
         if axis.size == 1:
             return [obj]
-        out: list[object] = [None] * axis.size
-        dist.all_gather_object(out, obj, group=axis.group)
-        return out
+        if self.board is None:
+            out: list[object] = [None] * axis.size
+            dist.all_gather_object(out, obj, group=axis.group)
+            return out
+        # torch's all_gather_object has no async form: the same two steps (sizes, then padded bytes), each waited
+        # through the board. NCCL moves device tensors only.
+        nccl = dist.get_backend(axis.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = torch.zeros(axis.size, dtype=torch.int64, device=device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._run(
+            lambda a: _all_gather_single(sizes, mine, group=axis.group, async_op=a),
+            axis,
+            "all_gather_object",
+            "",
+            False,
+        )
+        width = int(sizes.max())
+        padded = torch.zeros(width, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        gathered = torch.empty(width * axis.size, dtype=torch.uint8, device=device)
+        self._run(
+            lambda a: _all_gather_single(gathered, padded, group=axis.group, async_op=a),
+            axis,
+            "all_gather_object",
+            "",
+            False,
+        )
+        host, counts = gathered.cpu(), sizes.tolist()
+        return [pickle.loads(host[i * width : i * width + counts[i]].numpy().tobytes()) for i in range(axis.size)]

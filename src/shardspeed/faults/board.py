@@ -1,0 +1,360 @@
+"""The failure board: where a failing rank says so, and where every other rank looks while it waits.
+
+[Note: failure propagation] gloo cannot be woken from inside: ``abort()`` does not interrupt an all-reduce whose
+peer never arrives (measured, torch 2.13). So no rank ever waits *inside* gloo. Every wait of the library's
+collectives (``comm/collectives.py``: synchronous calls are issued async and waited here; ``Work.wait()`` too)
+goes through ``FailureBoard.wait``: a ``threading.Event`` set by the work's future callback *or* by the board's
+watcher thread, whichever comes first (as fast as a plain synchronous collective: benchmarks/bench_fault_wait.py).
+
+- An engine call that raises on one rank publishes an *origin* failure (``faults/guard.py``): ``add("seq", 1)``
+  numbers it (so "first" is well defined), ``set("failure/<seq>", json)`` records it. An exception uncaught in the
+  script (``sys.excepthook``, ``threading.excepthook``) is published the same way.
+- Each rank's watcher (a daemon thread) polls ``check(["failure/1"])`` every ``watch_interval_s`` (a read: no
+  write, no collective); on a failure it records it and wakes every waiter, which raises ``PeerFailedError`` naming
+  the failing rank, its exception and what this rank was waiting in. The next engine call raises too.
+- A rank raising ``PeerFailedError`` publishes nothing (only origins are published).
+- A peer killed with SIGKILL publishes nothing; gloo reports "Connection closed by peer" to whoever talks to it.
+  That rank looks which peer is gone (each rank left its host and pid on the board), publishes the death on its
+  behalf (so ranks not connected to it wake too) and raises ``PeerDiedError``. Ranks that talk to nobody find out
+  at the latest after the process-group timeout (``fault_tolerance.collective_timeout_s``).
+- Agreed errors (raised identically on every rank after a symmetric check) are not failures: ``faults/errors.py``.
+- Exit: a process that leaves the interpreter with a gloo op still pending blocks until its peers exit and then
+  aborts. So once a failure was recorded, the atexit hook flushes stdio and ``os._exit(1)``s instead of tearing the
+  process group down ([Note: clean exit] in ``distributed.py``).
+
+One board per default process group, on its store (``PrefixStore("shardspeed/faults/")``): engines built in one
+script share it, a failure in one fails them all (they share the ranks). It lives in a process-wide slot because
+the excepthooks and the atexit hook, which are process-wide by nature, must find it; the slot is replaced when the
+default group is (a test that destroys and re-creates it gets a fresh board).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from shardspeed.config.fault_tolerance import FaultToleranceConfig
+from shardspeed.faults.errors import (
+    FailureRecord,
+    PeerDiedError,
+    PeerFailedError,
+    is_agreed,
+    is_published,
+    mark_published,
+)
+
+logger = logging.getLogger("shardspeed")
+
+FAILURE_DIR_ENV = "SHARDSPEED_FAILURE_DIR"
+_PREFIX = "shardspeed/faults/"
+_FIRST = "failure/1"
+_PUBLISHED_GRACE_S = 2.0  # after a connection error: how long to look for the failure the dead peer published
+
+
+class FailureBoard:
+    """Failures published on the default group's store, watched by a daemon thread; interruptible waits."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, watch_interval_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.interval = watch_interval_s
+        self._store = dist.PrefixStore(_PREFIX, store)
+        self._lock = threading.Lock()
+        self._failure: FailureRecord | None = None
+        self._waiters: set[threading.Event] = set()
+        self._stop = threading.Event()
+        self.abandoned = 0  # collectives left pending because a peer failed (they can never finish)
+        self._helper_queue: queue.SimpleQueue | None = None
+        self._store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self._watcher = threading.Thread(target=self._watch, name=f"shardspeed-failure-watch-{rank}", daemon=True)
+        self._watcher.start()
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    @property
+    def failure(self) -> FailureRecord | None:
+        """The first failure this rank learned of (its own or a peer's), or None."""
+        return self._failure
+
+    def _record(self, record: FailureRecord) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = record
+            waiters = list(self._waiters)
+        for event in waiters:
+            event.set()
+
+    def raise_if_failed(self, doing: str) -> None:
+        if self._failure is not None:
+            raise PeerFailedError(self._failure, doing)
+
+    # --- publishing ----------------------------------------------------------------------------------------------
+    def publish(self, where: str, exc: BaseException) -> FailureRecord:
+        """Publish an origin failure of this rank (and write ``$SHARDSPEED_FAILURE_DIR/rank<R>.json``)."""
+        record = FailureRecord.of(self.rank, where, exc)
+        mark_published(exc)
+        self._record(record)
+        self._post(record)
+        _write_failure_file(record)
+        return record
+
+    def _post(self, record: FailureRecord) -> None:
+        try:
+            seq = self._store.add("seq", 1)
+            self._store.set(f"failure/{seq}", record.to_json())
+        except Exception as error:  # the store's host is gone: the peers learn from their own connection errors
+            logger.warning("could not publish the failure of rank %d on the store: %s", record.rank, error)
+
+    def _read_first(self) -> FailureRecord | None:
+        if not self._store.check([_FIRST]):
+            return None
+        return FailureRecord.from_json(self._store.get(_FIRST))
+
+    # --- watching ------------------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                record = self._read_first()
+            except Exception:  # the store went away (its host exited): collectives report their own errors
+                return
+            if record is not None:
+                self._record(record)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- waiting -------------------------------------------------------------------------------------------------
+    def wait(self, handle: dist.Work, doing: str) -> None:
+        """``handle.wait()``, but raise ``PeerFailedError`` as soon as a failure is published, and turn a
+        connection error into one naming the peer that died."""
+        self.raise_if_failed(doing)
+        helper: _Pending | None = None
+        if not handle.is_completed():
+            event = threading.Event()
+            try:
+                handle.get_future().add_done_callback(lambda _future: event.set())
+            except RuntimeError:  # gloo's reduce_scatter has no future and progresses only inside wait()
+                helper = _Pending(event)
+                self._helper().put((handle, helper))
+            with self._lock:
+                self._waiters.add(event)
+            try:
+                # The future (or the watcher) sets the event; the timeout only re-reads the failure as a backstop.
+                while not event.wait(self.interval) and self._failure is None:
+                    pass
+            finally:
+                with self._lock:
+                    self._waiters.discard(event)
+            if not (helper.done if helper is not None else handle.is_completed()):
+                self.abandoned += 1
+                self.raise_if_failed(doing)
+        try:
+            if helper is None:
+                handle.wait()
+            elif helper.error is not None:
+                raise helper.error
+        except RuntimeError as error:
+            raise self._communication_error(error, doing) from error
+        self.raise_if_failed(doing)
+
+    def _helper(self) -> queue.SimpleQueue:
+        """The queue of a daemon thread that waits for future-less works in order (started on first use; a
+        daemon so that a wait that never ends cannot hold the interpreter at exit)."""
+        if self._helper_queue is None:
+            self._helper_queue = queue.SimpleQueue()
+            threading.Thread(
+                target=_wait_in_order, args=(self._helper_queue,), name=f"shardspeed-wait-{self.rank}", daemon=True
+            ).start()
+        return self._helper_queue
+
+    def _communication_error(self, error: RuntimeError, doing: str) -> PeerFailedError:
+        """A collective failed (a peer closed its connection, or nobody answered within the timeout): name why."""
+        end = time.monotonic() + _PUBLISHED_GRACE_S
+        while True:  # a peer that raised publishes before it exits: prefer its own account
+            if self._failure is not None:
+                return PeerFailedError(self._failure, doing)
+            try:
+                record = self._read_first()
+            except Exception:
+                record = None
+            if record is not None:
+                self._record(record)
+                return PeerFailedError(record, doing)
+            if time.monotonic() >= end:
+                break
+            time.sleep(min(0.1, self.interval))
+        dead = self._dead_peers()
+        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if dead:
+            record = FailureRecord(
+                dead[0],
+                "process died",
+                f"the process exited without reporting an error (killed, e.g. kill -9, or crashed); seen by rank "
+                f"{self.rank} as {detail}",
+                time.time(),
+            )
+        else:
+            record = FailureRecord(
+                -1,
+                "communication",
+                f"{detail} (no rank published a failure and no peer on this host has exited: a peer on another "
+                "host died, or nobody answered within fault_tolerance.collective_timeout_s)",
+                time.time(),
+            )
+        self._record(record)
+        if dead:
+            self._post(record)
+        return PeerDiedError(record, doing)
+
+    def _dead_peers(self) -> list[int]:
+        """Ranks whose process (on this host) has exited, from the host and pid each left on the board."""
+        host = socket.gethostname()
+        dead = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                if not self._store.check([f"proc/{rank}"]):
+                    continue
+                proc = json.loads(self._store.get(f"proc/{rank}"))
+            except Exception:
+                continue
+            if proc.get("host") == host and not _alive(int(proc["pid"])):
+                dead.append(rank)
+        return dead
+
+
+class _Pending:
+    """A future-less work handed to the helper thread: its outcome, and the event that says it is known."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.done = False
+        self.error: BaseException | None = None
+
+
+def _wait_in_order(works: queue.SimpleQueue) -> None:
+    while True:
+        handle, pending = works.get()
+        try:
+            handle.wait()
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            pending.error = error
+        pending.done = True
+        pending.event.set()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie — killed, not yet reaped by its parent — counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def _write_failure_file(record: FailureRecord) -> None:
+    """``$SHARDSPEED_FAILURE_DIR/rank<R>.json`` for the launcher (written atomically); nothing if unset."""
+    directory = os.environ.get(FAILURE_DIR_ENV)
+    if not directory:
+        return
+    try:
+        path = Path(directory) / f"rank{record.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(record.to_json())
+        os.replace(tmp, path)
+    except OSError as error:
+        logger.warning("could not write the failure file in %s: %s", directory, error)
+
+
+# --- the process-wide slot ---------------------------------------------------------------------------------------
+class _Slot:
+    """The board of the current default process group, and the process-wide hooks that need it (see the Note)."""
+
+    def __init__(self) -> None:
+        self.group: object | None = None
+        self.board: FailureBoard | None = None
+        self.hooks_installed = False
+        self.uncaught = False
+
+
+_slot = _Slot()
+
+
+def failure_board(config: FaultToleranceConfig) -> FailureBoard | None:
+    """The board of the default process group (created on first use), or None: propagation off, no group, or a
+    world of one."""
+    if not config.propagate_failures or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    group = dist.group.WORLD
+    if _slot.board is None or _slot.group is not group:
+        if _slot.board is not None:
+            _slot.board.close()
+        store = dist.distributed_c10d._get_default_store()
+        _slot.board = FailureBoard(store, dist.get_rank(), dist.get_world_size(), config.watch_interval_s)
+        _slot.group = group
+        _install_process_hooks()
+    return _slot.board
+
+
+def current_failure() -> FailureRecord | None:
+    """The failure recorded on this process's board, if any (the test harness and the exit hook ask)."""
+    return _slot.board.failure if _slot.board is not None else None
+
+
+def _publish_uncaught(exc: BaseException, where: str) -> None:
+    board = _slot.board
+    if board is None or isinstance(exc, (PeerFailedError, SystemExit)) or is_published(exc) or is_agreed(exc):
+        return
+    try:
+        board.publish(where, exc)
+    except Exception as error:  # never let the hook itself hide the user's traceback
+        logger.debug("publishing an uncaught exception failed: %s", error)
+
+
+def _install_process_hooks() -> None:
+    """sys.excepthook / threading.excepthook publish uncaught exceptions; atexit leaves without waiting on peers.
+    Each chains to the hook it replaces."""
+    if _slot.hooks_installed:
+        return
+    _slot.hooks_installed = True
+    previous_sys = sys.excepthook
+    previous_thread = threading.excepthook
+
+    def sys_hook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        _slot.uncaught = True
+        _publish_uncaught(exc, "user code (uncaught exception)")
+        previous_sys(kind, exc, tb)  # type: ignore[arg-type]
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None:
+            name = args.thread.name if args.thread is not None else "?"
+            _publish_uncaught(args.exc_value, f"thread {name!r} (uncaught exception)")
+        previous_thread(args)
+
+    sys.excepthook = sys_hook
+    threading.excepthook = thread_hook
+    atexit.register(_exit_after_failure)  # registered after init_distributed's hook, so it runs before it
+
+
+def _exit_after_failure() -> None:
+    """atexit: after a recorded failure, leave now — tearing the group down could wait on a dead peer forever."""
+    if current_failure() is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(1)
