@@ -95,7 +95,9 @@ class EngineModule(torch.nn.Module):
         full_state_dict = getattr(self.states, "full_state_dict", None)
         if full_state_dict is not None:
             if keep_vars:
-                raise mark_agreed(ValueError("module_state_dict(keep_vars=True) under ZeRO-3: parameters are placeholders"))
+                raise mark_agreed(
+                    ValueError("module_state_dict(keep_vars=True) under ZeRO-3: parameters are placeholders")
+                )
             state = full_state_dict(self.module)
             out = destination if destination is not None else OrderedDict()
             for name, value in state.items():

@@ -215,19 +215,20 @@ def test_initialize_exception_raises_on_every_rank(dist_run) -> None:
     _check(results, 1, "ValueError: optimizer factory failed on this host", "shardspeed.initialize()")
 
 
-def _comms_counts(rank: int, world: int, propagate: bool) -> dict:
+def _comms_counts(rank: int, world: int, propagate: bool, where: str) -> dict:
     model = make_model()
     config = _config(2, comms_logger={"enabled": True}, fault_tolerance={"propagate_failures": propagate})
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     train_engine(engine, rank, world, global_batches(3, MB * world), MB, 1)
-    engine.save_checkpoint(str(__import__("tempfile").mkdtemp()))
+    engine.save_checkpoint(where)
     counts = {key: (t.count, t.elements) for key, t in engine.comms_log.totals.items()}
     return {"counts": counts, "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
 
 
-def test_normal_run_unchanged_by_propagation(dist_run) -> None:
+def test_normal_run_unchanged_by_propagation(dist_run, tmp_path) -> None:
     """The board adds no collectives (comms log counts equal) and changes no figure."""
-    on, off = dist_run(_comms_counts, 2, True)[0], dist_run(_comms_counts, 2, False)[0]
+    on = dist_run(_comms_counts, 2, True, str(tmp_path / "on"))[0]
+    off = dist_run(_comms_counts, 2, False, str(tmp_path / "off"))[0]
     assert on["counts"] == off["counts"] and on["counts"]
     for name in on["params"]:
         assert torch.equal(on["params"][name], off["params"][name]), name

@@ -65,9 +65,10 @@ class PeerDiedError(PeerFailedError):
     """A peer process vanished (killed, crashed in C++) while this rank communicated with it."""
 
 
-class EngineFailedError(RuntimeError):
+class EngineFailedError(Exception):
     """A call on an engine that already raised on this rank (or saw a peer fail): its collectives would no longer
-    pair with the other ranks', so every further call refuses."""
+    pair with the other ranks', so every further call refuses. Not a RuntimeError on purpose: the "skip the bad
+    batch" loop usually catches RuntimeError (CUDA OOM, a bad sample), and must not swallow this one."""
 
     def __init__(self, cause: str) -> None:
         self.cause = cause
