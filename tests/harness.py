@@ -29,8 +29,9 @@ JOIN_DEADLINE_S = 90.0
 class RankFailure(AssertionError):
     """One or more ranks raised. ``errors`` maps rank → (exception type name, message, traceback)."""
 
-    def __init__(self, errors: dict[int, tuple[str, str, str]]) -> None:
+    def __init__(self, errors: dict[int, tuple[str, str, str]], results: list[Any] | None = None) -> None:
         self.errors = errors
+        self.results = results or []  # what the other ranks returned (None for the failed ones)
         detail = "\n".join(f"--- rank {r}: {t}: {m}\n{tb}" for r, (t, m, tb) in sorted(errors.items()))
         super().__init__(f"{len(errors)} rank(s) failed:\n{detail}")
 
@@ -114,7 +115,7 @@ def run_ranks(
             proc.kill()
             proc.join()
     if errors:
-        raise RankFailure(errors)
+        raise RankFailure(errors, results)
     return results
 
 

@@ -4,12 +4,16 @@ harness deadline is only a backstop."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import RankFailure
 from parity import global_batches, make_model, rank_slice, train_engine
 
 import shardspeed
@@ -245,3 +249,48 @@ def _agreed_error_keeps_engine(rank: int, world: int) -> str:
 
 def test_agreed_error_is_not_a_failure(dist_run) -> None:
     assert dist_run(_agreed_error_keeps_engine, 2) == ["ok", "ok"]
+
+
+def _kill_case(rank: int, world: int, stage: int) -> tuple[str, float]:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+    if rank == 1:  # dies mid-backward at step 2: no exception, no teardown, nothing published by itself
+        engine.module.mid.weight.register_hook(
+            lambda grad: os.kill(os.getpid(), signal.SIGKILL) if engine.global_steps == 2 else None
+        )
+    return _timed(_train, engine, rank, world, 6)
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_kill_9_of_a_peer_raises_peer_died(dist_run, stage: int) -> None:
+    """Forked ranks (fast); tests/e2e/test_rank_death.py does the same with real processes."""
+    with pytest.raises(RankFailure) as info:
+        dist_run(_kill_case, 2, stage, deadline_s=DEADLINE_S)
+    assert info.value.errors[1][1] == "rank died without reporting"
+    error, elapsed = info.value.results[0]
+    assert error.startswith("PeerDiedError: rank 1 died: the process exited without reporting an error"), error
+    assert "this rank was waiting in" in error or "this rank was entering" in error, error
+    assert elapsed < BOUND_S + 5
+
+
+def _user_exception_case(rank: int, world: int) -> tuple[str, float]:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(0))
+    _train(engine, rank, world, 1)
+    if rank == 1:
+        try:
+            raise ValueError("user code bug between steps")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception
+        return "raised", 0.0
+    return _timed(_train, engine, rank, world, 4)
+
+
+def test_uncaught_user_exception_is_published(dist_run) -> None:
+    """sys.excepthook publishes an exception uncaught in the script (real processes: tests/e2e/test_rank_death.py)."""
+    results = dist_run(_user_exception_case, 2, deadline_s=DEADLINE_S)
+    error, elapsed = results[0]
+    assert error.startswith(
+        "PeerFailedError: rank 1 failed in user code (uncaught exception): ValueError: user code bug between steps"
+    ), error
+    assert elapsed < BOUND_S + 5

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from shardspeed.config.fault_tolerance import FaultToleranceConfig
 from shardspeed.faults.errors import (
+    DIED,
     FailureRecord,
     PeerDiedError,
     PeerFailedError,
@@ -199,7 +200,7 @@ class FailureBoard:
         if dead:
             record = FailureRecord(
                 dead[0],
-                "process died",
+                DIED,
                 f"the process exited without reporting an error (killed, e.g. kill -9, or crashed); seen by rank "
                 f"{self.rank} as {detail}",
                 time.time(),

@@ -17,6 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+DIED = "process died"  # FailureRecord.where of a peer that vanished (published by the rank that noticed)
 _AGREED_ATTR = "_shardspeed_agreed"
 _PUBLISHED_ATTR = "_shardspeed_published"
 
@@ -43,6 +44,10 @@ class FailureRecord:
         return FailureRecord(rank, where, describe(exc), time.time())
 
     def summary(self) -> str:
+        if self.where == DIED:
+            return f"rank {self.rank} died: {self.error}"
+        if self.rank < 0:
+            return f"a collective failed: {self.error}"
         return f"rank {self.rank} failed in {self.where}: {self.error}"
 
 
