@@ -4,9 +4,11 @@ harness deadline is only a backstop."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -273,24 +275,40 @@ def test_kill_9_of_a_peer_raises_peer_died(dist_run, stage: int) -> None:
     assert elapsed < BOUND_S + 5
 
 
-def _user_exception_case(rank: int, world: int) -> tuple[str, float]:
+def _user_exception_case(rank: int, world: int, in_thread: bool, failure_dir: str) -> tuple[str, float]:
     model = make_model()
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(0))
     _train(engine, rank, world, 1)
     if rank == 1:
-        try:
-            raise ValueError("user code bug between steps")
-        except ValueError:
-            sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception
+        os.environ["SHARDSPEED_FAILURE_DIR"] = failure_dir  # the launcher sets it (another helper's part)
+        if in_thread:  # threading.excepthook
+            worker = threading.Thread(target=_raise_user_bug, name="loader")
+            worker.start()
+            worker.join()
+        else:
+            try:
+                _raise_user_bug()
+            except ValueError:
+                sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception
         return "raised", 0.0
     return _timed(_train, engine, rank, world, 4)
 
 
-def test_uncaught_user_exception_is_published(dist_run) -> None:
-    """sys.excepthook publishes an exception uncaught in the script (real processes: tests/e2e/test_rank_death.py)."""
-    results = dist_run(_user_exception_case, 2, deadline_s=DEADLINE_S)
+def _raise_user_bug() -> None:
+    raise ValueError("user code bug between steps")
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_uncaught_user_exception_is_published(dist_run, tmp_path, in_thread: bool) -> None:
+    """sys.excepthook / threading.excepthook publish an exception uncaught in the script (real processes:
+    tests/e2e/test_rank_death.py), and the failing rank leaves ``$SHARDSPEED_FAILURE_DIR/rank1.json``."""
+    results = dist_run(_user_exception_case, 2, in_thread, str(tmp_path / "failures"), deadline_s=DEADLINE_S)
     error, elapsed = results[0]
-    assert error.startswith(
-        "PeerFailedError: rank 1 failed in user code (uncaught exception): ValueError: user code bug between steps"
-    ), error
+    where = "thread 'loader' (uncaught exception)" if in_thread else "user code (uncaught exception)"
+    assert error.startswith(f"PeerFailedError: rank 1 failed in {where}: ValueError: user code bug between steps"), (
+        error
+    )
     assert elapsed < BOUND_S + 5
+    record = json.loads((tmp_path / "failures" / "rank1.json").read_text())
+    assert (record["rank"], record["where"], record["error"]) == (1, where, "ValueError: user code bug between steps")
+    assert not (tmp_path / "failures" / "rank0.json").exists()  # rank 0 did not fail of its own accord

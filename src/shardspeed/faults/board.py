@@ -18,6 +18,8 @@ watcher thread, whichever comes first (as fast as a plain synchronous collective
   behalf (so ranks not connected to it wake too) and raises ``PeerDiedError``. Ranks that talk to nobody find out
   at the latest after the process-group timeout (``fault_tolerance.collective_timeout_s``).
 - Agreed errors (raised identically on every rank after a symmetric check) are not failures: ``faults/errors.py``.
+- NCCL: ``wait()`` does not block the host there, so the board only checks for a published failure before it;
+  a hang shows up in a later host sync and ends at the process-group timeout (not tested here: CPU only).
 - Exit: a process that leaves the interpreter with a gloo op still pending blocks until its peers exit and then
   aborts. So once a failure was recorded, the atexit hook flushes stdio and ``os._exit(1)``s instead of tearing the
   process group down ([Note: clean exit] in ``distributed.py``).
@@ -76,6 +78,10 @@ class FailureBoard:
         self._waiters: set[threading.Event] = set()
         self._stop = threading.Event()
         self.abandoned = 0  # collectives left pending because a peer failed (they can never finish)
+        # NCCL's wait() only orders the current stream after the work: it never blocks the host, so waiting on the
+        # host here would serialize every overlap for nothing. NCCL waits only check the board first; its own
+        # watchdog (the process-group timeout) ends a collective whose peer never comes.
+        self._host_waits = dist.get_backend() != "nccl"
         self._helper_queue: queue.SimpleQueue | None = None
         self._store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self._watcher = threading.Thread(target=self._watch, name=f"shardspeed-failure-watch-{rank}", daemon=True)
@@ -141,7 +147,7 @@ class FailureBoard:
         connection error into one naming the peer that died."""
         self.raise_if_failed(doing)
         helper: _Pending | None = None
-        if not handle.is_completed():
+        if self._host_waits and not handle.is_completed():
             event = threading.Event()
             try:
                 handle.get_future().add_done_callback(lambda _future: event.set())
