@@ -6,16 +6,33 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from shardspeed.comm import Collectives
+from shardspeed.comm import Collectives, CommsLog
+from shardspeed.comm.order_check import check_flags_agree, requested
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.build import prefer_client_optimizer
 from shardspeed.optim.lamb import Lamb
-from shardspeed.topology import AxisGroup
+from shardspeed.topology import AxisGroup, Topology
 from shardspeed.zero.sharded_lamb import ShardedLamb
 
-__all__ = ["build_engine_optimizer", "check_param_offload", "offload_params"]
+__all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives", "offload_params"]
+
+
+def engine_collectives(config: ShardSpeedConfig, topology: Topology) -> Collectives:
+    """The engine's ``Collectives``: comms log per ``comms_logger``; collective-order verification when
+    ``fault_tolerance.verify_collective_order`` or ``SHARDSPEED_VERIFY_COLLECTIVES=1`` asks for it. Whether to
+    verify is agreed world-wide first (one small exchange, whether on or off): a rank that verifies alone would
+    pair its checks with its peers' real collectives."""
+    log = CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops))
+    want = requested(config.fault_tolerance.verify_collective_order)
+    world = tuple(range(dist.get_world_size() if dist.is_initialized() else 1))
+    everyone = Collectives(log).all_gather_object(
+        want, AxisGroup("world", dist.group.WORLD if len(world) > 1 else None, world, topology.global_rank)
+    )
+    check_flags_agree(everyone, world)
+    return Collectives(log, verify_order=want)
 
 
 def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.log import CommsLog
+from shardspeed.comm.order_check import OrderChecker
 from shardspeed.topology import AxisGroup
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,17 +37,24 @@ class Work:
 class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""
 
-    def __init__(self, log: CommsLog | None = None) -> None:
+    def __init__(self, log: CommsLog | None = None, *, verify_order: bool = False) -> None:
         self.log = log or CommsLog(enabled=False)
+        # [Note: collective-order verification] in comm/order_check.py: None (the default) costs one attribute
+        # check per collective. Every rank must pass the same flag (engine_setup.engine_collectives agrees it).
+        self.order: OrderChecker | None = OrderChecker(_exchange_digest, _exchange_object) if verify_order else None
 
     def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
         """Sum ``tensor`` in place over ``axis``."""
+        if self.order is not None:
+            self.order.check("all_reduce(sum)", axis, (tensor,), tag)
         if axis.size == 1:
             return Work(None)
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
         return Work(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
 
     def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
+        if self.order is not None:
+            self.order.check("all_reduce(max)", axis, (tensor,), tag)
         if axis.size == 1:
             return
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
@@ -62,6 +70,8 @@ class Collectives:
         tag: str = "",
     ) -> Work:
         """Concatenate every rank's equal-sized ``shard`` into ``unsharded`` (size = shard × axis size)."""
+        if self.order is not None:
+            self.order.check("all_gather", axis, (shard, unsharded), tag)
         if unsharded.numel() != shard.numel() * axis.size:
             raise ValueError(f"all_gather: output {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
         if axis.size == 1:
@@ -81,6 +91,8 @@ class Collectives:
         tag: str = "",
     ) -> Work:
         """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``."""
+        if self.order is not None:
+            self.order.check("reduce_scatter(sum)", axis, (unsharded, shard), tag)
         if unsharded.numel() != shard.numel() * axis.size:
             raise ValueError(f"reduce_scatter: input {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
         if axis.size == 1:
@@ -92,6 +104,8 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
         """Copy axis member ``src_index``'s tensor to every member (``src_index`` is an axis index, not global)."""
+        if self.order is not None:
+            self.order.check(f"broadcast(src={src_index})", axis, (tensor,), tag)
         if axis.size == 1:
             return
         self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag)
@@ -99,8 +113,32 @@ class Collectives:
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""
+        if self.order is not None:
+            self.order.check("all_gather_object", axis)
         if axis.size == 1:
             return [obj]
         out: list[object] = [None] * axis.size
         dist.all_gather_object(out, obj, group=axis.group)
         return out
+
+
+def _check_group(axis: AxisGroup) -> dist.ProcessGroup | None:
+    """Where an order check runs: ``WORLD`` for a group of every rank, so ranks that diverged onto two such groups
+    still meet in one exchange ([Note: collective-order verification])."""
+    return dist.group.WORLD if axis.size == dist.get_world_size() else axis.group
+
+
+def _exchange_digest(digest: int, axis: AxisGroup) -> list[int]:
+    """All-gather one int64 over ``axis`` (raw: not verified, not logged)."""
+    group = _check_group(axis)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(axis.size, dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    return everyone.tolist()
+
+
+def _exchange_object(obj: object, axis: AxisGroup) -> list[object]:
+    out: list[object] = [None] * axis.size
+    dist.all_gather_object(out, obj, group=_check_group(axis))
+    return out
