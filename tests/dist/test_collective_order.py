@@ -164,11 +164,16 @@ def test_skip_the_bad_batch_is_caught_at_the_first_mismatched_collective(dist_ru
     assert errors[0].startswith("CollectiveOrderError: collective order diverged between ranks 0 and 1"), errors
     assert errors[0] == errors[1]
     assert all(r["seconds"] < 60 for r in results)  # generous: includes three training steps on a loaded machine
+    rank0, rank1 = errors[0].split("\n  rank 0: ")[1].split("\n  rank 1: ")
     if stage == 0:
         # Rank 1 skipped a micro-batch, so it reaches the save while rank 0 still reduces its last gradients.
-        rank0, rank1 = errors[0].split("\n  rank 0: ")[1].split("\n  rank 1: ")
         assert "tag='grads'" in rank0 and "shardspeed/zero/grad_sync.py" in rank0
         assert "all_gather_object" in rank1 and "shardspeed/checkpoint/" in rank1
+    else:
+        # Rank 1's forward raised after one unit: its next forward gathers another unit than rank 0 does.
+        assert "all_gather float32[21], [42] tag='params'" in rank0
+        assert "all_gather float32[52], [104] tag='params'" in rank1
+        assert all("shardspeed/zero/stage3/unit.py" in side for side in (rank0, rank1))
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 

@@ -67,8 +67,10 @@ def test_describe_names_op_dtype_shape_group_and_site() -> None:
         "all_reduce(sum) float32[13] tag='grads' on data[0, 1] as call #3, at shardspeed/zero/grad_sync.py:108 "
         "launch (called from shardspeed/zero/reducer.py:90 launch)"
     )
-    assert _call(op="all_gather_object", dtype="object", shapes=(), tag="").describe().startswith(
-        "all_gather_object object on data[0, 1]"
+    assert (
+        _call(op="all_gather_object", dtype="object", shapes=(), tag="")
+        .describe()
+        .startswith("all_gather_object object on data[0, 1]")
     )
 
 
@@ -79,7 +81,8 @@ def _site_here() -> tuple[str, str]:
 def test_call_site_is_the_first_frame_outside_comm() -> None:
     site, callers = _site_here()
     assert site.startswith("unit/test_order_check.py:") and site.endswith(" _site_here")
-    assert callers.startswith("unit/test_order_check.py:") and "test_call_site_is_the_first_frame_outside_comm" in callers
+    assert callers.startswith("unit/test_order_check.py:")
+    assert "test_call_site_is_the_first_frame_outside_comm" in callers
     # Called through Collectives (inside shardspeed/comm), the site is still this test's line: a simulated peer
     # that differs makes the checker describe this rank's call.
     collectives = Collectives()

@@ -29,6 +29,7 @@ implements with raw torch.distributed calls (unverified and unlogged, so verific
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -44,7 +45,7 @@ ENV_VAR = "SHARDSPEED_VERIFY_COLLECTIVES"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(_COMM_DIR))  # .../src (or site-packages)
-CONTEXT_FRAMES = 2  # callers shown after the call site in messages (not fingerprinted)
+CONTEXT_FRAMES = 4  # callers shown after the call site in messages (not fingerprinted)
 
 
 class CollectiveOrderError(RuntimeError):
@@ -79,19 +80,30 @@ def _short_path(filename: str) -> str:
     return os.path.join(os.path.basename(parent), name) if parent else name
 
 
-def call_site(frame: FrameType | None = None, context: int = CONTEXT_FRAMES) -> tuple[str, str]:
-    """(call site, callers): the first frame outside ``shardspeed/comm`` as ``file:line function``, and up to
-    ``context`` frames above it (for the message only)."""
+def _frame_text(frame: FrameType) -> str:
+    return f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def site_frame(frame: FrameType | None = None) -> FrameType | None:
+    """The first frame outside ``shardspeed/comm`` (from ``frame``, default: the caller's)."""
     frame = frame if frame is not None else sys._getframe(1)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _COMM_DIR:
         frame = frame.f_back
-    sites: list[str] = []
-    while frame is not None and len(sites) <= context:
-        sites.append(f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
-        frame = frame.f_back
-    if not sites:
+    return frame
+
+
+def call_site(frame: FrameType | None = None, context: int = CONTEXT_FRAMES) -> tuple[str, str]:
+    """(call site, callers): the first frame outside ``shardspeed/comm`` as ``file:line function``, and up to
+    ``context`` frames above it (for messages only: they are not fingerprinted)."""
+    site = site_frame(frame if frame is not None else sys._getframe(1))
+    if site is None:
         return "<unknown>", ""
-    return sites[0], " <- ".join(sites[1:])
+    callers: list[str] = []
+    above = site.f_back
+    while above is not None and len(callers) < context:
+        callers.append(_frame_text(above))
+        above = above.f_back
+    return _frame_text(site), " <- ".join(callers)
 
 
 def group_label(axis: AxisGroup) -> str:
@@ -187,11 +199,14 @@ class OrderChecker:
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
         dtype, shapes = describe_tensors(tensors)
-        site, callers = call_site(sys._getframe(1))
-        call = CollectiveCall(op, dtype, shapes, tag, group_label(axis), seq, site, callers)
+        frame = site_frame(sys._getframe(1))
+        site = "<unknown>" if frame is None else _frame_text(frame)
+        call = CollectiveCall(op, dtype, shapes, tag, group_label(axis), seq, site)
         digests = self._exchange_digest(call.digest(), axis)
         if first_difference(digests) is None:
             self.checked += 1
             return
+        # Only now the callers above the site (for the message; the hot path walks no further than the site).
+        call = dataclasses.replace(call, callers=call_site(frame)[1]) if frame is not None else call
         descriptions = [str(d) for d in self._exchange_object(call.describe(), axis)]
         raise CollectiveOrderError(mismatch_message(descriptions, digests, axis.ranks))
