@@ -157,7 +157,7 @@ def _skip_bad_batch(rank: int, world: int, stage: int, ckpt: str) -> dict:
     return {"error": error, "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_skip_the_bad_batch_is_caught_at_the_first_mismatched_collective(dist_run, tmp_path, stage: int) -> None:
     results = dist_run(_skip_bad_batch, 2, stage, str(tmp_path / "ckpt"))
     errors = [r["error"] for r in results]
@@ -200,7 +200,10 @@ def _on_then_off(rank: int, world: int, stage: int) -> dict:
     return {"on": _train(rank, world, stage, True), "off": _train(rank, world, stage, False)}
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=SLOW), pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_verified_training_is_bitwise_identical_and_logs_nothing_extra(dist_run, stage: int) -> None:
     for r in dist_run(_on_then_off, 2, stage):
         on, off = r["on"], r["off"]
@@ -210,13 +213,17 @@ def test_verified_training_is_bitwise_identical_and_logs_nothing_extra(dist_run,
         assert off["checked"] is None and on["checked"] > 10
 
 
-def _env_flag(rank: int, world: int, ranks_on: tuple[int, ...]) -> str:
-    if rank in ranks_on:
-        os.environ[ENV_VAR] = "1"
-    try:
-        return error_of(lambda: _check_env_engine(rank))
-    finally:
-        os.environ.pop(ENV_VAR, None)
+def _env_flag(rank: int, world: int) -> list[str]:
+    """Rank 1 alone sets the variable (refused on both ranks), then both do (verification on)."""
+    errors = []
+    for ranks_on in ((1,), (0, 1)):
+        if rank in ranks_on:
+            os.environ[ENV_VAR] = "1"
+        try:
+            errors.append(error_of(lambda: _check_env_engine(rank)))
+        finally:
+            os.environ.pop(ENV_VAR, None)
+    return errors
 
 
 def _check_env_engine(rank: int) -> None:
@@ -225,7 +232,7 @@ def _check_env_engine(rank: int) -> None:
 
 
 def test_env_var_turns_it_on_and_must_agree(dist_run) -> None:
-    assert dist_run(_env_flag, 2, (0, 1)) == ["no error", "no error"]
-    errors = dist_run(_env_flag, 2, (1,))
-    assert errors[0] == errors[1]
-    assert errors[0].startswith("ValueError: collective-order verification is on for ranks [1] but off for ranks [0]")
+    (mismatch0, on0), (mismatch1, on1) = dist_run(_env_flag, 2)
+    assert on0 == on1 == "no error"
+    assert mismatch0 == mismatch1
+    assert mismatch0.startswith("ValueError: collective-order verification is on for ranks [1] but off for ranks [0]")
