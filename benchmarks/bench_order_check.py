@@ -1,6 +1,6 @@
 """Cost of collective-order verification (``fault_tolerance.verify_collective_order``): step time on / off.
 
-    python benchmarks/bench_order_check.py [--nproc 2] [--rounds 7] [--steps 5] [--warmup 2]
+    python benchmarks/bench_order_check.py [--nproc 2] [--rounds 5] [--steps 3] [--warmup 1]
                                            [--model small|medium] [--stages 0,1,2,3]
 
 For each ZeRO stage two engines train the same small model (the benchmarks' GPT, fp32, AdamW, gloo on CPU;
@@ -12,7 +12,9 @@ budget is a ratio of at most 2; nothing asserts it (timings on a shared machine 
 Also printed: how many collectives each step verified (each costs one extra all-gather of one int64 per rank,
 plus a blocking wait that removes the overlap of asynchronous reductions and prefetches).
 
-Run plainly, this script is the launcher: it starts itself under ``torch.distributed.run``.
+Run plainly, this script is the launcher: it starts itself under ``torch.distributed.run``. The defaults take
+about 4 minutes on 2 busy cores. One run (2 ranks, load average ~18 on 2 CPUs, 5 rounds x 3 steps): on/off
+median 0.95 (stage 0), 1.15 (1), 1.09 (2), 1.27 (3, 43 checks per step).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per engine per round (default 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per engine per round (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per engine first (default 1)")
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default small)")
     parser.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
