@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardspeed.comm import Collectives, CommsLog
 from shardspeed.comm.order_check import check_flags_agree, requested
@@ -23,15 +22,13 @@ __all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives"
 def engine_collectives(config: ShardSpeedConfig, topology: Topology) -> Collectives:
     """The engine's ``Collectives``: comms log per ``comms_logger``; collective-order verification when
     ``fault_tolerance.verify_collective_order`` or ``SHARDSPEED_VERIFY_COLLECTIVES=1`` asks for it. Whether to
-    verify is agreed world-wide first (one small exchange, whether on or off): a rank that verifies alone would
-    pair its checks with its peers' real collectives."""
+    verify is agreed first over every axis the engine communicates on (one small exchange each, on or off): a rank
+    that verified alone would pair its checks with its peers' real collectives."""
     log = CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops))
     want = requested(config.fault_tolerance.verify_collective_order)
-    world = tuple(range(dist.get_world_size() if dist.is_initialized() else 1))
-    everyone = Collectives(log).all_gather_object(
-        want, AxisGroup("world", dist.group.WORLD if len(world) > 1 else None, world, topology.global_rank)
-    )
-    check_flags_agree(everyone, world)
+    unverified = Collectives(log)
+    for axis in (topology.pipe, topology.data, topology.tensor):
+        check_flags_agree(unverified.all_gather_object(want, axis), axis.ranks)
     return Collectives(log, verify_order=want)
 
 
