@@ -134,7 +134,9 @@ def _exchange_digest(digest: int, axis: AxisGroup) -> list[int]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(axis.size, dtype=torch.int64, device=device)
-    _all_gather_single(everyone, mine, group=group)
+    # Through Work.wait, like every engine collective: whatever waiting does (e.g. watching for a failed peer)
+    # applies to the agreement too.
+    Work(_all_gather_single(everyone, mine, group=group, async_op=True)).wait()
     return everyone.tolist()
 
 
