@@ -19,7 +19,9 @@ from parity import TinyNet, global_batches, make_model, rank_slice
 import shardspeed
 from shardspeed.comm import Collectives
 from shardspeed.comm.order_check import ENV_VAR
-from shardspeed.topology import AxisGroup
+from shardspeed.config import load_config
+from shardspeed.engine_setup import engine_collectives
+from shardspeed.topology import AxisGroup, Topology
 
 FAST_S = 10.0  # generous: a verified mismatch costs two tiny exchanges; the harness's hang backstop is 30 s
 
@@ -180,7 +182,7 @@ def test_skip_the_bad_batch_is_caught_at_the_first_mismatched_collective(dist_ru
 def _train(rank: int, world: int, stage: int, verify: bool) -> dict:
     engine, *_ = shardspeed.initialize(model=make_model(), config=_config(stage, verify, comms=True))
     norms = []
-    for x, y in global_batches(3, 8):
+    for x, y in global_batches(2, 8):
         for m in range(2):
             loss = F.mse_loss(engine(rank_slice(x, m, rank, world, 2)), rank_slice(y, m, rank, world, 2))
             engine.backward(loss)
@@ -227,8 +229,10 @@ def _env_flag(rank: int, world: int) -> list[str]:
 
 
 def _check_env_engine(rank: int) -> None:
-    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(0, verify=False))
-    assert engine.collectives.order is not None, "SHARDSPEED_VERIFY_COLLECTIVES=1 turns verification on"
+    # What the engine builds its Collectives with (the engine's own use of it: the bitwise test's "checked").
+    config = load_config(_config(0, verify=False), dp_world_size=2)
+    collectives = engine_collectives(config, Topology.build())
+    assert collectives.order is not None, "SHARDSPEED_VERIFY_COLLECTIVES=1 turns verification on"
 
 
 def test_env_var_turns_it_on_and_must_agree(dist_run) -> None:
