@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from shardspeed.comm import Collectives, CommsLog
+from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.engine_module import EngineModule
-from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, offload_params
+from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, engine_collectives, offload_params
 from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.log import configure_logger
@@ -77,9 +77,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
                 self.logger.warning(warning)
         self.device = self._pick_device()
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
-        self.collectives = Collectives(
-            CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops)), board=board
-        )
+        # comms log; interruptible waits (the board); order verification (a debug option)
+        self.collectives = engine_collectives(config, topology, board)
 
         # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
         check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")

@@ -7,15 +7,30 @@ from typing import Any
 
 import torch
 
-from shardspeed.comm import Collectives
+from shardspeed.comm import Collectives, CommsLog
+from shardspeed.comm.order_check import check_flags_agree, requested
 from shardspeed.config import ShardSpeedConfig
+from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.build import prefer_client_optimizer
 from shardspeed.optim.lamb import Lamb
-from shardspeed.topology import AxisGroup
+from shardspeed.topology import AxisGroup, Topology
 from shardspeed.zero.sharded_lamb import ShardedLamb
 
-__all__ = ["build_engine_optimizer", "check_param_offload", "offload_params"]
+__all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives", "offload_params"]
+
+
+def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: FailureBoard | None) -> Collectives:
+    """The engine's ``Collectives``: comms log per ``comms_logger``; collective-order verification when
+    ``fault_tolerance.verify_collective_order`` or ``SHARDSPEED_VERIFY_COLLECTIVES=1`` asks for it. Whether to
+    verify is agreed first over every axis the engine communicates on (one small exchange each, on or off): a rank
+    that verified alone would pair its checks with its peers' real collectives."""
+    log = CommsLog(config.comms_logger.enabled, tuple(config.comms_logger.prof_ops))
+    want = requested(config.fault_tolerance.verify_collective_order)
+    unverified = Collectives(log, board)
+    for axis in (topology.pipe, topology.data, topology.tensor):
+        check_flags_agree(unverified.all_gather_object(want, axis), axis.ranks)
+    return Collectives(log, board, verify_order=want)
 
 
 def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:

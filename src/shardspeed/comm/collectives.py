@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.log import CommsLog
+from shardspeed.comm.order_check import OrderChecker
 from shardspeed.faults.board import FailureBoard
 from shardspeed.topology import AxisGroup
 
@@ -49,9 +50,16 @@ class Work:
 class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""
 
-    def __init__(self, log: CommsLog | None = None, board: FailureBoard | None = None) -> None:
+    def __init__(
+        self, log: CommsLog | None = None, board: FailureBoard | None = None, *, verify_order: bool = False
+    ) -> None:
         self.log = log or CommsLog(enabled=False)
         self.board = board
+        # [Note: collective-order verification] in comm/order_check.py: None (the default) costs one attribute
+        # check per collective. Every rank must pass the same flag (engine_setup.engine_collectives agrees it).
+        self.order: OrderChecker | None = (
+            OrderChecker(self._exchange_digest, self._exchange_object) if verify_order else None
+        )
 
     # --- the waiting path: everything below issues through here ---------------------------------------------------
     def _run(self, launch: object, axis: AxisGroup, op: str, tag: str, async_op: bool) -> Work:
@@ -67,6 +75,8 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
         """Sum ``tensor`` in place over ``axis``."""
+        if self.order is not None:
+            self.order.check("all_reduce(sum)", axis, (tensor,), tag)
         if axis.size == 1:
             return Work(None)
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
@@ -79,6 +89,8 @@ class Collectives:
         )
 
     def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
+        if self.order is not None:
+            self.order.check("all_reduce(max)", axis, (tensor,), tag)
         if axis.size == 1:
             return
         self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
@@ -100,6 +112,8 @@ class Collectives:
         tag: str = "",
     ) -> Work:
         """Concatenate every rank's equal-sized ``shard`` into ``unsharded`` (size = shard × axis size)."""
+        if self.order is not None:
+            self.order.check("all_gather", axis, (shard, unsharded), tag)
         if unsharded.numel() != shard.numel() * axis.size:
             raise ValueError(f"all_gather: output {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
         if axis.size == 1:
@@ -125,6 +139,8 @@ class Collectives:
         tag: str = "",
     ) -> Work:
         """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``."""
+        if self.order is not None:
+            self.order.check("reduce_scatter(sum)", axis, (unsharded, shard), tag)
         if unsharded.numel() != shard.numel() * axis.size:
             raise ValueError(f"reduce_scatter: input {unsharded.numel()} != shard {shard.numel()} × {axis.size}")
         if axis.size == 1:
@@ -142,6 +158,8 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
         """Copy axis member ``src_index``'s tensor to every member (``src_index`` is an axis index, not global)."""
+        if self.order is not None:
+            self.order.check(f"broadcast(src={src_index})", axis, (tensor,), tag)
         if axis.size == 1:
             return
         self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag)
@@ -155,32 +173,33 @@ class Collectives:
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""
+        if self.order is not None:
+            self.order.check("all_gather_object", axis)
         if axis.size == 1:
             return [obj]
+        return self._gather_objects(obj, axis, axis.group)
+
+    def _gather_objects(self, obj: object, axis: AxisGroup, group: dist.ProcessGroup | None) -> list[object]:
+        """``all_gather_object`` over ``group`` (``axis`` names it in messages); not verified, not logged."""
         if self.board is None:
             out: list[object] = [None] * axis.size
-            dist.all_gather_object(out, obj, group=axis.group)
+            dist.all_gather_object(out, obj, group=group)
             return out
         # torch's all_gather_object has no async form: the same two steps (sizes, then padded bytes), each waited
         # through the board. NCCL moves device tensors only.
-        nccl = dist.get_backend(axis.group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        device = _device_for(group)
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.zeros(axis.size, dtype=torch.int64, device=device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         self._run(
-            lambda a: _all_gather_single(sizes, mine, group=axis.group, async_op=a),
-            axis,
-            "all_gather_object",
-            "",
-            False,
+            lambda a: _all_gather_single(sizes, mine, group=group, async_op=a), axis, "all_gather_object", "", False
         )
         width = int(sizes.max())
         padded = torch.zeros(width, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         gathered = torch.empty(width * axis.size, dtype=torch.uint8, device=device)
         self._run(
-            lambda a: _all_gather_single(gathered, padded, group=axis.group, async_op=a),
+            lambda a: _all_gather_single(gathered, padded, group=group, async_op=a),
             axis,
             "all_gather_object",
             "",
@@ -188,3 +207,29 @@ class Collectives:
         )
         host, counts = gathered.cpu(), sizes.tolist()
         return [pickle.loads(host[i * width : i * width + counts[i]].numpy().tobytes()) for i in range(axis.size)]
+
+    # --- collective-order verification's own exchanges (raw: not verified, not logged) ------------------------------
+    def _exchange_digest(self, digest: int, axis: AxisGroup) -> list[int]:
+        """All-gather one int64 over ``axis`` (on ``WORLD`` when the axis spans it: see ``_check_group``); waited
+        like every engine collective, so a failed peer interrupts the agreement too."""
+        group = _check_group(axis)
+        device = _device_for(group)
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        everyone = torch.empty(axis.size, dtype=torch.int64, device=device)
+        self._run(lambda a: _all_gather_single(everyone, mine, group=group, async_op=a), axis, "order check", "", False)
+        return everyone.tolist()
+
+    def _exchange_object(self, obj: object, axis: AxisGroup) -> list[object]:
+        return self._gather_objects(obj, axis, _check_group(axis))
+
+
+def _device_for(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small host-made tensor must live to cross ``group``: NCCL moves device tensors only."""
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _check_group(axis: AxisGroup) -> dist.ProcessGroup | None:
+    """Where an order check runs: ``WORLD`` for a group of every rank, so ranks that diverged onto two such groups
+    still meet in one exchange ([Note: collective-order verification])."""
+    return dist.group.WORLD if axis.size == dist.get_world_size() else axis.group

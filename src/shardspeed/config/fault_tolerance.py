@@ -28,7 +28,9 @@ class FaultToleranceConfig(ConfigModel):
 
     verify_collective_order: bool = False
     """Debug: before each collective the library issues, ranks agree on its fingerprint (op, dtype, shape, group,
-    call site); a divergence raises on every rank naming both calls. Costs up to ~2x step time. Default: false."""
+    call site); a divergence raises on every rank naming both calls. Costs up to ~2x step time. Also turned on by
+    the environment variable ``SHARDSPEED_VERIFY_COLLECTIVES=1`` (every rank must agree; checked at initialize).
+    Default: false."""
 
     skip_nonfinite_steps: bool | None = None
     """fp32/bf16: a step whose loss or gradients hold NaN/Inf is skipped and reported (step, first offending

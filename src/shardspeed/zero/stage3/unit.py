@@ -124,7 +124,11 @@ class ParamUnit:
         self.fetch_shard()
         self.id_check.launch(self.index, "gather", self.device)
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._work = self.collectives.all_gather(self.full, self.shard, self.axis, async_op=True, tag="params")
+        try:
+            self._work = self.collectives.all_gather(self.full, self.shard, self.axis, async_op=True, tag="params")
+        except BaseException:  # a refused launch (comm/order_check.py) leaves the unit sharded, so aborts can clean up
+            self.state, self.full = UnitState.SHARDED, None
+            raise
 
     def wait(self) -> None:
         self._to(UnitState.UNSHARDED, UnitState.GATHERING)
