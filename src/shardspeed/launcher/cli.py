@@ -28,7 +28,7 @@ from shardspeed.launcher.deepspeed_flags import OTHER_LAUNCHERS
 from shardspeed.launcher.errors import LauncherError, MissingScriptError
 from shardspeed.launcher.multinode import LAUNCHER_CHOICES
 from shardspeed.launcher.plan import DEFAULT_HOSTFILE, plan_launch
-from shardspeed.launcher.processes import run_commands
+from shardspeed.launcher.processes import EXIT_CODE_INTERRUPTED, EXIT_CODE_TERMINATED, run_commands
 from shardspeed.launcher.subcommands import get_subcommand, subcommands
 from shardspeed.launcher.torchrun import DEFAULT_MASTER_PORT, DEFAULT_RDZV_ID, RDZV_BACKENDS
 
@@ -243,8 +243,11 @@ def _plan_and_run(options: argparse.Namespace, failure_dir: str | None) -> int:
     if code != 0:
         remote = len(plan.commands) > 1 or plan.commands[0].hold_stdin
         where = "this machine (remote nodes report their own)" if remote else "this machine"
-        for line in failure_report.report_lines(failure_dir, where=where):
-            print(line, file=sys.stderr)
+        # A job stopped on purpose (Ctrl-C, SIGTERM) without a failed rank needs no "no record" line.
+        stopped = code in (EXIT_CODE_INTERRUPTED, EXIT_CODE_TERMINATED)
+        if not (stopped and not failure_report.read_failures(failure_dir)[0]):
+            for line in failure_report.report_lines(failure_dir, where=where):
+                print(line, file=sys.stderr)
     return code
 
 

@@ -14,6 +14,7 @@ Run by file path, like ``rank_exec.py``: it imports torch (torchrun needs it) bu
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 if __package__:
@@ -31,9 +32,22 @@ def describe_exit(exitcode: int, signal_name: str) -> str:
     return f"exited with code {exitcode}"
 
 
+def _stopped_by_torchrun(exitcode: int) -> bool:
+    """Ended by the SIGTERM torchrun sends the rest of the group once one rank failed (killed by it, or a handler
+    exiting with the shell's 128 + SIGTERM)."""
+    return exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
 def record_child_failures(directory: str, error: BaseException) -> None:
-    """One record per rank in torchrun's ``ChildFailedError`` that has none yet."""
-    for rank, failure in getattr(error, "failures", {}).items():
+    """One record per rank in torchrun's ``ChildFailedError`` that has none yet.
+
+    torchrun lists every rank that ended non-zero, including the ones it stopped with SIGTERM after the first
+    failure, all with whole-second times; those are left out when any other failure is listed, so the record of
+    the rank that caused the teardown is not outranked by its victims.
+    """
+    failures = dict(getattr(error, "failures", {}))
+    causes = {rank: failure for rank, failure in failures.items() if not _stopped_by_torchrun(failure.exitcode)}
+    for rank, failure in (causes or failures).items():
         record = RankFailure(
             rank=int(rank),
             time=float(failure.timestamp),
