@@ -73,8 +73,12 @@ record = {
     0: {"rank": 0, "time": time.time() + 5.0, "where": "engine.backward()", "error": "PeerFailedError: rank 1 failed"},
     1: {"rank": 1, "time": time.time(), "where": "engine.step() at step 3", "error": "RuntimeError: boom"},
 }[rank]
-with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
+with open(os.path.join(directory, f"rank{rank}.json.tmp"), "w") as handle:
     json.dump(record, handle)
+os.replace(os.path.join(directory, f"rank{rank}.json.tmp"), os.path.join(directory, f"rank{rank}.json"))
+deadline = time.monotonic() + 60  # both records written before either rank exits (torchrun then stops the other)
+while len([name for name in os.listdir(directory) if name.endswith(".json")]) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(1)
 """
 
