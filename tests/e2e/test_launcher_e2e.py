@@ -143,7 +143,7 @@ def _results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_single_node_two_procs_all_reduce_and_forward_args(tmp_path: Path) -> None:
     (tmp_path / "worker.py").write_text(WORKER_SCRIPT)
     out_dir = tmp_path / "out"
@@ -162,7 +162,7 @@ def test_single_node_two_procs_all_reduce_and_forward_args(tmp_path: Path) -> No
         "--num_procs",
         "5",
     ]
-    completed = subprocess.run(command, cwd=tmp_path, env=_child_env(), capture_output=True, text=True, timeout=100)
+    completed = subprocess.run(command, cwd=tmp_path, env=_child_env(), capture_output=True, text=True, timeout=250)
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = _results(out_dir, 2)
     assert [result["rank"] for result in results] == [0, 1]
@@ -275,7 +275,7 @@ def _pid_is_running(pid: int) -> bool:
     return not (status_file.exists() and "\nState:\tZ" in status_file.read_text())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_failing_node_stops_the_other_node(tmp_path: Path) -> None:
     bin_dir, _ = _install_stub_ssh(tmp_path)
     (tmp_path / "fail.py").write_text(FAILING_SCRIPT)
@@ -293,11 +293,14 @@ def test_failing_node_stops_the_other_node(tmp_path: Path) -> None:
     ]
     start = time.monotonic()
     completed = subprocess.run(
-        command, cwd=tmp_path, env=_child_env(bin_dir), capture_output=True, text=True, timeout=100
+        command, cwd=tmp_path, env=_child_env(bin_dir), capture_output=True, text=True, timeout=250
     )
     assert completed.returncode != 0
     assert "exited with code" in completed.stderr
-    assert time.monotonic() - start < 60
+    # Generous: two torchruns start on a possibly loaded 2-core machine (70 s seen at load 15) before rank 1 fails.
+    assert time.monotonic() - start < 200
+    # The "nodes" share this machine, so the launcher sees node 1's record (torchrun's agent wrote it for rank 1).
+    assert "[shardspeed] first failure: rank 1 in process: exited with code 3" in completed.stderr
     sleeper_pid = int((tmp_path / "sleeper.pid").read_text())
     deadline = time.monotonic() + 30
     while _pid_is_running(sleeper_pid) and time.monotonic() < deadline:
