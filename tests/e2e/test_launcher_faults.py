@@ -192,6 +192,7 @@ def test_kill_9_of_a_rank_tears_the_job_down_and_names_it(tmp_path: Path) -> Non
     assert not _wait_gone(job, timeout_s=30), "processes of the job were left running"
 
 
+@pytest.mark.slow  # make test keeps tests/unit/test_launcher.py::test_sigterm_to_launcher_stops_its_children
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
     (tmp_path / "trap.py").write_text(SIGTERM_SCRIPT)

@@ -37,7 +37,9 @@ else:  # run by file path (as ssh runs it): the sibling module, standard library
 
 AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_agent.py")
 
-_KILL_AFTER_S = 30.0
+# Longer than torchrun's own 30 s from SIGTERM to SIGKILL of its workers (their own sessions: torchrun must be
+# alive to kill them).
+_KILL_AFTER_S = 45.0
 
 
 def _stdin_is_a_connection() -> bool:
