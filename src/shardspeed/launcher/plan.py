@@ -4,6 +4,8 @@ Modes, decided in this order:
 
 - ``--node_rank R`` (manual multi-node, DeepSpeed's ``--no_ssh`` style): run only this node's torchrun
   locally; the user starts the same command on every node with its own R.
+- ``--rdzv_backend c10d`` without a hostfile (torchrun's style): likewise this node only, the same command on
+  every node with ``--num_nodes N``; torchrun numbers the nodes in the order they join.
 - one active host (no hostfile, or a hostfile / filter leaving one host) and no ``--force_multi``: one local
   torchrun with ``--nnodes 1`` — like DeepSpeed, a single host is assumed to be this machine.
 - several hosts: one torchrun per host over ssh/pdsh (see ``multinode.py``).
@@ -198,8 +200,9 @@ def _local_command(
     env_overrides = _visible_devices_override(slots, filtered, environ, notes)
     if failure_dir is not None:
         env_overrides[FAILURE_DIR_ENV] = failure_dir
+    c10d_ranked = options.rdzv_backend == "c10d" and placement.nnodes > 1  # torchrun numbers the nodes
     return LaunchCommand(
-        name=f"node {placement.node_rank} ({placement.host})",
+        name=f"this node ({placement.host})" if c10d_ranked else f"node {placement.node_rank} ({placement.host})",
         argv=torchrun_command(arguments),
         env_overrides=env_overrides,
     )
