@@ -30,6 +30,7 @@ from shardspeed.launcher.subcommands import (
 PY = sys.executable
 REMOTE_NODE = str(Path(cli.__file__).resolve().parent / "remote_node.py")
 RANK_EXEC = str(Path(cli.__file__).resolve().parent / "rank_exec.py")
+AGENT = str(Path(cli.__file__).resolve().parent / "torchrun_agent.py")
 
 
 # ---------------------------------------------------------------------------------------------- hostfile
@@ -216,8 +217,7 @@ def test_single_node_cpu_command(in_tmp: Path) -> None:
     [command] = plan.commands
     assert command.argv == [
         PY,
-        "-m",
-        "torch.distributed.run",
+        AGENT,  # torchrun, plus failure records for ranks killed by a signal
         "--nnodes=1",
         "--node_rank=0",
         "--nproc_per_node=3",
@@ -286,7 +286,7 @@ def _write_hostfile(directory: Path, text: str) -> str:
 def test_single_host_hostfile_runs_locally(in_tmp: Path) -> None:
     hostfile = _write_hostfile(in_tmp, "gpu-box slots=2\n")
     plan = _plan(["--hostfile", hostfile, "train.py"])
-    assert plan.commands[0].argv[:3] == [PY, "-m", "torch.distributed.run"]
+    assert plan.commands[0].argv[:2] == [PY, AGENT]
     assert "--nproc_per_node=2" in plan.commands[0].argv
 
 
@@ -375,7 +375,7 @@ def test_pdsh_launcher_commands(in_tmp: Path) -> None:
         ["pdsh", "-S", "-R", "ssh", "-w", "b"],
     ]
     words = shlex.split(plan.commands[1].argv[6])
-    assert words[5:9] == [PY, "-u", "-m", "torch.distributed.run"]
+    assert words[5:8] == [PY, "-u", AGENT]
     assert words[-5:] == ["--max_restarts=0", RANK_EXEC, "--script", "train.py", "--x"]
     forced_ssh = _plan(["-H", hostfile, "--launcher", "ssh", "train.py"], which=lambda name: f"/usr/bin/{name}")
     assert forced_ssh.commands[0].argv[0] == "ssh"
@@ -397,7 +397,7 @@ def test_force_multi_uses_ssh_for_one_host(in_tmp: Path) -> None:
 def test_manual_node_rank_mode(in_tmp: Path) -> None:
     hostfile = _write_hostfile(in_tmp, "a slots=2\nb slots=3\n")
     [command] = _plan(["-H", hostfile, "--node_rank", "1", "train.py"]).commands
-    assert command.argv[3:9] == [
+    assert command.argv[2:8] == [
         "--nnodes=2",
         "--node_rank=1",
         "--nproc_per_node=3",
@@ -406,7 +406,7 @@ def test_manual_node_rank_mode(in_tmp: Path) -> None:
         "--max_restarts=0",
     ]
     [command] = _plan(["--num_nodes", "4", "--node_rank", "3", "--num_procs", "2", "train.py"]).commands
-    assert command.argv[3:6] == ["--nnodes=4", "--node_rank=3", "--nproc_per_node=2"]
+    assert command.argv[2:5] == ["--nnodes=4", "--node_rank=3", "--nproc_per_node=2"]
     with pytest.raises(LauncherError, match="--node_rank 2"):
         _plan(["-H", hostfile, "--node_rank", "2", "train.py"])
     with pytest.raises(LauncherError, match="--num_nodes 2 needs a --hostfile"):

@@ -81,7 +81,7 @@ def _rank_words(argv: list[str]) -> list[str]:
 
 def test_default_command_runs_the_script_through_rank_exec(in_tmp: Path) -> None:
     [command] = _plan(["--num_procs", "2", "train.py", "--x", "1"]).commands
-    assert command.argv[:3] == [PY, "-m", "torch.distributed.run"]
+    assert command.argv[:2] == [PY, str(Path(cli.__file__).with_name("torchrun_agent.py"))]
     assert _rank_words(command.argv) == ["--script", "train.py", "--x", "1"]
 
 
@@ -148,7 +148,7 @@ def test_refusal_is_reported_by_the_cli_before_anything_starts(
 
 def test_no_ssh_with_node_rank_starts_this_node(in_tmp: Path) -> None:
     [command] = _plan(["--no_ssh", "--num_nodes", "2", "--node_rank", "1", "--num_procs", "2", "train.py"]).commands
-    assert command.argv[3:6] == ["--nnodes=2", "--node_rank=1", "--nproc_per_node=2"]
+    assert command.argv[2:5] == ["--nnodes=2", "--node_rank=1", "--nproc_per_node=2"]
 
 
 def _hostfile(directory: Path) -> str:

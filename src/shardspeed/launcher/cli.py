@@ -23,13 +23,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 from shardspeed.config.errors import did_you_mean
+from shardspeed.launcher import failure_report
 from shardspeed.launcher.deepspeed_flags import OTHER_LAUNCHERS
 from shardspeed.launcher.errors import LauncherError, MissingScriptError
 from shardspeed.launcher.multinode import LAUNCHER_CHOICES
 from shardspeed.launcher.plan import DEFAULT_HOSTFILE, plan_launch
-from shardspeed.launcher.processes import run_commands
+from shardspeed.launcher.processes import EXIT_CODE_INTERRUPTED, EXIT_CODE_TERMINATED, run_commands
 from shardspeed.launcher.subcommands import get_subcommand, subcommands
-from shardspeed.launcher.torchrun import DEFAULT_MASTER_PORT
+from shardspeed.launcher.torchrun import DEFAULT_MASTER_PORT, DEFAULT_RDZV_ID, RDZV_BACKENDS
 
 PROGRAM = "shardspeed"
 
@@ -42,7 +43,12 @@ _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
         "help": "processes (GPUs) per node; default: all CUDA devices, or 1 on CPU",
     },
     ("--num_procs",): {"type": int, "help": "same as --num_gpus, spelled for CPU jobs (no device check)"},
-    ("--num_nodes",): {"type": int, "help": "use the first K hosts of the hostfile"},
+    ("--num_nodes", "--nnodes"): {
+        "type": int,
+        "dest": "num_nodes",
+        "help": "with a hostfile: use its first K hosts; started by hand (--node_rank or --rdzv_backend c10d): "
+        "the number of nodes in the job",
+    },
     ("-H", "--hostfile"): {
         "help": f"hostfile of 'hostname slots=N' lines (default: {DEFAULT_HOSTFILE} if it exists, else localhost)"
     },
@@ -55,6 +61,25 @@ _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
         "help": "rendezvous port (default %(default)s)",
     },
     ("--node_rank",): {"type": int, "help": "start only this node's share (each node started by hand)"},
+    ("--rdzv_backend",): {
+        "choices": list(RDZV_BACKENDS),
+        "default": "static",
+        "help": "torchrun's rendezvous: static (default; --master_addr/--master_port, fixed node ranks) or c10d "
+        "(--rdzv_endpoint; node ranks by arrival; without a hostfile each node runs its own shardspeed with "
+        "--num_nodes N; needed for --max_restarts across nodes)",
+    },
+    ("--rdzv_endpoint",): {"help": "c10d rendezvous HOST:PORT (default: --master_addr:--master_port)"},
+    ("--rdzv_id",): {
+        "help": f"c10d rendezvous job id: nodes with the same id form one job (default {DEFAULT_RDZV_ID})"
+    },
+    ("--max_restarts", "--max-restarts"): {
+        "type": int,
+        "dest": "max_restarts",
+        "default": 0,
+        "help": "restart a node's whole worker group up to N times when a rank fails (torchrun's elastic agent; "
+        "the script resumes from its checkpoint, TORCHELASTIC_RESTART_COUNT = attempt); default 0: a failed rank "
+        "fails the job, as in DeepSpeed",
+    },
     ("--launcher",): {
         "choices": [*LAUNCHER_CHOICES, *OTHER_LAUNCHERS],
         "type": str.lower,
@@ -178,8 +203,15 @@ def help_command(argv: list[str]) -> int:
 
 def _launch(argv: list[str]) -> int:
     options = parse_launch_args(argv)
+    if options.dry_run:
+        return _plan_and_run(options, failure_dir=None)
+    with failure_report.failure_dir() as directory:
+        return _plan_and_run(options, failure_dir=directory)
+
+
+def _plan_and_run(options: argparse.Namespace, failure_dir: str | None) -> int:
     try:
-        plan = plan_launch(options)
+        plan = plan_launch(options, failure_dir=failure_dir)
     except MissingScriptError as error:  # maybe a misspelt subcommand: "shardspeed estimat ..."
         suggestion = did_you_mean(options.script, [command.name for command in subcommands()])
         print(f"{PROGRAM}: error: {error}{suggestion}", file=sys.stderr)
@@ -196,17 +228,27 @@ def _launch(argv: list[str]) -> int:
             line if options.dry_run else f"[{PROGRAM}] {line}",
             file=sys.stdout if options.dry_run else sys.stderr,
         )
-    if options.dry_run:
+    if options.dry_run or failure_dir is None:
         return 0
     if not options.save_pid:
-        return run_commands(plan.commands)
-    try:
-        with pid_file(os.getpid()) as path:
-            print(f"[{PROGRAM}] launcher pid {os.getpid()} written to {path}", file=sys.stderr)
-            return run_commands(plan.commands)
-    except LauncherError as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
-        return 2
+        code = run_commands(plan.commands)
+    else:
+        try:
+            with pid_file(os.getpid()) as path:
+                print(f"[{PROGRAM}] launcher pid {os.getpid()} written to {path}", file=sys.stderr)
+                code = run_commands(plan.commands)
+        except LauncherError as error:
+            print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+            return 2
+    if code != 0:
+        remote = len(plan.commands) > 1 or plan.commands[0].hold_stdin
+        where = "this machine (remote nodes report their own)" if remote else "this machine"
+        # A job stopped on purpose (Ctrl-C, SIGTERM) without a failed rank needs no "no record" line.
+        stopped = code in (EXIT_CODE_INTERRUPTED, EXIT_CODE_TERMINATED)
+        if not (stopped and not failure_report.read_failures(failure_dir)[0]):
+            for line in failure_report.report_lines(failure_dir, where=where):
+                print(line, file=sys.stderr)
+    return code
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ REFUSED: dict[str, str] = {
     "autotuning": "autotuning is not implemented yet (DeepSpeed's --autotuning tune|run); run the script with a "
     "fixed config",
     "elastic_training": "elastic training is not implemented yet: the world size is fixed for the whole job "
-    "(torchrun's elastic agent is not used; --max_restarts is 0)",
+    "(a failed rank can restart the worker group at the same size: --max_restarts N)",
     "min_elastic_nodes": "elastic training is not implemented yet, so --min_elastic_nodes has no meaning",
     "max_elastic_nodes": "elastic training is not implemented yet, so --max_elastic_nodes has no meaning",
     "comment": "--comment is passed to srun by DeepSpeed's SLURM launcher, which shardspeed does not have; under "

@@ -11,7 +11,8 @@ Per host the remote shell runs::
 
 Environment: the remote login shell does not see the launcher's environment, so the variables a job depends on
 are passed explicitly (``env K=V``): PYTHONPATH, OMP_NUM_THREADS, everything starting with NCCL_ / GLOO_ /
-TORCH_ / TORCHELASTIC_, and CUDA_VISIBLE_DEVICES when ``--include``/``--exclude`` chose specific device slots.
+TORCH_ / TORCHELASTIC_ / SHARDSPEED_ (among them the launch's ``SHARDSPEED_FAILURE_DIR``), and
+CUDA_VISIBLE_DEVICES when ``--include``/``--exclude`` chose specific device slots.
 The remote python is the launcher's own ``sys.executable`` and ``remote_node.py`` is found at this
 installation's path: like DeepSpeed, we assume the same environment is installed at the same path on every
 node.
@@ -19,6 +20,8 @@ node.
 DeepSpeed's ``--launcher_args`` (extra words for ssh/pdsh, split like a shell), ``--ssh_port`` (ssh ``-p``; under
 pdsh through ``PDSH_SSH_ARGS_APPEND``, as DeepSpeed does) and ``--venv_script`` (sourced by the remote shell before
 the ``exec``) arrive as one ``RemoteShell``.
+
+Each node runs torchrun through ``torchrun_agent.py`` (failure records for ranks killed by a signal).
 
 Why ``remote_node`` under ssh: killing a local ssh client does not stop what it started remotely (without a
 tty nothing signals the remote side). ``remote_node`` runs torchrun and stops it when its stdin — the ssh
@@ -41,10 +44,10 @@ from shardspeed.launcher.errors import LauncherError
 from shardspeed.launcher.hostfile import unbracketed
 from shardspeed.launcher.processes import LaunchCommand
 from shardspeed.launcher.resources import ResourcePool
-from shardspeed.launcher.torchrun import TORCHRUN_MODULE, torchrun_args
+from shardspeed.launcher.torchrun import AGENT_SCRIPT, Rendezvous, torchrun_args
 
 EXPORTED_ENV_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS")
-EXPORTED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_")
+EXPORTED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "SHARDSPEED_")
 REMOTE_NODE_SCRIPT = str(Path(__file__).resolve().with_name("remote_node.py"))
 LAUNCHER_CHOICES = ("auto", "ssh", "pdsh")
 # BatchMode: fail instead of prompting for a password, which several nodes at once cannot answer.
@@ -102,8 +105,7 @@ def node_commands(
     pool: ResourcePool,
     *,
     launcher: str,
-    master_addr: str,
-    master_port: int,
+    rendezvous: Rendezvous,
     script: str,
     script_args: Sequence[str],
     set_visible_devices: bool,
@@ -111,6 +113,7 @@ def node_commands(
     cwd: str | None = None,
     python: str = sys.executable,
     remote: RemoteShell | None = None,
+    max_restarts: int = 0,
 ) -> list[LaunchCommand]:
     """The local commands (ssh/pdsh invocations) that start node ``i`` of the job on host ``i`` of ``pool``.
 
@@ -129,10 +132,10 @@ def node_commands(
             nnodes=len(pool),
             node_rank=node_rank,
             nproc_per_node=len(slots),
-            master_addr=master_addr,
-            master_port=master_port,
+            rendezvous=rendezvous,
             script=script,
             script_args=script_args,
+            max_restarts=max_restarts,
         )
         env_overrides: dict[str, str] = {}
         if launcher == "ssh":
@@ -141,7 +144,7 @@ def node_commands(
             port = ["-p", str(remote.ssh_port)] if remote.ssh_port is not None else []
             local_argv = ["ssh", *SSH_OPTIONS, *port, *remote.extra_args, unbracketed(host), shell]
         elif launcher == "pdsh":
-            remote_argv = [python, "-u", "-m", TORCHRUN_MODULE, *arguments]
+            remote_argv = [python, "-u", AGENT_SCRIPT, *arguments]
             shell = remote_shell_command(work_dir, env, remote_argv, remote.venv_script)
             # One pdsh per host (not one fan-out call) because each node needs its own node rank, process
             # count and device list; -S returns the remote exit status, -R ssh avoids pdsh's rsh default.

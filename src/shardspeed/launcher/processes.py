@@ -4,7 +4,9 @@ Rules: wait for all; the first command to fail decides the exit code and the oth
 missing one node would otherwise hang in its next collective); Ctrl-C terminates everything and returns 130,
 SIGTERM to the launcher (a batch scheduler cancelling the job) the same and returns 143.
 Termination is SIGTERM, then SIGKILL after a grace period: torchrun answers SIGTERM by stopping its workers,
-which it needs a moment for.
+which it needs a moment for. The grace (``GRACE_S``) outlasts torchrun's own (30 s from SIGTERM to SIGKILL of its
+workers): torchrun's workers run in sessions of their own, so a torchrun killed before it killed them would leave
+them running.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 _POLL_INTERVAL_S = 0.05
 EXIT_CODE_INTERRUPTED = 128 + signal.SIGINT
 EXIT_CODE_TERMINATED = 128 + signal.SIGTERM
+GRACE_S = 45.0
 
 
 class _LauncherTerminated(Exception):
@@ -72,7 +75,7 @@ def _terminate(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) -> 
             process.wait()
 
 
-def run_commands(commands: Sequence[LaunchCommand], grace_s: float = 30.0) -> int:
+def run_commands(commands: Sequence[LaunchCommand], grace_s: float = GRACE_S) -> int:
     """Start ``commands`` together and wait; return 0, the first failure's exit code, 130 on Ctrl-C or 143
     when the launcher receives SIGTERM."""
     processes: list[subprocess.Popen[bytes]] = []

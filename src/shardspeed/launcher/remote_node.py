@@ -1,6 +1,6 @@
 """What ssh runs on each node: torchrun, stopped when the launcher goes away.
 
-``python <path>/remote_node.py <torchrun args>`` runs ``python -m torch.distributed.run <args>`` and waits.
+``python <path>/remote_node.py <torchrun args>`` runs torchrun (through ``torchrun_agent.py``) and waits.
 Without a tty, sshd does not signal a remote command when the client side dies, so a killed launcher (or a
 failure on another node) would leave this node's ranks running and holding their devices. The launcher keeps
 the ssh client's stdin open for the job's lifetime, so EOF on our stdin means "the launcher is gone or wants
@@ -10,6 +10,11 @@ forwarded the same way.
 stdin is only watched when it is a pipe or socket (what ssh provides); run by hand with a terminal or
 /dev/null as stdin, this is just torchrun.
 
+``SHARDSPEED_FAILURE_DIR`` names a directory on the launcher's machine. When it does not exist here (a real
+remote node) it is created for this node's ranks, this node's first failure is printed after a failed run (ssh
+carries the line back to the launcher) and the directory is removed; when it exists (the "nodes" share the
+launcher's machine) the launcher reads and removes it.
+
 Self-contained on purpose (standard library only, run by file path rather than ``-m``): importing the
 ``shardspeed`` package would import torch, and a supervisor on every node should start instantly and not
 depend on the package's import-time behaviour.
@@ -18,15 +23,23 @@ depend on the package's import-time behaviour.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import threading
 
-TORCHRUN_MODULE = "torch.distributed.run"
+if __package__:
+    from shardspeed.launcher.failure_report import FAILURE_DIR_ENV, report_lines
+else:  # run by file path (as ssh runs it): the sibling module, standard library only
+    from failure_report import FAILURE_DIR_ENV, report_lines  # type: ignore[no-redef]
 
-_KILL_AFTER_S = 30.0
+AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_agent.py")
+
+# Longer than torchrun's own 30 s from SIGTERM to SIGKILL of its workers (their own sessions: torchrun must be
+# alive to kill them).
+_KILL_AFTER_S = 45.0
 
 
 def _stdin_is_a_connection() -> bool:
@@ -61,9 +74,23 @@ def _stop_on_stdin_eof(torchrun: subprocess.Popen[bytes]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default: this process's arguments) under the stdin / signal watch."""
     torchrun_arguments = sys.argv[1:] if argv is None else argv
-    torchrun = subprocess.Popen(
-        [sys.executable, "-u", "-m", TORCHRUN_MODULE, *torchrun_arguments], stdin=subprocess.DEVNULL
-    )
+    failure_dir = os.environ.get(FAILURE_DIR_ENV)
+    own_failure_dir = bool(failure_dir) and not os.path.isdir(str(failure_dir))
+    if own_failure_dir:
+        os.makedirs(str(failure_dir), exist_ok=True)
+    try:
+        returncode = _run(torchrun_arguments)
+        if returncode != 0 and own_failure_dir:
+            for line in report_lines(str(failure_dir), where="this node"):
+                print(line, file=sys.stderr, flush=True)
+        return returncode
+    finally:
+        if own_failure_dir:
+            shutil.rmtree(str(failure_dir), ignore_errors=True)
+
+
+def _run(torchrun_arguments: list[str]) -> int:
+    torchrun = subprocess.Popen([sys.executable, "-u", AGENT_SCRIPT, *torchrun_arguments], stdin=subprocess.DEVNULL)
     for signal_number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signal_number, lambda number, _frame: _stop(torchrun, number))
     if _stdin_is_a_connection():
