@@ -177,3 +177,58 @@ def test_auto_resume_reproduces_uninterrupted_run(dist_run, tmp_path: Path, stag
     # save at step 3 (mid-epoch: 5 steps an epoch), stop at 4, resume to 7 (crosses into the second epoch)
     diffs = dist_run(_resume, 2, tmp_path, stage, engine_loader, 3, 7)
     assert max(diffs) <= 1e-6, diffs
+
+
+# --- the Hugging Face Trainer path ------------------------------------------------------------------------------
+def _hf_preempt(rank: int, world: int, out: str, ckpt: str) -> dict:
+    pytest.importorskip("transformers")
+    import transformers
+    from hf_runs import GAS as HF_GAS
+    from hf_runs import MB as HF_MB
+    from hf_runs import build_model, dataset, ds_config
+    from transformers import TrainerCallback, TrainingArguments
+
+    from shardspeed.integrations.hf import ShardSpeedTrainer
+
+    class SignalRank1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # after engine.step() of optimizer step 1
+            if rank == 1 and state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    transformers.logging.set_verbosity_error()
+    config = ds_config({"stage": 2}, fault_tolerance={"checkpoint_dir": ckpt, "save_on_preemption": True})
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=HF_MB,
+        gradient_accumulation_steps=HF_GAS,
+        max_steps=6,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = ShardSpeedTrainer(
+        model=build_model("gpt2"),
+        args=args,
+        train_dataset=dataset(),
+        shardspeed_config=config,
+        callbacks=[SignalRank1()],
+    )
+    try:
+        trainer.train()
+    except Preempted as stop:
+        return {"code": stop.code, "step": stop.step, "trainer_step": trainer.state.global_step}
+    return {"code": None}
+
+
+@pytest.mark.slow
+def test_hf_trainer_is_preempted_like_a_script(dist_run, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    results = dist_run(_hf_preempt, 2, str(tmp_path / "out"), str(ckpt))
+    assert [r["code"] for r in results] == [PREEMPTED_EXIT_CODE] * 2
+    assert [r["step"] for r in results] == [2, 2]  # signalled on rank 1 after step 1: both stop after step 2
+    assert (ckpt / "latest").read_text().strip() == "global_step2"

@@ -151,11 +151,13 @@ def _elastic(tmp_path: Path, stage: int) -> None:
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step8"
 
 
+@pytest.mark.timeout(600)  # three worker launches: tens of seconds on a loaded 2-core machine
 def test_elastic_restart_after_sigkill_reproduces_uninterrupted_run_zero2(tmp_path: Path) -> None:
     _elastic(tmp_path, 2)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_elastic_restart_after_sigkill_reproduces_uninterrupted_run_zero3(tmp_path: Path) -> None:
     _elastic(tmp_path, 3)
 
@@ -173,6 +175,7 @@ def _signal_when_ready(tmp_path: Path, proc: subprocess.Popen) -> tuple[str, flo
     return output, time.monotonic() - sent
 
 
+@pytest.mark.timeout(300)
 def test_sigterm_to_a_script_exits_75_with_one_line(tmp_path: Path) -> None:
     """An unmodified script (a world of one, no launcher): SIGTERM → stop after the step, save, status 75, the
     message and no traceback."""
@@ -183,6 +186,7 @@ def test_sigterm_to_a_script_exits_75_with_one_line(tmp_path: Path) -> None:
     step = int(re.search(r"preempted by SIGTERM at step (\d+); checkpoint saved to ", output).group(1))
     assert "Traceback" not in output
     assert took < 60
+    print(f"SIGTERM to a lone script: stopped after step {step}, status 75, {took:.1f} s after the signal")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{step}"
 
 
@@ -199,6 +203,7 @@ def _preempt_then_resume(tmp_path: Path, stage: int) -> None:
     assert "raise Preempted" not in output  # workers end quietly (torchrun prints its own SignalException)
     assert took < 60
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{step}"
+    print(f"SIGTERM to torchrun: both ranks stopped after step {step}, exited {took:.1f} s after the signal")
 
     proc = _launch(tmp_path, "second", 0, "--stage", str(stage), "--total", str(step + 3))
     output = _finish(proc, 180)
@@ -209,5 +214,6 @@ def _preempt_then_resume(tmp_path: Path, stage: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_sigterm_to_torchrun_stops_saves_and_resumes_exactly(tmp_path: Path) -> None:
     _preempt_then_resume(tmp_path, 3)
