@@ -221,8 +221,16 @@ def _hf_preempt(rank: int, world: int, out: str, ckpt: str) -> dict:
     try:
         trainer.train()
     except Preempted as stop:
-        return {"code": stop.code, "step": stop.step, "trainer_step": trainer.state.global_step}
-    return {"code": None}
+        result = {"code": stop.code, "step": stop.step}
+    else:
+        result = {"code": None}
+    config["fault_tolerance"]["auto_resume"] = True  # the Trainer's own step and data position would not follow
+    trainer = ShardSpeedTrainer(model=build_model("gpt2"), args=args, train_dataset=dataset(), shardspeed_config=config)
+    try:
+        trainer.train()
+    except ValueError as error:
+        result["auto_resume_error"] = str(error)
+    return result
 
 
 @pytest.mark.slow
@@ -232,3 +240,6 @@ def test_hf_trainer_is_preempted_like_a_script(dist_run, tmp_path: Path) -> None
     assert [r["code"] for r in results] == [PREEMPTED_EXIT_CODE] * 2
     assert [r["step"] for r in results] == [2, 2]  # signalled on rank 1 after step 1: both stop after step 2
     assert (ckpt / "latest").read_text().strip() == "global_step2"
+    for result in results:
+        assert "fault_tolerance.auto_resume" in result["auto_resume_error"]
+        assert "resume_from_checkpoint=True" in result["auto_resume_error"]
