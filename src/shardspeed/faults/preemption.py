@@ -138,10 +138,6 @@ class PreemptionWatch:
         """The signal number received on this rank and not acted on yet (0: none). Read by the step core."""
         return self._pending
 
-    def request(self, signum: int = signal.SIGTERM) -> None:
-        """Ask for a stop at the next step boundary as if ``signum`` had arrived (for wrappers and tests)."""
-        self._pending = self._pending or int(signum)
-
     # --- the stop ------------------------------------------------------------------------------------------------
     def after_step(self, engine: ShardSpeedEngine, agreed: int) -> None:
         """After ``engine.step()``: ``agreed`` is the signal number the last boundary's all-reduce agreed on (the
