@@ -11,6 +11,7 @@ from shardspeed.distributed import init_distributed
 from shardspeed.engine import ShardSpeedEngine
 from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import EngineGuard
+from shardspeed.faults.resume import resume_latest
 from shardspeed.faults.startup import configured_timeout, early_fault_config
 from shardspeed.topology import Topology
 
@@ -86,4 +87,6 @@ def initialize(
         checkpointing.configure(
             topology=topology, deepspeed_config=cfg.activation_checkpointing, collectives=engine.collectives
         )
+    resume_latest(engine, cfg.fault_tolerance)  # fault_tolerance.auto_resume: continue from checkpoint_dir's latest
+    engine.preemption.install()  # fault_tolerance.preemption_signals: stop at the next step boundary
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

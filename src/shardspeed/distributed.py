@@ -132,6 +132,29 @@ def _remember_created_group() -> None:
         _exit_hook_registered = True
 
 
+def _elastic_attempt_store(launch: LaunchEnv, timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun's shared agent store, the store of this restart attempt (keys prefixed by the attempt).
+
+    [Note: elastic restarts and stale addresses] torchrun (torch 2.13) keeps one TCPStore server across restarts
+    (``TORCHELASTIC_USE_AGENT_STORE``) and ``env://`` connects every attempt's workers to it without a prefix. gloo
+    publishes each rank's listening address under the same key in every attempt, so a restarted rank that starts
+    before its peer reads the *previous* attempt's address, is refused, and the restart fails ("Gloo
+    connectFullMesh failed ... Connection refused") — reproduced with a bare init_process_group whenever rank 0 of
+    the new attempt is slower to start. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives every attempt
+    its own keys. Other launchers (a new store per run) keep ``env://``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or launch.source != "torchrun":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launch.world_size,
+        is_master=False,
+        timeout=timeout or timedelta(minutes=30),  # torch's default process-group timeout
+    )
+    return dist.PrefixStore(f"shardspeed/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -187,12 +210,15 @@ def init_distributed(
     backend = dist_backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
+    timeout = timeout if timeout is not None else default_timeout(backend)
+    store = None if init_method else _elastic_attempt_store(launch, timeout)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method or "env://",
+        init_method=None if store is not None else init_method or "env://",
+        store=store,
         rank=launch.rank,
         world_size=launch.world_size,
-        timeout=timeout if timeout is not None else default_timeout(backend),
+        timeout=timeout,
     )
     _remember_created_group()
     if verbose and launch.rank == 0:

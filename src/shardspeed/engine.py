@@ -33,6 +33,7 @@ from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, engine_collectives, offload_params
 from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
+from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import forward_autocast
@@ -174,6 +175,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
         self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
+        self.preemption = PreemptionWatch(config.fault_tolerance, self.logger)  # handlers: installed by initialize
         self._core = StepCore(
             states=self.states,
             optimizer=self.optimizer,
@@ -187,6 +189,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             device=self.device,
             logger=self.logger,
             global_rank=topology.global_rank,
+            stop_requested=self.preemption.requested,
         )
         self._driver = MicroStepDriver(
             states=self.states,
@@ -277,6 +280,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         steps, skipped = self.progress.global_steps, self.progress.skipped_steps
         self._driver.step(lr_kwargs=lr_kwargs)
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
+        self.preemption.after_step(self, self._core.take_stop())  # a stop agreed at this step: save, Preempted
 
     @guarded("engine.zero_grad()")
     def zero_grad(self) -> None:
@@ -382,7 +386,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
     def destroy(self) -> None:
         """Remove the gradient hooks (lets the module be wrapped by another engine) and release offload storage
-        (NVMe swap files)."""
+        (NVMe swap files); put back the signal handlers the engine replaced."""
+        self.preemption.uninstall()
         self.states.reducer.remove_hooks()
         close = getattr(self.optimizer, "close", None)
         if close is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ class StepCore:
         device: torch.device,
         logger: logging.Logger,
         global_rank: int,
+        stop_requested: Callable[[], int] = lambda: 0,
     ) -> None:
         self.states = states
         self.optimizer = optimizer
@@ -71,6 +73,10 @@ class StepCore:
         self.device = device
         self.logger = logger
         self.global_rank = global_rank
+        self.stop_requested = stop_requested
+        """This rank's pending preemption signal number, 0 for none (faults/preemption.py)."""
+        self.agreed_stop = 0
+        """The largest pending signal number across ranks at the last boundary: the caller stops after the step."""
 
     def run(
         self, *, want_norm: bool, step_index: int, clearings: int = 0, lr_kwargs: dict[str, Any] | None = None
@@ -107,6 +113,11 @@ class StepCore:
         self.zero_grads()
         return StepOutcome(grad_norm=norm if needed else None, skipped=skipped)
 
+    def take_stop(self) -> int:
+        """The agreed preemption signal of the last boundary (0: none), once: the caller acts on it."""
+        stop, self.agreed_stop = self.agreed_stop, 0
+        return stop
+
     def zero_grads(self) -> None:
         """Forget every gradient accumulated since the last step (flat buffers, shards, host copies)."""
         self.states.zero_grads()
@@ -119,15 +130,19 @@ class StepCore:
         stepping on different gradients:
         - ``ignore_unused_parameters: false``: whether any rank saw a trainable parameter without gradient;
         - gradient clearings since the last step: a rank that zeroed (possibly reduced, agreed) gradients the
-          others kept would step on different gradients, silently at stage 0 (replicated parameters)."""
+          others kept would step on different gradients, silently at stage 0 (replicated parameters);
+        - a pending preemption signal (its number): one rank may get it a step before another, or alone, so the
+          stop after this step is decided here, on every rank alike (``agreed_stop``)."""
         unused = [] if self.ignore_unused_parameters else self.states.reducer.unused_names()
         unreduced = not self.states.reducer.reduced
+        stop = float(self.stop_requested())
         flags = torch.tensor(
-            [float(len(unused)), float(clearings), -float(clearings), float(unreduced)], device=self.device
+            [float(len(unused)), float(clearings), -float(clearings), float(unreduced), stop], device=self.device
         )
         self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
-        any_unused, most, neg_least, any_unreduced = flags.tolist()  # one host read, not four
+        any_unused, most, neg_least, any_unreduced, agreed_stop = flags.tolist()  # one host read, not five
         least = -neg_least
+        self.agreed_stop = int(agreed_stop)
         if most != least:
             raise RuntimeError(
                 f"gradients were cleared (zero_grad on the module, the optimizer or the engine) {clearings} time(s) "

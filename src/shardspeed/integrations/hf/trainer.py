@@ -141,6 +141,12 @@ class ShardSpeedTrainer(Trainer):
                     scheduler_specific_kwargs=args.lr_scheduler_kwargs,
                 )
 
+        if (config.get("fault_tolerance") or {}).get("auto_resume"):
+            raise ValueError(
+                "ShardSpeedTrainer: fault_tolerance.auto_resume would restore the engine but not the Trainer's own "
+                "step, epoch and data position; resume with trainer.train(resume_from_checkpoint=True) from the "
+                "checkpoints save_steps writes instead"
+            )
         engine, _, _, _ = shardspeed.initialize(
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
