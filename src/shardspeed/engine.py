@@ -41,6 +41,7 @@ from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
+from shardspeed.training.nonfinite import NonFiniteGuard
 from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
@@ -183,6 +184,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             device=self.device,
             logger=self.logger,
             global_rank=topology.global_rank,
+            nonfinite=NonFiniteGuard(config.fault_tolerance, self.module),
         )
         self._driver = MicroStepDriver(
             states=self.states,
