@@ -25,7 +25,9 @@ OPTIMIZER = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
 PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16": {"enabled": True}},
-    "bf16_masters": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+    "bf16_masters": {
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    },
 }
 
 
@@ -95,8 +97,7 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 STEPS, BAD_STEP = 5, 2  # the third step (index 2) sees rank 1's poisoned batch
 
 
-def _nan_input_run(rank: int, world: int, stage: int, precision: str, offload: dict | None) -> dict:
-    zero = {"offload_optimizer": offload} if offload else {}
+def _nan_input_run(rank: int, world: int, stage: int, precision: str, zero: dict) -> dict:
     engine = _engine(make_model(), stage, precision, zero=zero)
     records = _listen(engine)
     dtype = next(engine.module.parameters()).dtype
@@ -154,16 +155,22 @@ def _check_nan_input(results: list[dict], tolerance: float) -> None:
 
 @pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_nan_input_on_one_rank_skips_the_step_everywhere_fp32(dist_run, stage: int) -> None:
-    _check_nan_input(dist_run(_nan_input_run, 2, stage, "fp32", None), 1e-5)
+    _check_nan_input(dist_run(_nan_input_run, 2, stage, "fp32", {}), 1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage,offload",
-    [(1, {"device": "cpu"}), (2, {"device": "cpu"}), (3, {"device": "cpu"})],
+    "stage,zero",
+    [
+        (1, {"offload_optimizer": {"device": "cpu"}}),
+        (2, {"offload_optimizer": {"device": "cpu"}}),
+        (3, {"offload_optimizer": {"device": "cpu"}}),
+        (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    ],
+    ids=["1-optimizer", "2-optimizer", "3-optimizer", "3-optimizer-param"],
 )
-def test_nan_input_skips_under_optimizer_offload(dist_run, stage: int, offload: dict) -> None:
-    _check_nan_input(dist_run(_nan_input_run, 2, stage, "fp32", offload), 1e-5)
+def test_nan_input_skips_under_offload(dist_run, stage: int, zero: dict) -> None:
+    _check_nan_input(dist_run(_nan_input_run, 2, stage, "fp32", zero), 1e-5)
 
 
 # --- first offending parameter and the k-consecutive stop --------------------------------------------------------
@@ -331,3 +338,25 @@ def test_fp16_overflow_storm_stops_after_patience_at_min_scale(dist_run, stage: 
         assert "the model overflows fp16 even unscaled; use bf16 or lower the LR" in r["error"]
         assert r["counters"] == (2 + PATIENCE, 2 + PATIENCE)
         assert r["unchanged"]
+
+
+# --- the first-offender agreement over a real process group ---------------------------------------------------------
+def _agree(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    from shardspeed.comm import Collectives
+    from shardspeed.topology import AxisGroup
+    from shardspeed.training.nonfinite import agree_first_nonfinite
+
+    axis = AxisGroup("data", dist.group.WORLD, tuple(range(world)), rank)
+    order = ["a.weight", "a.bias", "b.weight", "b.bias", "c.weight"]
+    local = [["c.weight"], ["b.bias", "b.weight"]][rank]  # each rank sees only its shard's offenders
+    return [
+        agree_first_nonfinite(local, order, Collectives(), axis, torch.device("cpu")),
+        agree_first_nonfinite([] if rank == 0 else ["c.weight"], order, Collectives(), axis, torch.device("cpu")),
+        agree_first_nonfinite([], order, Collectives(), axis, torch.device("cpu")),
+    ]
+
+
+def test_first_offender_agreed_across_ranks_shards(dist_run) -> None:
+    assert dist_run(_agree, 2) == [["b.weight", "c.weight", None]] * 2
