@@ -85,7 +85,8 @@ class StepCore:
     ) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines.
+        clipping, fp16 overflow detection, a report or ``skip_nonfinite_steps: true`` uses it). ``step_index`` (0-based)
+        only labels log lines and errors, as the 1-based ``global_steps`` the step ends with.
         ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
         it must be the same on every rank (checked with the unused-parameter check, in one collective).
         ``lr_kwargs`` go to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
@@ -107,7 +108,7 @@ class StepCore:
             at_min = scaler.at_minimum
             message = scaler.update(overflow=True)
             if self.global_rank == 0 and message:
-                self.logger.info("step %d: %s", step_index, message)
+                self.logger.info("step %d: %s", step, message)
             error = self.nonfinite.fp16_overflow(step, at_min, loss_scale, self._first_nonfinite)
         elif not skipped:
             coef = clip_coefficient(norm, self.gradient_clipping) / loss_scale
