@@ -113,4 +113,5 @@ def test_loss_scaler_at_minimum_only_when_dynamic() -> None:
     assert not scaler.at_minimum
     scaler.update(overflow=True)
     assert scaler.scale == 1.0 and scaler.at_minimum
+    assert scaler.update(overflow=True) == "fp16 overflow: step skipped, loss scale already at min_loss_scale 1"
     assert not LossScaler(dynamic=False, init_scale=1.0, min_scale=1.0).at_minimum

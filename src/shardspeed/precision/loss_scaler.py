@@ -67,6 +67,8 @@ class LossScaler:
                 return f"fp16 overflow: step skipped, loss scale kept at {s.scale:g} (hysteresis {s.hysteresis_left})"
             old = s.scale
             s.scale = max(s.scale / 2.0, self.min_scale)
+            if s.scale == old:
+                return f"fp16 overflow: step skipped, loss scale already at min_loss_scale {old:g}"
             return f"fp16 overflow: step skipped, loss scale {old:g} -> {s.scale:g}"
         if not self.dynamic:
             return None
