@@ -173,6 +173,38 @@ def test_nan_input_skips_under_offload(dist_run, stage: int, zero: dict) -> None
     _check_nan_input(dist_run(_nan_input_run, 2, stage, "fp32", zero), 1e-5)
 
 
+def _resume_after_skip(rank: int, world: int, stage: int, save_dir: str) -> dict:
+    """Save right after the skipped step, resume in a fresh engine, finish: as the uninterrupted run."""
+    batches = global_batches(STEPS, MB * world)
+
+    def train(engine: Any, steps: range) -> None:
+        for i in steps:
+            x = rank_slice(batches[i][0], 0, rank, world, MB).clone()
+            if i == BAD_STEP and rank == 1:
+                x[1, 3] = float("nan")
+            engine.backward(F.mse_loss(engine(x), rank_slice(batches[i][1], 0, rank, world, MB)))
+            engine.step()
+
+    first = _engine(make_model(), stage, "fp32")
+    train(first, range(BAD_STEP + 1))
+    first.save_checkpoint(save_dir)
+    resumed = _engine(make_model(seed=7), stage, "fp32")
+    resumed.load_checkpoint(save_dir)
+    counters = (resumed.global_steps, resumed.skipped_steps)
+    train(resumed, range(BAD_STEP + 1, STEPS))
+    full = resumed.module_state_dict()
+    return {"counters": counters, "params": {n: full[n].clone() for n, _ in resumed.module.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_resume_after_a_skipped_step_matches_the_uninterrupted_run(dist_run, tmp_path) -> None:
+    reference = _reference_skipping(BAD_STEP)
+    for r in dist_run(_resume_after_skip, 2, 2, str(tmp_path / "ckpt")):
+        assert r["counters"] == (BAD_STEP + 1, 1)  # skipped_steps is saved; the consecutive count is not
+        for name, value in r["params"].items():
+            assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
+
+
 # --- first offending parameter and the k-consecutive stop --------------------------------------------------------
 LIMIT = 3
 
