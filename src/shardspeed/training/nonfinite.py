@@ -2,11 +2,16 @@
 
 [Note: non-finite steps] A NaN in one rank's input (or loss) becomes NaN in that rank's gradients, and the mean
 that every stage reduces carries it to every rank; the global norm is then NaN everywhere. Stepping on it makes
-every weight NaN, so under fp32/bf16 (no loss scaler) such a step is *skipped* as DeepSpeed's ZeRO optimizers do:
-no parameter, master, optimizer state or LR-schedule step changes; ``global_steps`` and ``skipped_steps`` both
-advance (DeepSpeed's ``_take_model_step``: ``skipped_steps += 1``, no ``lr_scheduler.step()``, then
-``global_steps += 1``), and ``was_step_applied()`` is False. A NaN/Inf *loss* shows up the same way: its backward
-writes NaN (or Inf·0 = NaN) into the gradients, so it is this same case and is skipped and reported alike.
+every weight NaN, so under fp32/bf16 (no loss scaler) such a step is *skipped*, with the bookkeeping of
+DeepSpeed's fp16 overflow skip: no parameter, master, optimizer state or LR-schedule step changes; ``global_steps``
+and ``skipped_steps`` both advance (DeepSpeed's ``_take_model_step``: ``skipped_steps += 1``, no
+``lr_scheduler.step()``, then ``global_steps += 1``), and ``was_step_applied()`` is False. (DeepSpeed's ZeRO-1/2
+optimizer, in the versions we looked at, checks for overflow only under fp16 — ``if self.dtype == torch.float16:
+self.check_overflow()`` — so there a bf16/fp32 NaN step is applied; older versions checked every dtype.)
+A NaN/Inf *loss* shows up through its gradients: a NaN computed from the parameters (``log(0)``, ``0·inf``, an
+Inf loss times the 1/GAS and the chain rule's zeros) writes NaN/Inf into them, so it is this same case, skipped and
+reported alike. A NaN the parameters do not influence (a constant added to the loss) reaches no gradient: the step
+is applied normally and only the logged loss is NaN.
 
 When it is checked (``fault_tolerance.skip_nonfinite_steps``): ``null`` (default) = on whichever step computes the
 norm anyway (``gradient_clipping > 0``, or a step whose norm is reported at ``steps_per_print``), so the default

@@ -85,8 +85,8 @@ class StepCore:
     ) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection, a report or ``skip_nonfinite_steps: true`` uses it). ``step_index`` (0-based)
-        only labels log lines and errors, as the 1-based ``global_steps`` the step ends with.
+        clipping, fp16 overflow detection, a report or ``skip_nonfinite_steps: true`` uses it). ``step_index``
+        (0-based) only labels log lines and errors, which show it 1-based, as ``global_steps`` after the step.
         ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
         it must be the same on every rank (checked with the unused-parameter check, in one collective).
         ``lr_kwargs`` go to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
@@ -94,8 +94,7 @@ class StepCore:
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         scaler = self.loss_scaler
         loss_scale = scaler.scale if scaler else 1.0
-        needed = want_norm or self.gradient_clipping > 0 or scaler is not None
-        computed = needed or self.nonfinite.forces_norm
+        computed = want_norm or self.gradient_clipping > 0 or scaler is not None or self.nonfinite.forces_norm
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else 0.0
         step, error = step_index + 1, None  # 1-based in reports, as global_steps after the step
         if scaler is None:  # fp32/bf16: [Note: non-finite steps] in nonfinite.py
