@@ -44,6 +44,7 @@ from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
+from shardspeed.training.nonfinite import NonFiniteGuard
 from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
@@ -190,6 +191,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             logger=self.logger,
             global_rank=topology.global_rank,
             stop_requested=self.preemption.requested,
+            nonfinite=NonFiniteGuard(config.fault_tolerance, self.module),
         )
         self._driver = MicroStepDriver(
             states=self.states,

@@ -33,9 +33,11 @@ class FaultToleranceConfig(ConfigModel):
     Default: false."""
 
     skip_nonfinite_steps: bool | None = None
-    """fp32/bf16: a step whose loss or gradients hold NaN/Inf is skipped and reported (step, first offending
-    parameter). ``null`` (default): on whenever the gradient norm is computed anyway (clipping, a reported norm);
-    ``true``: always (computes the norm every step); ``false``: step anyway."""
+    """fp32/bf16: a step whose gradients hold NaN/Inf (a NaN/Inf loss computed from the parameters makes them so)
+    is skipped on every rank — only ``global_steps`` and ``skipped_steps`` advance, as in DeepSpeed — and reported
+    on rank 0 (step, first offending parameter in registration order). ``null`` (default): checked whenever the
+    gradient norm is computed anyway (``gradient_clipping > 0``, a ``steps_per_print`` step); ``true``: every step
+    (computes the norm every step); ``false``: step anyway, with a warning (weights become NaN)."""
 
     max_consecutive_nonfinite: NonNegativeInt = 5
     """Raise after this many consecutive skipped non-finite steps (fp32/bf16); 0 = never raise. Default 5."""

@@ -6,6 +6,10 @@ Dynamic rule, per optimizer step:
 - ``window`` consecutive clean steps → double the scale; without ``consecutive_hysteresis`` the hysteresis budget
   is refilled only then, with it the budget refills after every clean step.
 All ranks see the same overflow flag (it is computed from reduced gradients), so scales never diverge.
+
+At ``min_scale`` halving is no longer possible: DeepSpeed raises "Current loss scale already at minimum" on the
+first overflow there (once hysteresis is spent). We keep skipping and let the step core stop the run after
+``fault_tolerance.min_loss_scale_patience`` consecutive such overflows (``at_minimum``; training/nonfinite.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class LossScaler:
     def scale(self) -> float:
         return self.state.scale
 
+    @property
+    def at_minimum(self) -> bool:
+        """Dynamic scaling that can go no lower: an overflow now is not cured by lowering the scale."""
+        return self.dynamic and self.state.scale <= self.min_scale
+
     def update(self, overflow: bool) -> str | None:
         """Advance after a step; returns a one-line message when the scale changed on overflow (for the log)."""
         s = self.state
@@ -58,6 +67,8 @@ class LossScaler:
                 return f"fp16 overflow: step skipped, loss scale kept at {s.scale:g} (hysteresis {s.hysteresis_left})"
             old = s.scale
             s.scale = max(s.scale / 2.0, self.min_scale)
+            if s.scale == old:
+                return f"fp16 overflow: step skipped, loss scale already at min_loss_scale {old:g}"
             return f"fp16 overflow: step skipped, loss scale {old:g} -> {s.scale:g}"
         if not self.dynamic:
             return None

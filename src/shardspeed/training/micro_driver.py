@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.faults.errors import mark_agreed
 from shardspeed.training.backward_passes import BackwardPasses
 from shardspeed.training.events import EngineEvents, StepReport
 from shardspeed.training.step_core import StepCore
@@ -149,13 +150,17 @@ class MicroStepDriver:
                 "zero_grad() and run the backward again"
             )
         self.passes.sweep()
+        error = None
         if self.is_boundary():
             with self.events.phase("step"):
-                self._boundary_step(lr_kwargs)
+                error = self._boundary_step(lr_kwargs)
         self.progress.micro_steps += 1
         self._boundary_override = None
+        if error is not None:  # too many non-finite steps: raised once the step is counted, so nothing drifts
+            # Agreed: decided from the agreed norm, so every rank raises it at the same step; not a failure to publish.
+            raise mark_agreed(error)
 
-    def _boundary_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+    def _boundary_step(self, lr_kwargs: dict[str, Any] | None = None) -> Exception | None:
         progress = self.progress
         reporting = (progress.global_steps + 1) % self.steps_per_print == 0
         clearings, self.cleared_since_step = self.cleared_since_step, 0
@@ -178,3 +183,4 @@ class MicroStepDriver:
                 skipped=outcome.skipped,
             )
         )
+        return outcome.error

@@ -7,7 +7,10 @@ diverge silently (or one waits in a collective the others skipped). The global n
 gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
 coefficient are identical too; the unused-parameter check and the count of gradient clearings since the last step
 and whether every rank reduced this step's gradients are one small all-reduce issued on every rank. Nothing in the
-step may depend on a rank-local value that was not agreed first.
+step may depend on a rank-local value that was not agreed first. The non-finite verdict (fp32/bf16 skip, fp16
+overflow) follows from the agreed norm, so the consecutive-skip counters advance alike everywhere; locating the
+first offending parameter is one more small collective, issued only on that path ([Note: non-finite steps] in
+``nonfinite.py``).
 
 The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
 nothing about micro-steps.
@@ -27,6 +30,7 @@ from shardspeed.comm import Collectives
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.topology import AxisGroup
+from shardspeed.training.nonfinite import NonFiniteGuard, agree_first_nonfinite
 
 __all__ = ["StepCore", "StepOutcome"]
 
@@ -36,7 +40,9 @@ class StepOutcome:
     grad_norm: float | None
     """Unscaled global norm before clipping; None when the caller did not need it and nothing else did."""
     skipped: bool
-    """fp16 overflow: the optimizer did not step."""
+    """fp16 overflow, or NaN/Inf gradients under fp32/bf16: the optimizer did not step."""
+    error: Exception | None = None
+    """Raise after the step is counted: too many consecutive non-finite steps / fp16 overflows at min scale."""
 
 
 class StepCore:
@@ -59,6 +65,7 @@ class StepCore:
         device: torch.device,
         logger: logging.Logger,
         global_rank: int,
+        nonfinite: NonFiniteGuard,
         stop_requested: Callable[[], int] = lambda: 0,
     ) -> None:
         self.states = states
@@ -77,30 +84,38 @@ class StepCore:
         """This rank's pending preemption signal number, 0 for none (faults/preemption.py)."""
         self.agreed_stop = 0
         """The largest pending signal number across ranks at the last boundary: the caller stops after the step."""
+        self.nonfinite = nonfinite
 
     def run(
         self, *, want_norm: bool, step_index: int, clearings: int = 0, lr_kwargs: dict[str, Any] | None = None
     ) -> StepOutcome:
         """Step on this boundary's reduced gradients. ``want_norm``: the caller reports the norm this step (the
         norm costs a pass over the gradients and a host sync, so, as in DeepSpeed, it is computed only when
-        clipping, fp16 overflow detection or a report uses it). ``step_index`` only labels log lines.
+        clipping, fp16 overflow detection, a report or ``skip_nonfinite_steps: true`` uses it). ``step_index``
+        (0-based) only labels log lines and errors, which show it 1-based, as ``global_steps`` after the step.
         ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
         it must be the same on every rank (checked with the unused-parameter check, in one collective).
         ``lr_kwargs`` go to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
         self._agree_before_step(clearings)
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
-        loss_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        needed = want_norm or self.gradient_clipping > 0 or self.loss_scaler is not None
-        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if needed else 0.0
-        overflow = not math.isfinite(norm)
-        if overflow and self.loss_scaler is None:
-            self.logger.warning("step %d: gradient norm is %s; stepping anyway (no fp16 loss scaler)", step_index, norm)
-        skipped = overflow and self.loss_scaler is not None
-        if skipped:
-            message = self.loss_scaler.update(overflow=True)
-            if self.global_rank == 0 and message:
-                self.logger.info("step %d: %s", step_index, message)
+        scaler = self.loss_scaler
+        loss_scale = scaler.scale if scaler else 1.0
+        computed = want_norm or self.gradient_clipping > 0 or scaler is not None or self.nonfinite.forces_norm
+        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else 0.0
+        step, error = step_index + 1, None  # 1-based in reports, as global_steps after the step
+        if scaler is None:  # fp32/bf16: [Note: non-finite steps] in nonfinite.py
+            skipped, error = self.nonfinite.fp32_verdict(
+                norm, computed, step, self._first_nonfinite, self.logger, self.global_rank == 0
+            )
         else:
+            skipped = not math.isfinite(norm)
+        if skipped and scaler is not None:
+            at_min = scaler.at_minimum
+            message = scaler.update(overflow=True)
+            if self.global_rank == 0 and message:
+                self.logger.info("step %d: %s", step, message)
+            error = self.nonfinite.fp16_overflow(step, at_min, loss_scale, self._first_nonfinite)
+        elif not skipped:
             coef = clip_coefficient(norm, self.gradient_clipping) / loss_scale
             if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
                 (self.optimizer.scale_grads if self.host_grads else self.states.scale_grads)(coef)
@@ -108,10 +123,17 @@ class StepCore:
             self.states.after_optimizer_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow=False)
+            if scaler is not None:
+                scaler.update(overflow=False)
+                self.nonfinite.fp16_clean()
         self.zero_grads()
-        return StepOutcome(grad_norm=norm if needed else None, skipped=skipped)
+        return StepOutcome(grad_norm=norm if computed else None, skipped=skipped, error=error)
+
+    def _first_nonfinite(self) -> str | None:
+        """The first parameter (registration order) with a NaN/Inf gradient on any rank: one small collective."""
+        return agree_first_nonfinite(
+            self.states.nonfinite_grad_names(), self.nonfinite.order, self.collectives, self.axis, self.device
+        )
 
     def take_stop(self) -> int:
         """The agreed preemption signal of the last boundary (0: none), once: the caller acts on it."""

@@ -37,7 +37,7 @@ from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 from shardspeed.zero.relayout_state import carry_shard_states, reshard
 from shardspeed.zero.relayout_streamed import relayout_streamed
-from shardspeed.zero.states import FlatLayoutStates
+from shardspeed.zero.states import FlatLayoutStates, has_nonfinite
 
 
 class PartitionedStates(FlatLayoutStates):
@@ -259,6 +259,17 @@ class PartitionedStates(FlatLayoutStates):
         partial = sum_of_squares(self.grad_shards)
         self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
         return partial.item()
+
+    def nonfinite_grad_names(self) -> list[str]:
+        """This rank's slice of every bucket (stage 1's full buffer holds unreduced values elsewhere)."""
+        rank, names = self.ctx.axis.rank, []
+        for k, shard in enumerate(self.grad_shards):
+            start, end = self.layout.rank_slice(k, rank)
+            for i in self.layout.buckets[k].members:
+                owned = intersect(self.layout.span(i), (start, end))
+                if owned is not None and has_nonfinite(shard[owned[0] - start : owned[1] - start]):
+                    names.append(self.packed.names[i])
+        return names
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_(self.grad_shards, factor)

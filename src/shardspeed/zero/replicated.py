@@ -18,7 +18,7 @@ from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 from shardspeed.zero.relayout_state import carry_param_states
-from shardspeed.zero.states import FlatLayoutStates
+from shardspeed.zero.states import FlatLayoutStates, has_nonfinite
 
 
 class ReplicatedStates(FlatLayoutStates):
@@ -105,6 +105,9 @@ class ReplicatedStates(FlatLayoutStates):
     def grad_sq_sum(self) -> float:
         # Reduced gradients are identical on every rank, so the norm (and any overflow) is too: no collective.
         return sum_of_squares([self.grad_buffer.flat]).item()
+
+    def nonfinite_grad_names(self) -> list[str]:
+        return [name for name, view in zip(self.packed.names, self.grad_buffer.views) if has_nonfinite(view)]
 
     def scale_grads(self, factor: float) -> None:
         self.grad_buffer.flat.mul_(factor)

@@ -46,6 +46,12 @@ class ModelStates(Protocol):
         """Σ g² over the whole model's reduced gradients (collective where gradients are sharded)."""
         ...
 
+    def nonfinite_grad_names(self) -> list[str]:
+        """Names of the parameters whose reduced gradient, as far as this rank holds it (stage 0: whole; sharded
+        stages: its shard), has a NaN/Inf element. Local, no collective: only called on the non-finite path
+        ([Note: non-finite steps] in training/nonfinite.py)."""
+        ...
+
     def scale_grads(self, factor: float) -> None: ...
 
     def after_optimizer_step(self) -> None:
@@ -79,6 +85,10 @@ class ModelStates(Protocol):
     def mark_grads_clean(self) -> None:
         """The engine itself just wrote the gradients (end of backward, zeroing): the state to compare with."""
         ...
+
+
+def has_nonfinite(t: torch.Tensor) -> bool:
+    return not bool(torch.isfinite(t).all())
 
 
 def sweep_cleared(reducer: Any, stepped: SteppedGrads, forget_all: Callable[[], None], written_means_all: bool) -> int:

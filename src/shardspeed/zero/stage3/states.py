@@ -39,7 +39,7 @@ from shardspeed.zero.stage3.registry import merge_external_parameters, register_
 from shardspeed.zero.stage3.runtime import Stage3Runtime
 from shardspeed.zero.stage3.shard_slices import ShardSlices
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
-from shardspeed.zero.states import sweep_cleared
+from shardspeed.zero.states import has_nonfinite, sweep_cleared
 
 
 class Stage3States:
@@ -262,6 +262,19 @@ class Stage3States:
         partial = sum_of_squares([g.grad_shard for g in self.grads if g.trainable])
         self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
         return partial.item()
+
+    def nonfinite_grad_names(self) -> list[str]:
+        """This rank's shard of each unit's gradients, cut at parameter boundaries."""
+        names = []
+        for unit, grads in zip(self.units, self.grads):
+            owned_range = (unit.rank_start, unit.rank_start + unit.shard_numel)
+            for i in sorted(grads.trainable):
+                owned = intersect((unit.offsets[i], unit.offsets[i] + unit.numels[i]), owned_range)
+                if owned is not None and has_nonfinite(
+                    grads.grad_shard[owned[0] - unit.rank_start : owned[1] - unit.rank_start]
+                ):
+                    names.append(unit.names[i])
+        return names
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_([g.grad_shard for g in self.grads if g.trainable], factor)
