@@ -39,6 +39,7 @@ from shardspeed.checkpoint.index import (
     index_to_json,
     metadata_to_json,
 )
+from shardspeed.faults.inject import maybe_fail
 
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
@@ -57,6 +58,7 @@ def fsync_directory(path: Path) -> None:
 
 def write_text_durably(path: Path, text: str) -> None:
     """Write ``path`` and fsync it (the directory entry is made durable by the caller's directory fsync)."""
+    maybe_fail("checkpoint_write", path)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()

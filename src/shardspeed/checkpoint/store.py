@@ -40,6 +40,7 @@ from shardspeed.checkpoint.index import (
 )
 from shardspeed.checkpoint.safetensors_file import SafetensorsStreamWriter, tensor_bytes
 from shardspeed.config.errors import did_you_mean
+from shardspeed.faults.inject import maybe_fail
 
 __all__ = ["CheckpointReader", "CheckpointWriter", "chunk_crc32", "data_file_name", "list_tags", "resolve_tag"]
 
@@ -143,6 +144,7 @@ class CheckpointWriter:
         writer = SafetensorsStreamWriter(path, [(rec["key"], chunk.dtype, chunk.shape) for rec, chunk in ordered])
         try:
             for record, chunk in ordered:
+                maybe_fail("checkpoint_write", path)
                 writer.write(record["key"], chunk)
             writer.close(fsync=True)
         except BaseException:

@@ -11,6 +11,8 @@ import mmap
 import os
 from pathlib import Path
 
+from shardspeed.faults.inject import maybe_fail
+
 from .aio_config import PAGE_SIZE
 
 SWAP_FILE_NAME = "swap.bin"
@@ -47,6 +49,7 @@ def preallocate(fd: int, path: Path, nbytes: int) -> None:
     """Reserve ``nbytes`` on disk now, so a full disk is reported here rather than mid-step. ``path`` is only
     for messages: the file may already be unlinked, so free space is measured through the descriptor."""
     try:
+        maybe_fail("offload_setup", path)
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
         if error.errno in FULL_DISK_ERRNOS:
