@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardspeed.checkpoint.commit import commit_checkpoint, make_tmp_dir, resolve_tag
+from shardspeed.checkpoint.agreement import agree_on_outcome, failure_of
+from shardspeed.checkpoint.commit import commit_checkpoint, discard_tmp, make_tmp_dir, resolve_tag
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
 from shardspeed.checkpoint.store import CheckpointReader, CheckpointWriter
@@ -121,7 +123,40 @@ def save(
     _check_same_destination(save_dir, tag, axis, comm)
     client = _plain(client_state or {}, "client_state")
     nonce = comm.all_gather_object(uuid.uuid4().hex, axis)[0]
-    tmp_dir = make_tmp_dir(save_dir, tag, nonce)
+    what = f"save_checkpoint to {save_dir / tag}"
+    records: list[dict[str, Any]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    failure, own = None, None
+    try:  # [Note: agreed checkpoint outcomes] in agreement.py: a full disk on one rank must not hang the others
+        tmp_dir = make_tmp_dir(save_dir, tag, nonce)
+        records, scalars = _write_pieces(engine, tmp_dir, exclude_frozen)
+    except Exception as error:
+        failure, own = failure_of(error), error
+    everything = comm.all_gather_object(
+        {"records": records, "scalars": scalars, "rng": capture_rng(), "failure": failure}, axis
+    )
+    failures = [r["failure"] for r in everything]
+    if any(f is not None for f in failures):
+        if engine.topology.dp_rank == 0:
+            discard_tmp(save_dir, tag, nonce)
+        agree_on_outcome(failure, lambda _: failures, axis.ranks, what, own_error=own, write=True)
+    failure, own = None, None
+    try:
+        if engine.topology.dp_rank == 0:
+            _commit(engine, save_dir, tag, tmp_dir, everything, client, save_latest)
+    except Exception as error:
+        failure, own = failure_of(error), error
+        discard_tmp(save_dir, tag, nonce)  # a commit that failed before its rename: nothing of it stays
+    # nobody returns before the commit is visible, and a commit that failed fails every rank
+    agree_on_outcome(failure, lambda f: comm.all_gather_object(f, axis), axis.ranks, what, own_error=own, write=True)
+    return save_dir / tag
+
+
+def _write_pieces(
+    engine: ShardSpeedEngine, tmp_dir: Path, exclude_frozen: bool
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Write this rank's pieces (parameters, their optimizer states, rank 0's buffers) into ``tmp_dir``; returns
+    the chunk records and the per-tensor optimizer scalars (``step``)."""
     writer = CheckpointWriter(tmp_dir, engine.topology.global_rank)
     scalars: dict[str, dict[str, Any]] = {}
     optimizer = engine.optimizer
@@ -142,41 +177,50 @@ def save(
     if engine.topology.dp_rank == 0:
         for name, buf in _persistent_buffers(engine.module):
             writer.add(f"buffer/{name}", tuple(buf.shape), 0, buf.detach().reshape(-1).contiguous())
-    records = writer.finish()
-    everything = comm.all_gather_object({"records": records, "scalars": scalars, "rng": capture_rng()}, axis)
-    if engine.topology.dp_rank == 0:
-        merged_scalars: dict[str, dict[str, Any]] = {}
-        for r in everything:
-            merged_scalars.update(r["scalars"])
-        loader = engine.training_dataloader
-        metadata = {
-            "format": FORMAT,
-            "version": 1,
-            "counters": {
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-            },
-            "zero_stage": engine.config.zero_optimization.stage,
-            "dp_world_size": axis.size,
-            "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
-            "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
-            "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
-            "optimizer_scalars": merged_scalars,
-            "lr_scheduler": _plain(engine.lr_scheduler.state_dict(), "the LR scheduler's state")
-            if engine.lr_scheduler is not None
-            else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
-            "rng": [r["rng"] for r in everything],
-            "client_state": client,
-            "tied": _aliases(engine.module),
-        }
-        records_all = [rec for r in everything for rec in r["records"]]
-        commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
-    comm.all_gather_object(None, axis)  # nobody returns before the commit is visible
-    return save_dir / tag
+    return writer.finish(), scalars
+
+
+def _commit(
+    engine: ShardSpeedEngine,
+    save_dir: Path,
+    tag: str,
+    tmp_dir: Path,
+    everything: list[dict[str, Any]],
+    client: Any,
+    save_latest: bool,
+) -> None:
+    """Data-parallel rank 0: the metadata, then ``commit_checkpoint`` (a failed commit leaves no ``.tmp-`` dir)."""
+    optimizer = engine.optimizer
+    merged_scalars: dict[str, dict[str, Any]] = {}
+    for r in everything:
+        merged_scalars.update(r["scalars"])
+    loader = engine.training_dataloader
+    metadata = {
+        "format": FORMAT,
+        "version": 1,
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "zero_stage": engine.config.zero_optimization.stage,
+        "dp_world_size": engine.topology.data.size,
+        "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
+        "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
+        "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
+        "optimizer_scalars": merged_scalars,
+        "lr_scheduler": _plain(engine.lr_scheduler.state_dict(), "the LR scheduler's state")
+        if engine.lr_scheduler is not None
+        else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
+        "rng": [r["rng"] for r in everything],
+        "client_state": client,
+        "tied": _aliases(engine.module),
+    }
+    records_all = [rec for r in everything for rec in r["records"]]
+    commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
 
 
 def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> None:
@@ -241,47 +285,30 @@ def load(
         engine.logger.warning("no checkpoint to load: %s has no 'latest' file", load_dir)
         check_same_on_all_ranks(None, axis, comm, what="checkpoint tag")
         return None, None
-    tag = resolve_tag(load_dir, tag)
-    check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
-    reader = CheckpointReader(load_dir / tag)
-    meta = reader.metadata
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})")
-    pieces = _all_pieces(engine)
-    model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
-    _check_names(reader, pieces, model_names, strict, load_dir / tag)
-    # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
-    # checkpoint such an engine saved (it holds no optimizer states)
-    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
-    if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
-        raise ValueError(
-            f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
-            f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
-        )
-    optim_keys: dict[str, list[str]] = {}
-    for entry in reader.names("optim/"):
-        name, _, key = entry.removeprefix("optim/").rpartition("/")
-        optim_keys.setdefault(name, []).append(key)
-    with torch.no_grad():
-        for piece in _resident(engine, pieces, writing=True):
-            entry = f"param/{piece.name}"
-            if not reader.has(entry):
-                continue
-            reader.read_range_into(entry, piece.start, piece.value)
-            if with_optimizer and piece.opt_tensor is not None:
-                scalars = meta["optimizer_scalars"].get(piece.name, {})
-                _load_optimizer_piece(engine.optimizer, reader, piece, optim_keys.get(piece.name, []), scalars)
-        for name, buf in _persistent_buffers(engine.module):
-            if reader.has(f"buffer/{name}"):
-                buf.copy_(reader.read_full(f"buffer/{name}", dtype=buf.dtype).view_as(buf))
-    if with_optimizer:
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
-    engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
-    custom_src = _module_state_dict(reader, meta) if custom_load_fn is not None else None
-    reader.close()
+    what = f"load_checkpoint from {load_dir}"
+    gather = lambda found: comm.all_gather_object(found, axis)  # noqa: E731
+    failure, own, plan = None, None, None
+    try:  # everything that can find a damaged checkpoint, before anything changes: [Note: agreed checkpoint outcomes]
+        plan = _open_and_verify(engine, load_dir, tag, strict, load_optimizer_states, load_module_only, custom_load_fn)
+    except Exception as error:
+        failure, own = failure_of(error), error
+    agree_on_outcome(failure, gather, axis.ranks, what, own_error=own)
+    assert plan is not None
+    reader, meta, tag = plan.reader, plan.meta, plan.tag
+    try:
+        check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
+        failure, own = None, None
+        try:
+            _read_into_engine(engine, plan)
+        except Exception as error:  # verified data failed to read after all (the file changed meanwhile?)
+            failure, own = failure_of(error), error
+        partly = f"{what} (after verification: the state is partly loaded)"
+        agree_on_outcome(failure, gather, axis.ranks, partly, own_error=own)
+        # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
+        engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
+    finally:
+        reader.close()
+    custom_src = plan.custom_src
     after_load = getattr(engine.optimizer, "after_checkpoint_load", None)
     if after_load is not None:  # offloaded optimizer: write the loaded values and states back to its store
         after_load()
@@ -294,6 +321,91 @@ def load(
     if not load_module_only:
         _restore_training_state(engine, meta, load_lr_scheduler_states)
     return load_dir / tag, meta.get("client_state")
+
+
+@dataclass
+class _LoadPlan:
+    """What a load reads, found and verified before the engine's state changes."""
+
+    tag: str
+    reader: CheckpointReader
+    meta: dict[str, Any]
+    pieces: list[Piece]
+    with_optimizer: bool
+    optim_keys: dict[str, list[str]]
+    custom_src: dict[str, torch.Tensor] | None
+
+
+def _open_and_verify(
+    engine: ShardSpeedEngine,
+    load_dir: Path,
+    tag: str | None,
+    strict: bool,
+    load_optimizer_states: bool,
+    load_module_only: bool,
+    custom_load_fn: Any,
+) -> _LoadPlan:
+    """Resolve the tag, open the checkpoint, check it fits the model, and verify every chunk this rank will read
+    (file present, not truncated, crc32), so a damaged checkpoint fails before any value is overwritten."""
+    tag = resolve_tag(load_dir, tag)
+    reader = CheckpointReader(load_dir / tag)
+    try:
+        meta = reader.metadata
+        if meta.get("format") != FORMAT:
+            raise ValueError(
+                f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})"
+            )
+        pieces = _all_pieces(engine)
+        model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
+        _check_names(reader, pieces, model_names, strict, load_dir / tag)
+        # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
+        # checkpoint such an engine saved (it holds no optimizer states)
+        with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+        with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
+        if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
+            raise ValueError(
+                f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
+                f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
+            )
+        optim_keys: dict[str, list[str]] = {}
+        for entry in reader.names("optim/"):
+            name, _, key = entry.removeprefix("optim/").rpartition("/")
+            optim_keys.setdefault(name, []).append(key)
+        for piece in pieces:
+            if not reader.has(f"param/{piece.name}"):
+                continue
+            reader.verify_range(f"param/{piece.name}", piece.start, piece.end)
+            if with_optimizer and piece.opt_tensor is not None:
+                for key in optim_keys.get(piece.name, []):
+                    reader.verify_range(f"optim/{piece.name}/{key}", piece.start, piece.end)
+        for name, _ in _persistent_buffers(engine.module):
+            if reader.has(f"buffer/{name}"):
+                reader.verify_range(f"buffer/{name}", 0, reader.numel(f"buffer/{name}"))
+        custom_src = _module_state_dict(reader, meta) if custom_load_fn is not None else None
+    except BaseException:
+        reader.close()
+        raise
+    return _LoadPlan(tag, reader, meta, pieces, with_optimizer, optim_keys, custom_src)
+
+
+def _read_into_engine(engine: ShardSpeedEngine, plan: _LoadPlan) -> None:
+    """Fill this rank's pieces (values, optimizer states), buffers and param-group settings from the checkpoint."""
+    reader, meta = plan.reader, plan.meta
+    with torch.no_grad():
+        for piece in _resident(engine, plan.pieces, writing=True):
+            entry = f"param/{piece.name}"
+            if not reader.has(entry):
+                continue
+            reader.read_range_into(entry, piece.start, piece.value)
+            if plan.with_optimizer and piece.opt_tensor is not None:
+                scalars = meta["optimizer_scalars"].get(piece.name, {})
+                _load_optimizer_piece(engine.optimizer, reader, piece, plan.optim_keys.get(piece.name, []), scalars)
+        for name, buf in _persistent_buffers(engine.module):
+            if reader.has(f"buffer/{name}"):
+                buf.copy_(reader.read_full(f"buffer/{name}", dtype=buf.dtype).view_as(buf))
+    if plan.with_optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
 
 
 def _module_state_dict(reader: CheckpointReader, meta: dict[str, Any]) -> dict[str, torch.Tensor]:

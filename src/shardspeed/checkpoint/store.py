@@ -305,6 +305,16 @@ class CheckpointReader:
             yield cursor - start, piece if dtype is None else piece.to(dtype)
             cursor, position = piece_end, position + 1
 
+    def verify_range(self, name: str, start: int, end: int) -> None:
+        """Check every chunk overlapping elements ``[start, end)`` of ``name`` (file present, readable, crc32),
+        each once per reader, without counting them in ``chunks_read``: a load verifies all it will read before it
+        changes anything, so a damaged file fails it with the engine's state untouched."""
+        entry = self._check_range(name, start, end)
+        counted = self.chunks_read
+        for _ in self._pieces(entry, start, end, None):
+            pass
+        self.chunks_read = counted
+
     def read_range_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
         """Read elements ``[start, start + out.numel())`` of ``name`` into the 1-D tensor ``out`` (any dtype/device).
 
