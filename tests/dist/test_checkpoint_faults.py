@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from disk_full import fill, small_tmpfs  # noqa: F401 (a fixture)
 from parity import full_params, global_batches, offload_engine, train_engine
 
 from harness import error_of
@@ -62,7 +62,7 @@ def _save_fails(rank: int, world: int, where: str, phase: str | None) -> dict[st
     if phase is not None:
         os.environ[ENV_VAR] = _spec(phase, Path(where) / "first")
     elif rank == 0:  # a real full disk: fill what the first checkpoint left free
-        _fill(Path(where) / "filler")
+        fill(Path(where) / "filler")
     dist.barrier()
     start = time.monotonic()
     error = error_of(lambda: engine.save_checkpoint(where, tag="second"))
@@ -88,17 +88,6 @@ def _save_fails(rank: int, world: int, where: str, phase: str | None) -> dict[st
         "same": same,
         "latest_after_retry": (Path(where) / "latest").read_text(),
     }
-
-
-def _fill(path: Path) -> None:
-    """Write ``path`` until the file system is full."""
-    block = b"\0" * 4096
-    with open(path, "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(block)
-        except OSError:
-            pass
 
 
 def _check_agreed_failure(results: list[dict[str, Any]], rank: str, culprit: str, committed: bool) -> None:
@@ -134,23 +123,7 @@ def test_enospc_during_save_keeps_latest(
     _check_agreed_failure(results, rank, culprit, committed)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    """A 2 MiB tmpfs mounted under ``tmp_path`` (root only); skips where mounting is not permitted."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here ({result.stderr.strip() or result.returncode})")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
-def test_real_full_disk_during_save_keeps_latest(dist_run, small_tmpfs: Path) -> None:
+def test_real_full_disk_during_save_keeps_latest(dist_run, small_tmpfs: Path) -> None:  # noqa: F811
     results = dist_run(_save_fails, 2, str(small_tmpfs / "ckpt"), None)
     for r in results:  # which rank hits the full disk first is up to the scheduler
         assert "No space left on device" in r["error"] and "failed on rank " in r["error"], r["error"]

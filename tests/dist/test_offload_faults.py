@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from disk_full import fill, small_tmpfs  # noqa: F401 (a fixture)
 from parity import global_batches, offload_engine, train_engine
-from test_checkpoint_faults import _fill, small_tmpfs  # noqa: F401 (a fixture)
 
 from harness import deleted_files_held, error_of
 from shardspeed.faults.inject import ENV_VAR
@@ -31,7 +31,7 @@ def _setup_fails(rank: int, world: int, swap: str, inject: str | None) -> dict[s
         os.environ[ENV_VAR] = inject
     elif rank == 0:  # a real full disk: nothing left for the swap files
         os.makedirs(swap, exist_ok=True)
-        _fill(Path(swap) / "filler")
+        fill(Path(swap) / "filler")
     dist.barrier()
     start = time.monotonic()
     error = error_of(lambda: _nvme_engine(swap))

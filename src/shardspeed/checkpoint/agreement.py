@@ -7,10 +7,11 @@ all-gathers the loaded values. A rank whose write hit ENOSPC, or whose read hit 
 while its peers went on into the collective and waited there forever. Now each phase of local work ends in one
 all-gather of "what went wrong here" (``None`` when nothing did), and when any rank failed every rank raises an
 error naming the first failing rank and its exception (and how many others failed). A failing rank raises the
-same message as its peers, chained to its own exception. The type is kept where peers can rebuild it (the
-checkpoint errors, ``ValueError``, ``TypeError``, ``OSError``: the last carries its errno), so callers that catch a
-``ValueError`` for a model mismatch still do. This is the save/load-local part of failure propagation; an
-exception elsewhere in the engine is the failure-propagation module's concern.
+same message as its peers, chained to its own exception. At load the type is kept where peers can rebuild it
+(the checkpoint errors, ``ValueError``, ``TypeError``, ``KeyError``; anything else becomes a ``CheckpointError``),
+so callers that catch a ``ValueError`` for a model mismatch still do; a failed save is a ``CheckpointWriteError``
+(an ``OSError`` carrying the first failure's errno, e.g. ENOSPC). This is the save/load-local part of failure
+propagation; an exception elsewhere in the engine is the failure-propagation module's concern.
 """
 
 from __future__ import annotations

@@ -12,52 +12,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardspeed.checkpoint.agreement import agree_on_outcome, failure_of
-from shardspeed.checkpoint.commit import commit_checkpoint, discard_tmp, make_tmp_dir, resolve_tag
-from shardspeed.checkpoint.pieces import Piece
+from shardspeed.checkpoint.commit import commit_checkpoint, discard_tmp, make_tmp_dir
+from shardspeed.checkpoint.engine_pieces import FORMAT, _all_pieces, _optimizer_name, _persistent_buffers, _resident
+from shardspeed.checkpoint.load_plan import open_and_verify, read_into_engine
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
-from shardspeed.checkpoint.store import CheckpointReader, CheckpointWriter
+from shardspeed.checkpoint.store import CheckpointWriter
 from shardspeed.symmetric import check_same_on_all_ranks
 
 if TYPE_CHECKING:
     from shardspeed.engine import ShardSpeedEngine
-
-FORMAT = "shardspeed-checkpoint"
-
-
-def _all_pieces(engine: ShardSpeedEngine) -> list[Piece]:
-    """The stage's pieces plus whole parameters the stage does not manage (frozen ones outside ZeRO-3)."""
-    pieces = engine.states.checkpoint_pieces()
-    covered = engine.states.managed_names  # on every rank, even where this rank holds no piece of a parameter
-    first_rank = engine.topology.dp_rank == 0
-    for name, p in engine.module.named_parameters():
-        if name not in covered and p.numel() > 0:
-            pieces.append(Piece(name, tuple(p.shape), 0, p.numel(), p.data.view(-1), None, 0, first_rank))
-    return pieces
-
-
-def _resident(engine: ShardSpeedEngine, pieces: list[Piece], writing: bool) -> Iterable[Piece]:
-    """``pieces`` with their values in memory while each is used: a stage that keeps values off memory between
-    uses (ZeRO-3 fp32 with offload_param) brings them in one unit at a time, and a streamed optimizer holding the
-    fp32 masters (mixed precision with offload_optimizer) one stepped tensor at a time (``writing``: and each
-    writes them back)."""
-    from_states = getattr(engine.states, "resident_pieces", None)
-    out: Iterable[Piece] = pieces if from_states is None else from_states(pieces, writing)
-    from_optimizer = getattr(engine.optimizer, "resident_pieces", None)
-    return out if from_optimizer is None else from_optimizer(out, writing)
-
-
-def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Buffers that belong in a state dict (non-persistent ones, like cached masks, are rebuilt by the model)."""
-    in_state = set(module.state_dict(keep_vars=True))
-    return [(n, b) for n, b in module.named_buffers() if n in in_state]
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -251,11 +220,6 @@ def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> N
             )
 
 
-def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
-    name = getattr(optimizer, "optimizer_class_name", None) or type(optimizer).__name__  # offload wrappers
-    return "Lamb" if name == "ShardedLamb" else name
-
-
 def _plain_group(group: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in group.items():
@@ -289,7 +253,7 @@ def load(
     gather = lambda found: comm.all_gather_object(found, axis)  # noqa: E731
     failure, own, plan = None, None, None
     try:  # everything that can find a damaged checkpoint, before anything changes: [Note: agreed checkpoint outcomes]
-        plan = _open_and_verify(engine, load_dir, tag, strict, load_optimizer_states, load_module_only, custom_load_fn)
+        plan = open_and_verify(engine, load_dir, tag, strict, load_optimizer_states, load_module_only, custom_load_fn)
     except Exception as error:
         failure, own = failure_of(error), error
     agree_on_outcome(failure, gather, axis.ranks, what, own_error=own)
@@ -299,7 +263,7 @@ def load(
         check_same_on_all_ranks(tag, axis, comm, what="checkpoint tag")
         failure, own = None, None
         try:
-            _read_into_engine(engine, plan)
+            read_into_engine(engine, plan)
         except Exception as error:  # verified data failed to read after all (the file changed meanwhile?)
             failure, own = failure_of(error), error
         partly = f"{what} (after verification: the state is partly loaded)"
@@ -321,145 +285,6 @@ def load(
     if not load_module_only:
         _restore_training_state(engine, meta, load_lr_scheduler_states)
     return load_dir / tag, meta.get("client_state")
-
-
-@dataclass
-class _LoadPlan:
-    """What a load reads, found and verified before the engine's state changes."""
-
-    tag: str
-    reader: CheckpointReader
-    meta: dict[str, Any]
-    pieces: list[Piece]
-    with_optimizer: bool
-    optim_keys: dict[str, list[str]]
-    custom_src: dict[str, torch.Tensor] | None
-
-
-def _open_and_verify(
-    engine: ShardSpeedEngine,
-    load_dir: Path,
-    tag: str | None,
-    strict: bool,
-    load_optimizer_states: bool,
-    load_module_only: bool,
-    custom_load_fn: Any,
-) -> _LoadPlan:
-    """Resolve the tag, open the checkpoint, check it fits the model, and verify every chunk this rank will read
-    (file present, not truncated, crc32), so a damaged checkpoint fails before any value is overwritten."""
-    tag = resolve_tag(load_dir, tag)
-    reader = CheckpointReader(load_dir / tag)
-    try:
-        meta = reader.metadata
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})"
-            )
-        pieces = _all_pieces(engine)
-        model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
-        _check_names(reader, pieces, model_names, strict, load_dir / tag)
-        # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
-        # checkpoint such an engine saved (it holds no optimizer states)
-        with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-        with_optimizer = with_optimizer and meta.get("optimizer_class") is not None
-        if with_optimizer and meta["optimizer_class"] != _optimizer_name(engine.optimizer):
-            raise ValueError(
-                f"checkpoint {load_dir / tag} holds {meta['optimizer_class']} states but this engine uses "
-                f"{_optimizer_name(engine.optimizer)}; pass load_optimizer_states=False to load only the model"
-            )
-        optim_keys: dict[str, list[str]] = {}
-        for entry in reader.names("optim/"):
-            name, _, key = entry.removeprefix("optim/").rpartition("/")
-            optim_keys.setdefault(name, []).append(key)
-        for piece in pieces:
-            if not reader.has(f"param/{piece.name}"):
-                continue
-            reader.verify_range(f"param/{piece.name}", piece.start, piece.end)
-            if with_optimizer and piece.opt_tensor is not None:
-                for key in optim_keys.get(piece.name, []):
-                    reader.verify_range(f"optim/{piece.name}/{key}", piece.start, piece.end)
-        for name, _ in _persistent_buffers(engine.module):
-            if reader.has(f"buffer/{name}"):
-                reader.verify_range(f"buffer/{name}", 0, reader.numel(f"buffer/{name}"))
-        custom_src = _module_state_dict(reader, meta) if custom_load_fn is not None else None
-    except BaseException:
-        reader.close()
-        raise
-    return _LoadPlan(tag, reader, meta, pieces, with_optimizer, optim_keys, custom_src)
-
-
-def _read_into_engine(engine: ShardSpeedEngine, plan: _LoadPlan) -> None:
-    """Fill this rank's pieces (values, optimizer states), buffers and param-group settings from the checkpoint."""
-    reader, meta = plan.reader, plan.meta
-    with torch.no_grad():
-        for piece in _resident(engine, plan.pieces, writing=True):
-            entry = f"param/{piece.name}"
-            if not reader.has(entry):
-                continue
-            reader.read_range_into(entry, piece.start, piece.value)
-            if plan.with_optimizer and piece.opt_tensor is not None:
-                scalars = meta["optimizer_scalars"].get(piece.name, {})
-                _load_optimizer_piece(engine.optimizer, reader, piece, plan.optim_keys.get(piece.name, []), scalars)
-        for name, buf in _persistent_buffers(engine.module):
-            if reader.has(f"buffer/{name}"):
-                buf.copy_(reader.read_full(f"buffer/{name}", dtype=buf.dtype).view_as(buf))
-    if plan.with_optimizer:
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-
-
-def _module_state_dict(reader: CheckpointReader, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The checkpoint's whole module state dict (fp32 parameters, buffers, tied names), for ``custom_load_fn``."""
-    out = {}
-    for entry in reader.names("param/"):
-        out[entry.removeprefix("param/")] = reader.read_full(entry).view(reader.shape(entry))
-    for entry in reader.names("buffer/"):
-        out[entry.removeprefix("buffer/")] = reader.read_full(entry).view(reader.shape(entry))
-    for alias, canonical in (meta.get("tied") or {}).items():
-        if canonical in out:
-            out[alias] = out[canonical]
-    return out
-
-
-def _check_names(
-    reader: CheckpointReader, pieces: list[Piece], model_names: set[str], strict: bool, where: Path
-) -> None:
-    """Shapes of what this rank holds must match; with ``strict`` the sets of names must be equal."""
-    ours = {p.name: p.full_shape for p in pieces}
-    theirs = {n.removeprefix("param/") for n in reader.names("param/")}
-    for name, shape in ours.items():
-        if name in theirs and tuple(reader.shape(f"param/{name}")) != shape:
-            raise ValueError(
-                f"parameter '{name}' is {tuple(reader.shape(f'param/{name}'))} in checkpoint {where} but {shape} "
-                "in this model"
-            )
-    if strict:
-        missing, unexpected = sorted(model_names - theirs), sorted(theirs - model_names)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {where} does not match the model (load_module_strict=True): missing "
-                f"{missing[:10]}, unexpected {unexpected[:10]}"
-            )
-
-
-def _load_optimizer_piece(
-    optimizer: torch.optim.Optimizer, reader: CheckpointReader, piece: Piece, keys: list[str], scalars: dict[str, Any]
-) -> None:
-    assert piece.opt_tensor is not None
-    if not keys and not scalars:  # no state saved for it (never stepped): nothing to load, nothing to create
-        return
-    state = optimizer.state[piece.opt_tensor]
-    for key in keys:
-        entry = f"optim/{piece.name}/{key}"
-        if key not in state:
-            state[key] = torch.zeros_like(piece.opt_tensor)
-        target = state[key].view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
-        reader.read_range_into(entry, piece.start, target)
-    for key, scalar in scalars.items():
-        if scalar["tensor"]:
-            state[key] = torch.tensor(scalar["value"], dtype=getattr(torch, scalar["dtype"]))
-        else:
-            state[key] = scalar["value"]
 
 
 def _restore_training_state(engine: ShardSpeedEngine, meta: dict[str, Any], load_lr_scheduler_states: bool) -> None:
