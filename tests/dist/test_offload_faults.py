@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 from disk_full import fill, small_tmpfs  # noqa: F401 (a fixture)
 from parity import global_batches, offload_engine, train_engine
@@ -51,6 +52,7 @@ def test_enospc_at_swap_setup_fails_every_rank(dist_run, tmp_path: Path) -> None
         assert r["named"] == [] and r["held"] == {}  # no swap directory, file or open descriptor left
 
 
+@pytest.mark.slow  # the injected case above is the default suite's setup fault
 def test_real_full_disk_at_swap_setup_fails_every_rank(dist_run, small_tmpfs: Path) -> None:  # noqa: F811
     swap = str(small_tmpfs / "swap")
     for r in dist_run(_setup_fails, 2, swap, None):
