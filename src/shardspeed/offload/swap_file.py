@@ -55,6 +55,12 @@ def preallocate(fd: int, path: Path, nbytes: int) -> None:
         if error.errno in FULL_DISK_ERRNOS:
             filesystem = os.fstatvfs(fd)
             free = filesystem.f_bavail * filesystem.f_frsize  # what shutil.disk_usage calls free
+            if free >= nbytes:  # a quota (EDQUOT), a file-size limit (EFBIG), or space taken since
+                raise SwapSetupError(
+                    f"cannot preallocate the swap file {path}: it needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) "
+                    f"and the file system reports {free} bytes free, but the allocation failed ({error.strerror}); "
+                    "check quotas and file-size limits there, or point nvme_path at another device"
+                ) from error
             raise SwapSetupError(
                 f"cannot preallocate the swap file {path}: it needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) but "
                 f"only {free} bytes ({free / 2**30:.2f} GiB) are free there ({error.strerror}); free space, point "
