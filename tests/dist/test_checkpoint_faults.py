@@ -128,6 +128,7 @@ def test_real_full_disk_during_save_keeps_latest(dist_run, small_tmpfs: Path) ->
     results = dist_run(_save_fails, 2, str(small_tmpfs / "ckpt"), None)
     for r in results:  # which rank hits the full disk first is up to the scheduler
         assert "No space left on device" in r["error"] and "failed on rank " in r["error"], r["error"]
+        assert f"No space left on device: '{small_tmpfs}/ckpt/" in r["error"]  # names the file it was writing
     _check_agreed_failure(results, results[0]["error"].split("failed on rank ")[1][0], "", False)
 
 

@@ -59,11 +59,16 @@ def fsync_directory(path: Path) -> None:
 
 def write_text_durably(path: Path, text: str) -> None:
     """Write ``path`` and fsync it (the directory entry is made durable by the caller's directory fsync)."""
-    maybe_fail("checkpoint_write", path)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        maybe_fail("checkpoint_write", path)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from error  # a full disk names no file
 
 
 def validate_tag(tag: Any) -> str:

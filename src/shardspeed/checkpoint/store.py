@@ -141,15 +141,21 @@ class CheckpointWriter:
         # Larger elements first keeps every tensor's offset a multiple of its element size (aligned reads).
         ordered = sorted(self._pending, key=lambda pair: -pair[1].element_size())
         path = self.tmp_dir / data_file_name(self.rank, self._files_written)
-        writer = SafetensorsStreamWriter(path, [(rec["key"], chunk.dtype, chunk.shape) for rec, chunk in ordered])
         try:
-            for record, chunk in ordered:
-                maybe_fail("checkpoint_write", path)
-                writer.write(record["key"], chunk)
-            writer.close(fsync=True)
-        except BaseException:
-            writer.abort()
-            raise
+            writer = SafetensorsStreamWriter(path, [(rec["key"], chunk.dtype, chunk.shape) for rec, chunk in ordered])
+            try:
+                for record, chunk in ordered:
+                    maybe_fail("checkpoint_write", path)
+                    writer.write(record["key"], chunk)
+                writer.close(fsync=True)
+            except BaseException:
+                writer.abort()
+                raise
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # a buffered write's ENOSPC (often raised at flush or close) names no file: name it
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from error
         self._records.extend(record for record, _ in self._pending)
         self._pending, self._pending_bytes = [], 0
         self._files_written += 1
