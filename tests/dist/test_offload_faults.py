@@ -94,3 +94,27 @@ def test_enospc_mid_run_swap_write_fails_every_rank(dist_run, tmp_path: Path) ->
         assert r["elapsed"] < BOUND_S
         assert r["named"] == []  # swap files never have a name on disk
         assert r["held_before"] == 1 and r["held_after"] == {}  # the descriptor is closed by destroy()
+
+
+def _load_fails(rank: int, world: int, swap: str, where: str) -> dict[str, Any]:
+    batches = global_batches(1, MB * GAS * world)
+    engine = _nvme_engine(swap)
+    train_engine(engine, rank, world, batches, MB, GAS)
+    engine.save_checkpoint(where)
+    os.environ[ENV_VAR] = "offload_write:enospc:rank=1"  # writing the loaded states into rank 1's swap file
+    start = time.monotonic()
+    error = error_of(lambda: engine.load_checkpoint(where))
+    elapsed = time.monotonic() - start
+    os.environ.pop(ENV_VAR)
+    engine.destroy()
+    return {"error": error, "elapsed": elapsed, "held_after": deleted_files_held(swap)}
+
+
+@pytest.mark.slow  # the mid-run case above is the default suite's offload-write fault
+def test_enospc_writing_loaded_states_to_swap_fails_every_rank(dist_run, tmp_path: Path) -> None:
+    swap = str(tmp_path / "swap")
+    for r in dist_run(_load_fails, 2, swap, str(tmp_path / "ckpt")):
+        assert r["error"].startswith(f"CheckpointError: load_checkpoint from {tmp_path / 'ckpt'} "), r["error"]
+        assert " failed on rank 1: OSError: [Errno 28] No space left on device (injected by " in r["error"]
+        assert "-rank1/swap.bin, unlinked at creation)" in r["error"]
+        assert r["elapsed"] < BOUND_S and r["held_after"] == {}

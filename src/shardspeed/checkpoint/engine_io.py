@@ -6,6 +6,11 @@ metadata, rename, then ``latest``). Loading: each rank reads, chunk by chunk, on
 holds — whatever stage and world size wrote them — then the stage propagates the loaded fp32 values into the
 model's parameters (copy back, or all-gather). Optimizer states are keyed by parameter name and element range,
 so a stage-3 world-2 checkpoint resumes as stage 0 on one process, or as stage 2 on four, without conversion.
+
+Faults: each phase of local file work ends in one all-gather of its outcome, so a full disk while saving or a
+damaged chunk while loading is the same error on every rank ([Note: agreed checkpoint outcomes] in
+agreement.py); a failed save leaves ``latest`` and no temporary directory behind, and a load verifies all it
+will read before it changes anything (load_plan.py).
 """
 
 from __future__ import annotations
@@ -275,7 +280,12 @@ def load(
     custom_src = plan.custom_src
     after_load = getattr(engine.optimizer, "after_checkpoint_load", None)
     if after_load is not None:  # offloaded optimizer: write the loaded values and states back to its store
-        after_load()
+        failure, own = None, None
+        try:
+            after_load()
+        except Exception as error:  # e.g. a full NVMe swap disk; the all-gather below must not wait for this rank
+            failure, own = failure_of(error), error
+        agree_on_outcome(failure, gather, axis.ranks, f"{what} (writing the offload store)", own_error=own)
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
     engine.states.zero_grads()
     if custom_load_fn is not None:

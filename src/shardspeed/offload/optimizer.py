@@ -37,6 +37,7 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -53,7 +54,7 @@ from .cpu_adam import cpu_adamw_step
 from .host_grads import HostGradients
 from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
 from .host_store import StateStore as StateStore
-from .step_outcome import SwapIOError, run_agreed
+from .step_outcome import run_agreed
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
 from .stream import STREAM_STATES, ZeroUntilWritten, init_stream_state, plan_pipeline, state_key, stream_step
 from .swapped_state import SwappedState
@@ -95,7 +96,6 @@ class StreamedAdam:
         self.values_in_store = values_in_store
         self.chunk_numel, self._offload = chunk_numel, offload
         self.reopen, self.agree = reopen, agree
-        self._failed = False  # a step failed: the store may hold failed I/O, which close() must not re-raise
         self.host_grads: HostGradients | None = None
         self.state = SwappedState(self)
         self._bind(store, access)
@@ -188,11 +188,7 @@ class StreamedAdam:
         if self.agree is None:
             self._step_groups()
             return
-        try:
-            run_agreed(self._step_groups, self.agree, f"offload_optimizer step {max(self.steps, default=0) + 1}")
-        except SwapIOError:
-            self._failed = True
-            raise
+        run_agreed(self._step_groups, self.agree, f"offload_optimizer step {max(self.steps, default=0) + 1}")
 
     def _step_groups(self) -> None:
         self.state.forget()
@@ -416,11 +412,11 @@ class StreamedAdam:
 
     def close(self) -> None:
         """Release the store (an NVMe swap file: its descriptor closes, which frees its disk space)."""
-        try:
-            self.store.close()  # releases the file even when it re-raises a failed write
-        except OSError:
-            if not self._failed:  # a failure every rank already raised is not news at teardown
-                raise
+        # Every swap operation this optimizer starts is waited for by its caller (a step, a checkpoint load), which
+        # raised its failure then, on every rank; the swap file keeps failed operations, and re-raising one here
+        # would only repeat it at teardown (engine.destroy() after the reported fault). The file is released anyway.
+        with contextlib.suppress(OSError):
+            self.store.close()
 
 
 def check_streamable(optimizer: Any) -> None:
