@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives
+from shardspeed.faults.errors import mark_agreed
 from shardspeed.topology import AxisGroup
 
 
@@ -36,7 +37,9 @@ def check_same_on_all_ranks(value: Any, axis: AxisGroup, collectives: Collective
     everyone = collectives.all_gather_object(value, axis)
     for index, other in enumerate(everyone):
         if other != everyone[0]:
-            raise ValueError(
-                f"{what} differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
-                f"{_first_difference(everyone[0], other)}"
+            raise mark_agreed(  # every rank compares the same gathered list: the same error everywhere
+                ValueError(
+                    f"{what} differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
+                    f"{_first_difference(everyone[0], other)}"
+                )
             )

@@ -4,11 +4,13 @@ Module map: ``index`` (the JSON schema of ``index.json``/``metadata.json`` and t
 (``CheckpointWriter`` per rank, ``CheckpointReader`` with ranged, checksum-verified reads),
 ``safetensors_file`` (streaming safetensors writer), ``commit`` (crash-safe publish, ``latest``, tag
 resolution, stale temporary directories), ``consolidate`` (``shardspeed zero-to-fp32`` and the fp32 state-dict
-helpers). The engine's save/load on top of these lives in ``engine_io``.
+helpers). The engine's save/load on top of these lives in ``engine_io`` (``load_plan``: verify, then read;
+``agreement``: every rank raises when a save or load failed on any rank).
 """
 
 from __future__ import annotations
 
+from shardspeed.checkpoint.agreement import CheckpointWriteError
 from shardspeed.checkpoint.commit import (
     cleanup_stale_tmp,
     commit_checkpoint,
@@ -38,6 +40,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointTilingError",
+    "CheckpointWriteError",
     "CheckpointWriter",
     "cleanup_stale_tmp",
     "commit_checkpoint",

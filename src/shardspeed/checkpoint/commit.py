@@ -23,6 +23,7 @@ complete ``.old-*`` copy, which ``resolve_tag`` points out in its error; ``clean
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from shardspeed.checkpoint.index import (
     index_to_json,
     metadata_to_json,
 )
+from shardspeed.faults.inject import maybe_fail
 
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
@@ -57,10 +59,16 @@ def fsync_directory(path: Path) -> None:
 
 def write_text_durably(path: Path, text: str) -> None:
     """Write ``path`` and fsync it (the directory entry is made durable by the caller's directory fsync)."""
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        maybe_fail("checkpoint_write", path)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from error  # a full disk names no file
 
 
 def validate_tag(tag: Any) -> str:
@@ -136,9 +144,35 @@ def commit_checkpoint(
     fsync_directory(save_dir)
     if replaced:
         shutil.rmtree(aside, ignore_errors=True)
+    _remove_killed_saves_of(save_dir, tag)
     if save_latest:
-        write_latest(save_dir, tag)
+        try:
+            write_latest(save_dir, tag)
+        except OSError as error:
+            (save_dir / f"{LATEST_FILE}.tmp").unlink(missing_ok=True)
+            previous = read_latest(save_dir)
+            raise OSError(
+                error.errno,
+                f"checkpoint {final_dir} is complete, but '{LATEST_FILE}' could not be updated and still names "
+                f"{previous!r}: {error}",
+            ) from error
     return final_dir
+
+
+def discard_tmp(save_dir: Path, tag: str, nonce: str) -> None:
+    """Remove the temporary directory of a save that failed on some rank (nothing of it was committed)."""
+    shutil.rmtree(Path(save_dir) / f"{TMP_PREFIX}{tag}-{nonce}", ignore_errors=True)
+
+
+def _remove_killed_saves_of(save_dir: Path, tag: str) -> None:
+    """After ``tag`` was committed, remove the ``.tmp-<tag>-*`` directories left by earlier saves of the same tag
+    that were killed (a resumed run saving the step it died at); other tags' leftovers go after a day
+    (``cleanup_stale_tmp``), since another job could be writing them."""
+    killed = re.compile(re.escape(f"{TMP_PREFIX}{tag}-") + "[0-9a-f]{32}")  # the engine's nonces: uuid4().hex
+    for child in Path(save_dir).iterdir():
+        if killed.fullmatch(child.name) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+    cleanup_stale_tmp(save_dir)
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

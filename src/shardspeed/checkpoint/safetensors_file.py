@@ -132,8 +132,12 @@ class SafetensorsStreamWriter:
 
     def abort(self) -> None:
         """Close and delete a file that will not be completed."""
-        self._handle.close()
-        self.path.unlink(missing_ok=True)
+        try:
+            self._handle.close()  # flushes what is buffered, which fails again on a full disk
+        except OSError:
+            pass  # the caller is already raising the error that made it abort
+        finally:
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> SafetensorsStreamWriter:
         return self

@@ -40,6 +40,7 @@ from shardspeed.checkpoint.index import (
 )
 from shardspeed.checkpoint.safetensors_file import SafetensorsStreamWriter, tensor_bytes
 from shardspeed.config.errors import did_you_mean
+from shardspeed.faults.inject import maybe_fail
 
 __all__ = ["CheckpointReader", "CheckpointWriter", "chunk_crc32", "data_file_name", "list_tags", "resolve_tag"]
 
@@ -140,14 +141,21 @@ class CheckpointWriter:
         # Larger elements first keeps every tensor's offset a multiple of its element size (aligned reads).
         ordered = sorted(self._pending, key=lambda pair: -pair[1].element_size())
         path = self.tmp_dir / data_file_name(self.rank, self._files_written)
-        writer = SafetensorsStreamWriter(path, [(rec["key"], chunk.dtype, chunk.shape) for rec, chunk in ordered])
         try:
-            for record, chunk in ordered:
-                writer.write(record["key"], chunk)
-            writer.close(fsync=True)
-        except BaseException:
-            writer.abort()
-            raise
+            writer = SafetensorsStreamWriter(path, [(rec["key"], chunk.dtype, chunk.shape) for rec, chunk in ordered])
+            try:
+                for record, chunk in ordered:
+                    maybe_fail("checkpoint_write", path)
+                    writer.write(record["key"], chunk)
+                writer.close(fsync=True)
+            except BaseException:
+                writer.abort()
+                raise
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # a buffered write's ENOSPC (often raised at flush or close) names no file: name it
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from error
         self._records.extend(record for record, _ in self._pending)
         self._pending, self._pending_bytes = [], 0
         self._files_written += 1
@@ -302,6 +310,16 @@ class CheckpointReader:
             piece = self._load_chunk(entry, position, cursor - chunk.start, piece_end - chunk.start)
             yield cursor - start, piece if dtype is None else piece.to(dtype)
             cursor, position = piece_end, position + 1
+
+    def verify_range(self, name: str, start: int, end: int) -> None:
+        """Check every chunk overlapping elements ``[start, end)`` of ``name`` (file present, readable, crc32),
+        each once per reader, without counting them in ``chunks_read``: a load verifies all it will read before it
+        changes anything, so a damaged file fails it with the engine's state untouched."""
+        entry = self._check_range(name, start, end)
+        counted = self.chunks_read
+        for _ in self._pieces(entry, start, end, None):
+            pass
+        self.chunks_read = counted
 
     def read_range_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
         """Read elements ``[start, start + out.numel())`` of ``name`` into the 1-D tensor ``out`` (any dtype/device).

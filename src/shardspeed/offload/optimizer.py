@@ -37,6 +37,7 @@ swaps that tensor's state in, and ``after_checkpoint_load`` writes loaded state 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -53,6 +54,7 @@ from .cpu_adam import cpu_adamw_step
 from .host_grads import HostGradients
 from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
 from .host_store import StateStore as StateStore
+from .step_outcome import run_agreed
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
 from .stream import STREAM_STATES, ZeroUntilWritten, init_stream_state, plan_pipeline, state_key, stream_step
 from .swapped_state import SwappedState
@@ -74,12 +76,14 @@ class StreamedAdam:
         offload: OffloadOptimizerConfig | None = None,
         values_in_store: bool = False,
         reopen: Callable[[], StateStore] | None = None,
+        agree: Callable[[object], list[object]] | None = None,
     ) -> None:
         """``access``: how to reach the stepped tensors' values (default: the tensors themselves). ``offload``:
         the ``offload_optimizer`` section (``buffer_count``, ``pipeline_read``/``pipeline_write``, ``fast_init``,
         ``ratio``); default: its defaults. ``values_in_store``: mixed precision whose fp32 masters this optimizer
         holds (see [Note: masters in the store]); ``access`` then reaches the low-precision copies. ``reopen``: a
-        fresh, empty store sized for the groups' current tensors (``relayout``)."""
+        fresh, empty store sized for the groups' current tensors (``relayout``). ``agree``: the data-parallel
+        all-gather every step's outcome goes through (NVMe: [Note: agreed offload step] in step_outcome.py)."""
         check_streamable(inner)
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel = {chunk_numel}; valid: a positive number of elements")
@@ -91,7 +95,7 @@ class StreamedAdam:
         self.defaults = inner.defaults
         self.values_in_store = values_in_store
         self.chunk_numel, self._offload = chunk_numel, offload
-        self.reopen = reopen
+        self.reopen, self.agree = reopen, agree
         self.host_grads: HostGradients | None = None
         self.state = SwappedState(self)
         self._bind(store, access)
@@ -181,6 +185,12 @@ class StreamedAdam:
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
             raise ValueError("StreamedAdam.step does not take a closure (ZeRO offload steps reduced gradients)")
+        if self.agree is None:
+            self._step_groups()
+            return
+        run_agreed(self._step_groups, self.agree, f"offload_optimizer step {max(self.steps, default=0) + 1}")
+
+    def _step_groups(self) -> None:
         self.state.forget()
         for g, (group, chunks) in enumerate(zip(self.param_groups, self.group_chunks)):
             if not chunks:
@@ -402,7 +412,11 @@ class StreamedAdam:
 
     def close(self) -> None:
         """Release the store (an NVMe swap file: its descriptor closes, which frees its disk space)."""
-        self.store.close()
+        # Every swap operation this optimizer starts is waited for by its caller (a step, a checkpoint load), which
+        # raised its failure then, on every rank; the swap file keeps failed operations, and re-raising one here
+        # would only repeat it at teardown (engine.destroy() after the reported fault). The file is released anyway.
+        with contextlib.suppress(OSError):
+            self.store.close()
 
 
 def check_streamable(optimizer: Any) -> None:

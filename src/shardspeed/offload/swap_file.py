@@ -11,6 +11,8 @@ import mmap
 import os
 from pathlib import Path
 
+from shardspeed.faults.inject import maybe_fail
+
 from .aio_config import PAGE_SIZE
 
 SWAP_FILE_NAME = "swap.bin"
@@ -47,11 +49,18 @@ def preallocate(fd: int, path: Path, nbytes: int) -> None:
     """Reserve ``nbytes`` on disk now, so a full disk is reported here rather than mid-step. ``path`` is only
     for messages: the file may already be unlinked, so free space is measured through the descriptor."""
     try:
+        maybe_fail("offload_setup", path)
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
         if error.errno in FULL_DISK_ERRNOS:
             filesystem = os.fstatvfs(fd)
             free = filesystem.f_bavail * filesystem.f_frsize  # what shutil.disk_usage calls free
+            if free >= nbytes:  # a quota (EDQUOT), a file-size limit (EFBIG), or space taken since
+                raise SwapSetupError(
+                    f"cannot preallocate the swap file {path}: it needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) "
+                    f"and the file system reports {free} bytes free, but the allocation failed ({error.strerror}); "
+                    "check quotas and file-size limits there, or point nvme_path at another device"
+                ) from error
             raise SwapSetupError(
                 f"cannot preallocate the swap file {path}: it needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) but "
                 f"only {free} bytes ({free / 2**30:.2f} GiB) are free there ({error.strerror}); free space, point "

@@ -47,6 +47,8 @@ from types import TracebackType
 
 import torch
 
+from shardspeed.faults.inject import maybe_fail
+
 from .aio_config import PAGE_SIZE, AioSettings
 from .aligned import PRIVATE_ANONYMOUS, round_up
 from .aligned import aligned_empty as aligned_empty  # re-exported: callers import it from here
@@ -338,15 +340,26 @@ class TensorSwapper:
         for start in starts:
             length = min(block, data.numel() - start)
             address = data.data_ptr() + start
-            if self._can_use_directly(address, length):
-                # zero copy: the syscall reads or writes the caller's memory itself
-                piece_io(_memory_at(address, length), slot.offset + start, None)
-                continue
-            staging = self._free_buffers.get()
             try:
-                piece_io(staging.view[: round_up(length, PAGE_SIZE)], slot.offset + start, (staging, address, length))
-            finally:
-                self._free_buffers.put(staging)
+                if self._can_use_directly(address, length):
+                    # zero copy: the syscall reads or writes the caller's memory itself
+                    piece_io(_memory_at(address, length), slot.offset + start, None)
+                    continue
+                staging = self._free_buffers.get()
+                try:
+                    piece_io(
+                        staging.view[: round_up(length, PAGE_SIZE)], slot.offset + start, (staging, address, length)
+                    )
+                finally:
+                    self._free_buffers.put(staging)
+            except OSError as error:
+                # pwrite's ENOSPC names no file, and the swap file has no name left on disk: say which one it was
+                what = "writing" if piece_io == self._write_piece else "reading"
+                raise OSError(
+                    error.errno,
+                    f"{error.strerror or error} ({what} {slot.name!r} at byte {slot.offset + start} of swap file "
+                    f"{self.path}, unlinked at creation)",
+                ) from error
 
     def _can_use_directly(self, address: int, length: int) -> bool:
         """Buffered I/O takes any memory; O_DIRECT only page-aligned memory in whole pages (see ``aligned_empty``)."""
@@ -356,6 +369,7 @@ class TensorSwapper:
         if stage is not None:
             staging, address, length = stage
             ctypes.memmove(staging.address, address, length)  # the page-rounded tail is padding inside the slot
+        maybe_fail("offload_write", self.path)
         written = 0
         while written < len(view):
             written += os.pwrite(self._fd, view[written:], offset + written)

@@ -63,7 +63,9 @@ def offload_optimizer(
 
     swapper = open_swapper()
     try:
-        return StreamedAdam(inner, swapper, chunk_numel, access, offload, values_in_store, reopen=open_swapper)
+        return StreamedAdam(
+            inner, swapper, chunk_numel, access, offload, values_in_store, reopen=open_swapper, agree=agree
+        )
     except BaseException:
         swapper.abort()
         raise
