@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -377,7 +378,7 @@ def _launch_once(spec_path: Path, run_dir: Path, *, resume: bool, timeout_s: flo
     log_dir = run_dir / "logs"
     command = [sys.executable, "-m", "shardspeed.launcher.cli", "--num_procs", str(NPROC)]
     command += ["--master_port", str(_free_port()), "--enable_each_rank_log", str(log_dir)]
-    command += [str(SCRIPT), "--spec", str(spec_path), "--run", str(run_dir), *(["--resume"] if resume else [])]
+    command += [str(SCRIPT), "--spec", str(spec_path), "--rundir", str(run_dir), *(["--resume"] if resume else [])]
     stderr_path = run_dir / "launcher.log"
     started = time.time()
     with open(stderr_path, "wb") as stderr:
@@ -619,16 +620,21 @@ class TableRunner:
         """The uninterrupted run's directory for ``row``'s numerics (run once); None if it failed."""
         key = baseline_key(row)
         if key not in self.baselines:
-            base_dir = self.workdir / f"baseline{len(self.baselines)}"
+            base_dir = self.workdir / f"baseline-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
             base_dir.mkdir(parents=True, exist_ok=True)
             spec_path = base_dir / "spec.json"
             config = {k: v for k, v in row.config.items() if k != "fault_tolerance"}
             plain = replace(row, config=config, save_every=2)  # the damage rows copy its checkpoints
-            spec_path.write_text(json.dumps(make_spec(plain, base_dir, fault=False), indent=1))
-            self.log(f"[fault_table] baseline for {row.name}: {base_dir}")
-            job = launch(spec_path, base_dir / "run", resume=False, timeout_s=self.timeout_s)
-            if job.exit_code != 0 or not (base_dir / "run" / "final.pt").exists():
-                self.log(f"[fault_table] baseline FAILED ({describe_exit(job)}); see {base_dir}")
+            spec_text = json.dumps(make_spec(plain, base_dir, fault=False), indent=1)
+            # A finished baseline of the same spec in a reused --workdir is kept (reruns of a few rows).
+            if not (
+                spec_path.exists() and spec_path.read_text() == spec_text and (base_dir / "run/done.json").exists()
+            ):
+                spec_path.write_text(spec_text)
+                self.log(f"[fault_table] baseline for {row.name}: {base_dir}")
+                job = launch(spec_path, base_dir / "run", resume=False, timeout_s=self.timeout_s)
+                if job.exit_code != 0 or not (base_dir / "run" / "final.pt").exists():
+                    self.log(f"[fault_table] baseline FAILED ({describe_exit(job)}); see {base_dir}")
             self.baselines[key] = base_dir
         base_dir = self.baselines[key]
         return base_dir if (base_dir / "run" / "final.pt").exists() else None

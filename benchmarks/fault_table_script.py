@@ -1,6 +1,6 @@
 """The training script every fault-table row launches (``benchmarks/fault_table.py`` writes its spec).
 
-    shardspeed --num_procs 2 fault_table_script.py --spec ROW/spec.json --run RUNDIR [--resume]
+    shardspeed --num_procs 2 fault_table_script.py --spec ROW/spec.json --rundir RUNDIR [--resume]
     python fault_table_script.py --spec ROW/spec.json --verify CKPT_DIR      (a fresh world of one)
 
 A tiny deterministic MLP trained with Adam for ``steps`` steps, ZeRO stage and precision from the spec, a
@@ -179,7 +179,7 @@ def train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     import shardspeed as deepspeed
 
     rank = int(os.environ.get("RANK", "0"))
-    run_dir = Path(args.run)
+    run_dir = Path(args.rundir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fault = Fault(spec.get("fault"), rank, run_dir)
     ckpt = Path(spec["checkpoint_dir"])
@@ -296,7 +296,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="one fault-table row's training script")
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--spec", required=True)
-    parser.add_argument("--run", help="this launch's output directory (fault.json, final.pt, ...)")
+    parser.add_argument("--rundir", help="this launch's output directory (fault.json, final.pt, ...)")
     parser.add_argument("--resume", action="store_true", help="load the latest checkpoint before training")
     parser.add_argument("--verify", metavar="CKPT_DIR", help="only load the latest checkpoint (world of one)")
     args = parser.parse_args()
