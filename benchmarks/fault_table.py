@@ -444,8 +444,10 @@ MAX_LINE = 160
 
 def last_error_line(text: str) -> str:
     """The last line of a rank's log that looks like an error (an exception line, or a line with an error word
-    that is not a traceback's indented source line), else the last non-empty line; trimmed."""
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    that is not a traceback's indented source line), else the last non-empty line; trimmed. torch's
+    ``[rankN]:`` prefix on a distributed process's traceback is dropped first."""
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if line.strip()]
     if not lines:
         return "(no output)"
     for line in reversed(lines):
@@ -454,6 +456,27 @@ def last_error_line(text: str) -> str:
         ):
             return trim(line.strip())
     return trim(lines[-1].strip())
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def rank_exit_codes(launcher_text: str) -> dict[int, str]:
+    """Per-rank exit codes from torchrun's failure summary ("rank : 1 (local_rank: 1)" / "exitcode : -15
+    (pid: N) (SIGTERM)"); ranks that exited 0 are not listed there."""
+    codes: dict[int, str] = {}
+    for match in _TORCHRUN_FAILURE.finditer(launcher_text):
+        code = int(match.group(2))
+        codes[int(match.group(1))] = _signal_name(-code) if code < 0 else f"exit {code}"
+    return codes
 
 
 def trim(text: str, limit: int = MAX_LINE) -> str:
@@ -519,10 +542,12 @@ def max_abs_diff(path_a: Path, path_b: Path) -> float:
 
 
 def _rank_file(tag_dir: Path, rank: int) -> Path:
-    files = sorted(tag_dir.glob(f"rank{rank}-*.safetensors")) or sorted(tag_dir.glob("*.safetensors"))
+    """The data file ``rank`` wrote (``rank00001-000.safetensors``), else the first data file."""
+    files = sorted(tag_dir.glob("*.safetensors"))
+    mine = [path for path in files if re.match(rf"rank0*{rank}-", path.name)]
     if not files:
         raise FileNotFoundError(f"no safetensors file in {tag_dir}")
-    return files[0]
+    return (mine or files)[0]
 
 
 def corrupt_byte(path: Path) -> str:
@@ -664,6 +689,8 @@ class TableRunner:
         )
         fault_time = job.sigterm_sent if row.sigterm_launcher else _fault_time(row_dir / "run")
         printed = {rank: last_error_line(job.rank_logs.get(rank, "")) for rank in range(NPROC)}
+        for rank, code in rank_exit_codes(job.launcher_stderr).items():
+            printed[rank] = f"[{code}] {printed.get(rank, '')}"
         launcher = describe_exit(job)
         launcher_line = _launcher_summary(job.launcher_stderr)
         if launcher_line:
@@ -768,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     for row in rows:
         results.append(runner.run_row(row))
-        print(render_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        print(render_table(results[-1:]).splitlines()[2], file=sys.stderr, flush=True)
     table = render_table(results)
     footer = f"\n{len(rows)} row(s) in {time.monotonic() - started:.0f} s; work directory: {workdir}\n"
     if args.out:

@@ -29,6 +29,7 @@ from fault_table import (
     describe_exit,
     last_error_line,
     make_spec,
+    rank_exit_codes,
     render_table,
     select_rows,
     time_to_exit,
@@ -62,6 +63,33 @@ def test_last_error_line_falls_back_to_the_last_line_and_says_when_there_is_none
     )
     assert last_error_line("") == "(no output)"
     assert last_error_line("\n  \n") == "(no output)"
+
+
+def test_last_error_line_drops_torchs_rank_prefix_before_reading_a_traceback() -> None:
+    text = (
+        '[rank0]: Traceback (most recent call last):\n[rank0]:   File "errors.py", line 1\n[rank0]: ValueError: bad\n'
+    )
+    assert last_error_line(text) == "ValueError: bad"
+    assert last_error_line('[rank0]:   File "errors.py", line 1\n[rank0]: done\n') == "done"
+
+
+TORCHRUN_SUMMARY = """Failures:
+[1]:
+  time      : 2026-12-01_20:43:31
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 30673)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 30672)
+"""
+
+
+def test_rank_exit_codes_from_torchruns_summary() -> None:
+    assert rank_exit_codes(TORCHRUN_SUMMARY) == {1: "SIGTERM", 0: "exit 1"}
+    assert rank_exit_codes("[shardspeed] nothing failed") == {}
 
 
 def test_last_error_line_is_trimmed() -> None:
