@@ -740,9 +740,10 @@ class TableRunner:
             return f"resume ({how}) failed: {describe_exit(again)}; {lines}"
         start = json.loads((row_dir / "resume" / "start.json").read_text())["start_step"]
         diff = max_abs_diff(row_dir / "resume" / "final.pt", base / "run" / "final.pt")
+        if not start:  # a full rerun: equal parameters would prove nothing about resuming
+            return f"NOT resumed ({how}: restarted from step 0); max abs diff vs uninterrupted {diff:.2e}"
         verdict = "reproduced" if diff <= EQUAL_TOLERANCE else "DIFFERS"
-        started = f"resumed at step {start}" if start else "started from step 0 (nothing resumed)"
-        return f"{verdict} ({how}, {started}): max abs diff {diff:.2e}"
+        return f"{verdict} ({how}, resumed at step {start}): max abs diff {diff:.2e}"
 
     def _harness_failure(self, row: Row, why: str) -> RowResult:
         return RowResult(row.name, row.title, {}, "not run", "-", "-", "-", [f"harness: {why}"])
