@@ -274,6 +274,13 @@ def become_subreaper() -> bool:
     return libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
 
 
+def _sigterm_when_parent_dies() -> None:
+    """In the launcher's process before exec: SIGTERM it if the harness dies (killed by a test's timeout, say),
+    which makes the launcher stop torchrun and its ranks instead of leaving the job running unwatched."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
 def _parent_map() -> dict[int, int]:
     """pid → parent pid of every process visible in /proc."""
     parents: dict[int, int] = {}
@@ -383,7 +390,13 @@ def _launch_once(spec_path: Path, run_dir: Path, *, resume: bool, timeout_s: flo
     started = time.time()
     with open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
-            command, cwd=run_dir, env=_child_env(), stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=run_dir,
+            env=_child_env(),
+            stdout=stderr,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_sigterm_when_parent_dies if sys.platform.startswith("linux") else None,
         )
     deadline = time.monotonic() + timeout_s
     timed_out, sigterm_sent = False, None

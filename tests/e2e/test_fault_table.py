@@ -24,12 +24,13 @@ def _cells(line: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_fault_table_runs_rows_and_renders(tmp_path: Path) -> None:
     out = tmp_path / "table.md"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(REPO / "benchmarks" / "fault_table.py"), "--rows", "corrupt_byte,nan_input"]
     command += ["--workdir", str(tmp_path / "work"), "--out", str(out), "--timeout", "240"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)  # backstop only
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400)  # backstop only
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
     lines = table.splitlines()
