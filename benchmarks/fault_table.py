@@ -705,7 +705,7 @@ class TableRunner:
         for rank, code in rank_exit_codes(job.launcher_stderr).items():
             printed[rank] = f"[{code}] {printed.get(rank, '')}"
         launcher = describe_exit(job)
-        launcher_line = _launcher_summary(job.launcher_stderr)
+        launcher_line = launcher_summary(job.launcher_stderr)
         if launcher_line:
             launcher += f": {launcher_line}"
         on_disk = describe_checkpoints(row_dir / "ckpt")
@@ -767,11 +767,16 @@ def _fault_time(run_dir: Path) -> float | None:
     return json.loads(marker.read_text())["time"] if marker.exists() else None
 
 
-def _launcher_summary(text: str) -> str:
-    """The launcher's own "[shardspeed] ..." verdict line, if it printed one."""
-    lines = [line.strip() for line in text.splitlines() if line.startswith("[shardspeed]") and "exited" in line]
-    lines += [line.strip() for line in text.splitlines() if line.startswith("[shardspeed]") and "interrupted" in line]
-    return trim(lines[-1], 120) if lines else ""
+def launcher_summary(text: str) -> str:
+    """The launcher's own "[shardspeed] ..." verdict line, and the rank torchrun names as the root cause."""
+    lines = [line.strip() for line in text.splitlines() if line.startswith("[shardspeed]")]
+    verdicts = [line for line in lines if "exited" in line or "interrupted" in line or "failed" in line]
+    summary = trim(verdicts[-1], 120) if verdicts else ""
+    _, found, after = text.partition("Root Cause (first observed failure)")
+    root = _TORCHRUN_FAILURE.search(after) if found else None
+    if root is not None:
+        summary += f" (torchrun: first failure rank {root.group(1)})"
+    return summary.strip()
 
 
 def select_rows(names: str | None) -> list[Row]:

@@ -22,12 +22,14 @@ from fault_table import (
     ROWS_BY_NAME,
     Launch,
     RowResult,
+    _rank_file,
     baseline_key,
     corrupt_byte,
     descendants,
     describe_checkpoints,
     describe_exit,
     last_error_line,
+    launcher_summary,
     make_spec,
     rank_exit_codes,
     render_table,
@@ -90,6 +92,14 @@ Root Cause (first observed failure):
 def test_rank_exit_codes_from_torchruns_summary() -> None:
     assert rank_exit_codes(TORCHRUN_SUMMARY) == {1: "SIGTERM", 0: "exit 1"}
     assert rank_exit_codes("[shardspeed] nothing failed") == {}
+
+
+def test_launcher_summary_names_torchruns_root_cause() -> None:
+    text = TORCHRUN_SUMMARY + "[shardspeed] node 0 (localhost) exited with code 1; stopping the others\n"
+    assert launcher_summary(text) == (
+        "[shardspeed] node 0 (localhost) exited with code 1; stopping the others (torchrun: first failure rank 0)"
+    )
+    assert launcher_summary("[shardspeed] node 0: python -m torch.distributed.run ...\n") == ""
 
 
 def test_last_error_line_is_trimmed() -> None:
@@ -164,6 +174,14 @@ def test_corrupt_byte_flips_exactly_one_byte_of_the_tensor_data(tmp_path: Path) 
     changed = [i for i, (x, y) in enumerate(zip(before, after)) if x != y]
     header_end = 8 + int.from_bytes(before[:8], "little")
     assert len(before) == len(after) and len(changed) == 1 and changed[0] >= header_end
+
+
+def test_the_damaged_file_is_the_named_ranks(tmp_path: Path) -> None:
+    for name in ("rank00000-000.safetensors", "rank00001-000.safetensors", "rank00010-000.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert _rank_file(tmp_path, 1).name == "rank00001-000.safetensors"
+    assert _rank_file(tmp_path, 10).name == "rank00010-000.safetensors"
+    assert _rank_file(tmp_path, 3).name == "rank00000-000.safetensors"  # none of its own: the first
 
 
 def test_truncate_half(tmp_path: Path) -> None:
