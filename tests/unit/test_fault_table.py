@@ -17,24 +17,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from fault_table import (
-    ROWS,
-    ROWS_BY_NAME,
-    Launch,
+from fault_procs import Launch, descendants
+from fault_report import (
     RowResult,
-    _rank_file,
-    baseline_key,
-    corrupt_byte,
-    descendants,
     describe_checkpoints,
     describe_exit,
     last_error_line,
     launcher_summary,
-    make_spec,
     rank_exit_codes,
     render_table,
-    select_rows,
     time_to_exit,
+)
+from fault_rows import (
+    ROWS,
+    ROWS_BY_NAME,
+    baseline_key,
+    corrupt_byte,
+    make_spec,
+    rank_file,
+    select_rows,
     truncate_half,
 )
 
@@ -179,9 +180,9 @@ def test_corrupt_byte_flips_exactly_one_byte_of_the_tensor_data(tmp_path: Path) 
 def test_the_damaged_file_is_the_named_ranks(tmp_path: Path) -> None:
     for name in ("rank00000-000.safetensors", "rank00001-000.safetensors", "rank00010-000.safetensors"):
         (tmp_path / name).write_bytes(b"")
-    assert _rank_file(tmp_path, 1).name == "rank00001-000.safetensors"
-    assert _rank_file(tmp_path, 10).name == "rank00010-000.safetensors"
-    assert _rank_file(tmp_path, 3).name == "rank00000-000.safetensors"  # none of its own: the first
+    assert rank_file(tmp_path, 1).name == "rank00001-000.safetensors"
+    assert rank_file(tmp_path, 10).name == "rank00010-000.safetensors"
+    assert rank_file(tmp_path, 3).name == "rank00000-000.safetensors"  # none of its own: the first
 
 
 def test_truncate_half(tmp_path: Path) -> None:
