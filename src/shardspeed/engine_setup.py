@@ -20,7 +20,7 @@ from shardspeed.zero.sharded_lamb import ShardedLamb
 __all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives", "offload_params"]
 
 
-def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: FailureBoard | None) -> Collectives:
+def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: FailureBoard | None = None) -> Collectives:
     """The engine's ``Collectives``: comms log per ``comms_logger``; collective-order verification when
     ``fault_tolerance.verify_collective_order`` or ``SHARDSPEED_VERIFY_COLLECTIVES=1`` asks for it. Whether to
     verify is agreed first over every axis the engine communicates on (one small exchange each, on or off): a rank

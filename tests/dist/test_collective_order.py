@@ -122,23 +122,26 @@ class Flaky(TinyNet):
         return self.out(h)
 
 
-def _config(stage: int, verify: bool, comms: bool = False) -> dict:
+def _config(stage: int, verify: bool, comms: bool = False, propagate: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
         "gradient_clipping": 0.5,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
-        "fault_tolerance": {"verify_collective_order": verify},
+        "fault_tolerance": {"verify_collective_order": verify, "propagate_failures": propagate},
         "comms_logger": {"enabled": comms},
         "steps_per_print": 1000,
     }
 
 
 def _skip_bad_batch(rank: int, world: int, stage: int, ckpt: str) -> dict:
-    """The issue's loop: rank 1's forward raises on one batch, the loop catches it and goes on; then both save."""
+    """The issue's loop: rank 1's forward raises on one batch, the loop catches it and goes on; then both save.
+    Failure propagation is off: with it on, rank 1's forward publishes its exception and every rank raises
+    PeerFailedError before any collective could pair off (tests/dist/test_failure_propagation.py); here the order
+    check alone must catch the divergence."""
     torch.manual_seed(0)
-    engine, *_ = shardspeed.initialize(model=Flaky(), config=_config(stage, verify=True))
+    engine, *_ = shardspeed.initialize(model=Flaky(), config=_config(stage, verify=True, propagate=False))
 
     def loop() -> None:
         for step, (x, y) in enumerate(global_batches(3, 8)):
