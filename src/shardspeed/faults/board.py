@@ -260,6 +260,8 @@ def _wait_in_order(works: queue.SimpleQueue) -> None:
             pending.error = error
         pending.done = True
         pending.event.set()
+        # Drop the work before blocking on the next one: it holds its tensors (a whole reduce-scatter input).
+        del handle, pending
 
 
 def _alive(pid: int) -> bool:
