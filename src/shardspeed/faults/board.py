@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -202,7 +203,7 @@ class FailureBoard:
                 break
             time.sleep(min(0.1, self.interval))
         dead = self._dead_peers()
-        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        detail = f"{type(error).__name__}: {_short(error)}"
         if dead:
             record = FailureRecord(
                 dead[0],
@@ -240,6 +241,13 @@ class FailureBoard:
             if proc.get("host") == host and not _alive(int(proc["pid"])):
                 dead.append(rank)
         return dead
+
+
+def _short(error: BaseException) -> str:
+    """gloo's message without its source location and boilerplate: "Connection closed by peer [addr]:port"."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0]
 
 
 class _Pending:
