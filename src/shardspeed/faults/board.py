@@ -174,7 +174,8 @@ class FailureBoard:
                 raise helper.error
         except RuntimeError as error:
             raise self._communication_error(error, doing) from error
-        self.raise_if_failed(doing)
+        # A collective that completed returns its result even if a failure was published meanwhile: ranks that
+        # raise together after an agreement (step_core's checks) then raise their own error, not the first one's.
 
     def _helper(self) -> queue.SimpleQueue:
         """The queue of a daemon thread that waits for future-less works in order (started on first use; a
