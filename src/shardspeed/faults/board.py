@@ -139,8 +139,11 @@ class FailureBoard:
                 self._record(record)
                 return
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the watcher (waiting up to ``wait_s`` for it: a store call in flight finishes first)."""
         self._stop.set()
+        if wait_s > 0 and self._watcher.is_alive() and self._watcher is not threading.current_thread():
+            self._watcher.join(wait_s)
 
     # --- waiting -------------------------------------------------------------------------------------------------
     def wait(self, handle: dist.Work, doing: str) -> None:
@@ -368,8 +371,11 @@ def _install_process_hooks() -> None:
 
 
 def _exit_after_failure() -> None:
-    """atexit: after a recorded failure, leave now — tearing the group down could wait on a dead peer forever."""
+    """atexit: after a recorded failure, leave now — tearing the group down could wait on a dead peer forever.
+    Otherwise stop the watcher first, so no store call is in flight while the process group is torn down."""
     if current_failure() is None:
+        if _slot.board is not None:
+            _slot.board.close(wait_s=2.0)
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
