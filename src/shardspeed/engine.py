@@ -206,7 +206,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
-        setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self._position))  # last: a whole engine
+        setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
         if topology.global_rank == 0:
             self.logger.info(
                 "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
@@ -243,9 +243,6 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         for tensor in [*self.module.parameters(), *self.module.buffers()]:
             if not tensor.is_meta:  # zero.Init: stage 3 broadcasts each unit as it materializes it
                 self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
-
-    def _position(self) -> str:
-        return f"step {self.progress.global_steps} (micro-step {self.progress.micro_steps})"
 
     def _check_param_dtypes(self, packed: PackedParams) -> None:
         expected = self.config.compute_dtype

@@ -134,6 +134,7 @@ def _backward_case(rank: int, world: int, stage: int) -> tuple[str, float]:
     return _timed(_train, engine, rank, world, 4)
 
 
+@pytest.mark.slow  # `make test` keeps forward and step of the engine entry points
 def test_backward_exception_raises_on_every_rank(dist_run) -> None:
     results = dist_run(_backward_case, 2, 2, deadline_s=DEADLINE_S)
     _check(results, 1, "RuntimeError: backward exploded", "engine.backward() at step 1")
@@ -173,6 +174,7 @@ def _save_case(rank: int, world: int, where: str) -> tuple[str, float]:
     return _timed(save_then_train)
 
 
+@pytest.mark.slow  # `make test` keeps forward and step of the engine entry points
 def test_save_checkpoint_exception_raises_on_every_rank(dist_run, tmp_path) -> None:
     results = dist_run(_save_case, 2, str(tmp_path / "ckpt"), deadline_s=DEADLINE_S)
     _check(results, 1, "TypeError: client_state must be plain data", "engine.save_checkpoint() at step 1")
@@ -196,6 +198,7 @@ def _load_case(rank: int, world: int, where: str) -> tuple[str, float]:
     return _timed(load_then_train)
 
 
+@pytest.mark.slow  # `make test` keeps forward and step of the engine entry points
 def test_load_checkpoint_exception_raises_on_every_rank(dist_run, tmp_path) -> None:
     results = dist_run(_load_case, 2, str(tmp_path / "ckpt"), deadline_s=DEADLINE_S)
     _check(results, 1, "KeyError: \"no such weight: 'decoder.weight'\"", "engine.load_checkpoint() at step 1")
@@ -216,6 +219,7 @@ def _init_case(rank: int, world: int) -> tuple[str, float]:
     return _timed(init_and_train)
 
 
+@pytest.mark.slow  # `make test` keeps forward and step of the engine entry points
 def test_initialize_exception_raises_on_every_rank(dist_run) -> None:
     results = dist_run(_init_case, 2, deadline_s=DEADLINE_S)
     _check(results, 1, "ValueError: optimizer factory failed on this host", "shardspeed.initialize()")
@@ -298,7 +302,7 @@ def _raise_user_bug() -> None:
     raise ValueError("user code bug between steps")
 
 
-@pytest.mark.parametrize("in_thread", [False, True])
+@pytest.mark.parametrize("in_thread", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_uncaught_user_exception_is_published(dist_run, tmp_path, in_thread: bool) -> None:
     """sys.excepthook / threading.excepthook publish an exception uncaught in the script (real processes:
     tests/e2e/test_rank_death.py), and the failing rank leaves ``$SHARDSPEED_FAILURE_DIR/rank1.json``."""

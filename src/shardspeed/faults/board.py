@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -138,8 +139,11 @@ class FailureBoard:
                 self._record(record)
                 return
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the watcher (waiting up to ``wait_s`` for it: a store call in flight finishes first)."""
         self._stop.set()
+        if wait_s > 0 and self._watcher.is_alive() and self._watcher is not threading.current_thread():
+            self._watcher.join(wait_s)
 
     # --- waiting -------------------------------------------------------------------------------------------------
     def wait(self, handle: dist.Work, doing: str) -> None:
@@ -173,7 +177,8 @@ class FailureBoard:
                 raise helper.error
         except RuntimeError as error:
             raise self._communication_error(error, doing) from error
-        self.raise_if_failed(doing)
+        # A collective that completed returns its result even if a failure was published meanwhile: ranks that
+        # raise together after an agreement (step_core's checks) then raise their own error, not the first one's.
 
     def _helper(self) -> queue.SimpleQueue:
         """The queue of a daemon thread that waits for future-less works in order (started on first use; a
@@ -202,7 +207,7 @@ class FailureBoard:
                 break
             time.sleep(min(0.1, self.interval))
         dead = self._dead_peers()
-        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        detail = f"{type(error).__name__}: {_short(error)}"
         if dead:
             record = FailureRecord(
                 dead[0],
@@ -242,6 +247,13 @@ class FailureBoard:
         return dead
 
 
+def _short(error: BaseException) -> str:
+    """gloo's message without its source location and boilerplate: "Connection closed by peer [addr]:port"."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0]
+
+
 class _Pending:
     """A future-less work handed to the helper thread: its outcome, and the event that says it is known."""
 
@@ -260,6 +272,8 @@ def _wait_in_order(works: queue.SimpleQueue) -> None:
             pending.error = error
         pending.done = True
         pending.event.set()
+        # Drop the work before blocking on the next one: it holds its tensors (a whole reduce-scatter input).
+        del handle, pending
 
 
 def _alive(pid: int) -> bool:
@@ -357,8 +371,11 @@ def _install_process_hooks() -> None:
 
 
 def _exit_after_failure() -> None:
-    """atexit: after a recorded failure, leave now — tearing the group down could wait on a dead peer forever."""
+    """atexit: after a recorded failure, leave now — tearing the group down could wait on a dead peer forever.
+    Otherwise stop the watcher first, so no store call is in flight while the process group is torn down."""
     if current_failure() is None:
+        if _slot.board is not None:
+            _slot.board.close(wait_s=2.0)
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -29,10 +29,10 @@ GUARD_ATTR = "_fault_guard"
 class EngineGuard:
     """HEALTHY → FAILED for one engine (or for ``initialize()`` while it builds one)."""
 
-    def __init__(self, board: FailureBoard | None, rank: int, position: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, board: FailureBoard | None, rank: int, progress: Any = None) -> None:
         self.board = board
         self.rank = rank
-        self._position = position
+        self._progress = progress  # the engine's counters (training/micro_driver.py's Progress), for messages
         self.cause: str | None = None  # set once: FAILED
         self._depth = 0
 
@@ -72,8 +72,12 @@ class EngineGuard:
         if isinstance(exc, PeerFailedError):
             self.cause = exc.failure.summary()
             return
-        position = self._position()
-        place = f"{where} at {position}" if position else where
+        progress = self._progress
+        place = (
+            f"{where} at step {progress.global_steps} (micro-step {progress.micro_steps})"
+            if progress is not None
+            else where
+        )
         self.cause = f"rank {self.rank} raised in {place}: {describe(exc, limit=300)}"
         assert self.board is not None
         self.board.publish(place, exc)
