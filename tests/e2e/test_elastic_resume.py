@@ -183,6 +183,7 @@ def _signal_when_ready(tmp_path: Path, proc: subprocess.Popen) -> tuple[str, flo
     return output, time.monotonic() - sent
 
 
+@pytest.mark.slow  # make test keeps the dist preemption test (tests/dist/test_preemption.py) for this fault kind
 @pytest.mark.timeout(300)
 def test_sigterm_to_a_script_exits_75_with_one_line(tmp_path: Path) -> None:
     """An unmodified script (a world of one, no launcher): SIGTERM → stop after the step, save, status 75, the
