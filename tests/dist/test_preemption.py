@@ -171,7 +171,9 @@ def _resume(rank: int, world: int, root: Path, stage: int, engine_loader: bool, 
 
 
 @pytest.mark.parametrize(
-    ("stage", "engine_loader"), [(2, True), (1, False)], ids=["engine-loader-zero2", "script-loader-zero1"]
+    ("stage", "engine_loader"),
+    [(2, True), (1, False), (3, True)],
+    ids=["engine-loader-zero2", "script-loader-zero1", "engine-loader-zero3"],
 )
 def test_auto_resume_reproduces_uninterrupted_run(dist_run, tmp_path: Path, stage: int, engine_loader: bool) -> None:
     # save at step 3 (mid-epoch: 5 steps an epoch), stop at 4, resume to 7 (crosses into the second epoch)

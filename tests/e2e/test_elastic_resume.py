@@ -79,8 +79,14 @@ def build(fault_tolerance):
 
 rank = int(os.environ.get("RANK", "0"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-if attempt == 1 and rank == 0:
-    time.sleep(3)  # rank 1 joins first: it must not read rank 0's address from the attempt that died
+joining = os.path.join(args.out, "rank1-joins-attempt1")
+if attempt == 1 and rank == 1:
+    open(joining, "w").close()
+if attempt == 1 and rank == 0:  # rank 1 joins first: it must not read rank 0's address from the attempt that died
+    deadline = time.monotonic() + 60
+    while not os.path.exists(joining) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
 engine, batches = build({"checkpoint_dir": args.ckpt, "auto_resume": True, "save_on_preemption": True})
 start = engine.global_steps
 print(f"rank {rank} attempt {attempt} starts at step {start}", flush=True)
@@ -177,6 +183,7 @@ def _signal_when_ready(tmp_path: Path, proc: subprocess.Popen) -> tuple[str, flo
     return output, time.monotonic() - sent
 
 
+@pytest.mark.slow  # make test keeps the dist preemption test (tests/dist/test_preemption.py) for this fault kind
 @pytest.mark.timeout(300)
 def test_sigterm_to_a_script_exits_75_with_one_line(tmp_path: Path) -> None:
     """An unmodified script (a world of one, no launcher): SIGTERM → stop after the step, save, status 75, the
