@@ -102,21 +102,19 @@ def test_reshard_across_stage_and_world(dist_run, tmp_path: Path, saved: tuple, 
 
 
 def _save_twice_dying(rank: int, world: int, where: str) -> None:
-    from shardspeed.checkpoint import store
-
     engine, loader = _engine(2, world)
     _train(engine, loader, 2, False)
     engine.save_checkpoint(where, tag="first", client_state={"note": "hello", "step": 5})
     _train(engine, loader, 1, False)
-    if rank == 1:  # die with SIGKILL in the middle of writing the second checkpoint
-        real_finish = store.CheckpointWriter.finish
-
-        def finish_then_die(self):  # type: ignore[no-untyped-def]
-            real_finish(self)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        store.CheckpointWriter.finish = finish_then_die
+    os.environ["SHARDSPEED_INJECT"] = "checkpoint_write:kill:rank=1:after=1"  # SIGKILL at rank 1's second write
     engine.save_checkpoint(where, tag="second")
+
+
+def _resume_and_save_again(rank: int, world: int, where: str) -> int:
+    result = _run(rank, world, 2, 1, None, where, False, False)
+    engine, _ = _engine(2, world)
+    engine.save_checkpoint(where, tag="second")  # the tag the killed save was writing
+    return result["_steps"]
 
 
 def test_kill_9_during_save_keeps_previous_checkpoint(dist_run, tmp_path: Path) -> None:
@@ -125,8 +123,10 @@ def test_kill_9_during_save_keeps_previous_checkpoint(dist_run, tmp_path: Path) 
         dist_run(_save_twice_dying, 2, where)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "first"
     assert not (tmp_path / "ckpt" / "second").exists()
-    resumed = dist_run(_run, 2, 2, 1, None, where, False, False)
-    assert resumed[0]["_steps"] == 3
+    assert len(list((tmp_path / "ckpt").glob(".tmp-second-*"))) == 1  # the killed save's files: never loaded
+    assert dist_run(_resume_and_save_again, 2, where) == [3, 3]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "second"
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))  # committing the tag removed the killed save's directory
 
 
 def _load_expect_error(rank: int, world: int, where: str) -> str:

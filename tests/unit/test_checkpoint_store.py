@@ -469,3 +469,17 @@ def test_safetensors_stream_writer_alignment_matches_numpy(tmp_path: Path) -> No
     assert begin % 8 == 0
     data = np.frombuffer(raw[8 + header_length + begin : 8 + header_length + end], dtype=np.float64)
     assert np.array_equal(data, tensors["b_f64"].numpy())
+
+
+def test_commit_removes_only_killed_saves_of_the_same_tag(tmp_path: Path) -> None:
+    """Committing tag 't' removes '.tmp-t-<uuid hex>' left by a killed save of 't', not another tag's ('t-x')."""
+    killed = tmp_path / f".tmp-t-{'a' * 32}"
+    other_tag = tmp_path / f".tmp-t-x-{'b' * 32}"
+    for leftover in (killed, other_tag):
+        leftover.mkdir()
+        (leftover / "rank00000-000.safetensors").write_bytes(b"partial")
+    writer = CheckpointWriter(make_tmp_dir(tmp_path, "t", "c" * 32), rank=0)
+    writer.add("w", (2,), 0, torch.ones(2))
+    commit_checkpoint(tmp_path, "t", tmp_path / f".tmp-t-{'c' * 32}", writer.finish(), {}, True)
+    assert not killed.exists() and other_tag.is_dir()
+    assert read_latest(tmp_path) == "t"
