@@ -59,13 +59,18 @@ def trim(text: str, limit: int = MAX_LINE) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _natural(path: Path) -> list[int | str]:
+    """step2 before step10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
 def describe_checkpoints(ckpt: Path) -> str:
     """``latest``, committed tags, in-progress / replaced leftovers, files in an NVMe swap directory."""
     if not ckpt.is_dir():
         return "no checkpoint dir"
     latest_file = ckpt / "latest"
     latest = latest_file.read_text().strip() if latest_file.exists() else None
-    entries = sorted(ckpt.iterdir())
+    entries = sorted(ckpt.iterdir(), key=_natural)
     committed = [e.name for e in entries if e.is_dir() and not e.name.startswith(".") and (e / "index.json").exists()]
     incomplete = [e.name for e in entries if e.is_dir() and not e.name.startswith(".") and e.name not in committed]
     tmp = [e.name for e in entries if e.name.startswith(".tmp-")]

@@ -198,6 +198,7 @@ def train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     model.register_forward_pre_hook(_forward_pre_hook(fault))
     model.register_state_dict_post_hook(_state_dict_hook(fault))
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, lr_scheduler=scheduler_factory)
+    input_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.get("precision", "fp32"), torch.float32)
     start = 0
     if args.resume:
         if fault.due("resume_load", step=0):
@@ -212,6 +213,7 @@ def train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     for index in range(start, spec["steps"]):
         step = fault.step = index + 1
         x, y = batch(step, rank)
+        x = x.to(input_dtype)  # the engine casts the model, not its inputs (as DeepSpeed)
         if fault.due("nan"):
             fault.mark("NaN in the input batch")
             x[0, 0] = float("nan")

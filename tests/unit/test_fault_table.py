@@ -152,13 +152,14 @@ def test_exit_and_time_cells() -> None:
 
 def test_describe_checkpoints(tmp_path: Path) -> None:
     assert describe_checkpoints(tmp_path / "missing") == "no checkpoint dir"
-    for tag in ("step2", "step4"):
+    for tag in ("step10", "step2", "step4"):
         (tmp_path / tag).mkdir()
         (tmp_path / tag / "index.json").write_text("{}")
     (tmp_path / "step6").mkdir()  # no index.json: not committed
     (tmp_path / ".tmp-step6-abc").mkdir()
     (tmp_path / "latest").write_text("step4\n")
-    assert describe_checkpoints(tmp_path) == "latest=step4; tags: step2, step4; incomplete: step6; 1 .tmp-* dir(s)"
+    expected = "latest=step4; tags: step2, step4, step10; incomplete: step6; 1 .tmp-* dir(s)"
+    assert describe_checkpoints(tmp_path) == expected
 
 
 def _fake_safetensors(path: Path, payload: bytes) -> None:
