@@ -20,7 +20,7 @@ backward       a gradient hook on the loss, run by autograd inside ``engine.back
 step           the client LR scheduler's ``step()``, run inside ``engine.step``
 save           ``raise``: a ``client_state`` that is not plain data; ``kill``: a ``state_dict`` post-hook,
                which ``save_checkpoint`` runs on data-parallel rank 0 after writing its tensors
-load           at that step the loop reloads the latest checkpoint; a ``state_dict`` post-hook raises
+load           at that step every rank reloads the latest checkpoint; a ``state_dict`` post-hook raises on one
 user           the loop itself raises after ``engine.step`` (an exception in the user's code)
 mismatch       that rank alone calls ``save_checkpoint`` (the others go on training): diverging collectives
 nan            NaN in that rank's batch
@@ -224,7 +224,7 @@ def train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         if fault.due("inject"):
             fault.mark(f"SHARDSPEED_INJECT={fault.spec['inject']}")
             os.environ["SHARDSPEED_INJECT"] = fault.spec["inject"]
-        if fault.due("load"):
+        if fault.spec.get("point") == "load" and step == fault.spec.get("step"):  # every rank loads; one fails
             fault.armed_point = "load"
             engine.load_checkpoint(str(ckpt))
             fault.armed_point = None
