@@ -30,13 +30,19 @@ from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
 from shardspeed.engine_module import EngineModule
-from shardspeed.engine_setup import build_engine_optimizer, check_param_offload, engine_collectives, offload_params
+from shardspeed.engine_setup import (
+    build_engine_optimizer,
+    check_param_offload,
+    engine_collectives,
+    log_engine_summary,
+    offload_params,
+)
 from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.precision.autocast import forward_autocast
+from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
@@ -208,26 +214,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
         if topology.global_rank == 0:
-            self.logger.info(
-                "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
-                zero.stage,
-                config.compute_dtype,
-                topology.shape.world_size,
-                topology.dp_world_size,
-                trainable_numel,
-                config.train_micro_batch_size_per_gpu,
-                config.gradient_accumulation_steps,
-                topology.dp_world_size,
-                config.train_batch_size,
-            )
-            mb = self.predicted_memory
-            self.logger.info(
-                "model states per rank (predicted): params %.1f MB + grads %.1f MB + optimizer %.1f MB = %.1f MB",
-                mb.params / 2**20,
-                mb.grads / 2**20,
-                mb.optimizer / 2**20,
-                mb.total() / 2**20,
-            )
+            log_engine_summary(self.logger, config, topology, trainable_numel, self.predicted_memory)
 
     # --- construction helpers ----------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -254,7 +241,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     @guarded("engine.forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _cast_floats((args, kwargs), self.config.compute_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
         with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
@@ -403,15 +390,3 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_floats(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -159,3 +160,28 @@ def _offload(
     if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
         states.set_final_grads_hook(streamed.stage_grads)
     return streamed, host_grads is not None
+
+
+def log_engine_summary(
+    logger: logging.Logger, config: ShardSpeedConfig, topology: Topology, trainable_numel: int, predicted: Any
+) -> None:
+    """Rank 0's two lines at construction: the layout of the run and the predicted model-state bytes per rank."""
+    logger.info(
+        "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
+        config.zero_optimization.stage,
+        config.compute_dtype,
+        topology.shape.world_size,
+        topology.dp_world_size,
+        trainable_numel,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        topology.dp_world_size,
+        config.train_batch_size,
+    )
+    logger.info(
+        "model states per rank (predicted): params %.1f MB + grads %.1f MB + optimizer %.1f MB = %.1f MB",
+        predicted.params / 2**20,
+        predicted.grads / 2**20,
+        predicted.optimizer / 2**20,
+        predicted.total() / 2**20,
+    )

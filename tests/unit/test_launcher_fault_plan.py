@@ -206,3 +206,11 @@ def test_remote_node_creates_reports_and_removes_its_own_failure_dir(tmp_path: P
     assert completed.returncode == 1
     assert "[shardspeed] first failure: rank 5 in engine.step(): ValueError: bad" in completed.stderr
     assert not directory.exists()
+
+
+def test_script_arguments_that_prefix_a_torchrun_option_reach_the_script() -> None:
+    from shardspeed.launcher.torchrun_agent import torchrun_parser
+
+    args = torchrun_parser().parse_args(["--nproc_per_node=2", "train.py", "--run", "x", "--nnode", "3"])
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--run", "x", "--nnode", "3"]

@@ -13,6 +13,7 @@ Run by file path, like ``rank_exec.py``: it imports torch (torchrun needs it) bu
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -60,12 +61,23 @@ def record_child_failures(directory: str, error: BaseException) -> None:
             print(f"[shardspeed] could not write {directory}: {write_error}", file=sys.stderr)
 
 
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser without argparse's abbreviations: torchrun's own ``main()`` allows them, so a
+    script argument that is a prefix of a torchrun option (``--run`` → ``--run-path`` / ``--run_path``) failed the
+    whole launch. The launcher always spells torchrun's options in full."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.allow_abbrev = False
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.run import run
 
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        record(run)(torchrun_parser().parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as error:
         directory = os.environ.get(FAILURE_DIR_ENV)
         if directory and os.path.isdir(directory):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -26,3 +27,17 @@ def forward_autocast(section: TorchAutocastConfig, device: torch.device) -> Iter
         return
     with torch.autocast(device_type=device.type, dtype=section.dtype, enabled=True):
         yield
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating-point tensor inside tuples / lists / dicts cast to ``dtype`` (fp16
+    ``auto_cast``: the engine casts the forward's inputs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [cast_floats(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

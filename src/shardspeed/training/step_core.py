@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives
+from shardspeed.faults.errors import mark_agreed
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.topology import AxisGroup
@@ -166,22 +167,29 @@ class StepCore:
         least = -neg_least
         self.agreed_stop = int(agreed_stop)
         if most != least:
-            raise RuntimeError(
-                f"gradients were cleared (zero_grad on the module, the optimizer or the engine) {clearings} time(s) "
-                f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
-                "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
-                "gradients"
+            raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
+                RuntimeError(
+                    f"gradients were cleared (zero_grad on the module, the optimizer or the engine) "
+                    f"{clearings} time(s) "
+                    f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
+                    "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
+                    "gradients"
+                )
             )
         if any_unreduced > 0:
             where = "this rank's" if unreduced else "another data-parallel rank's"
-            raise RuntimeError(
-                f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
-                "all-reduced: no backward since zero_grad(), or the boundary backward ran under no_sync(). Ranks "
-                "would step on different gradients and diverge."
+            raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
+                RuntimeError(
+                    f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
+                    "all-reduced: no backward since zero_grad(), or the boundary backward ran under no_sync(). Ranks "
+                    "would step on different gradients and diverge."
+                )
             )
         if any_unused > 0:
             where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
-            raise RuntimeError(
-                f"parameters received no gradient this step ({where}) and zero_optimization."
-                "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
+            raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
+                RuntimeError(
+                    f"parameters received no gradient this step ({where}) and zero_optimization."
+                    "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
+                )
             )
