@@ -264,7 +264,11 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         otherwise only counts the micro-step."""
         require_optimizer(self.optimizer, "step")
         steps, skipped = self.progress.global_steps, self.progress.skipped_steps
-        self._driver.step(lr_kwargs=lr_kwargs)
+        try:
+            self._driver.step(lr_kwargs=lr_kwargs)
+        except BaseException:  # a stop agreed at a step that raised is not acted on: the signal stays pending,
+            self._core.take_stop()  # so the next boundary agrees it again (never a stale stop mid-accumulation)
+            raise
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
         self.preemption.after_step(self, self._core.take_stop())  # a stop agreed at this step: save, Preempted
 

@@ -202,3 +202,27 @@ def test_damaged_checkpoint_fails_every_rank_and_changes_nothing(dist_run, tmp_p
     flip = results[0]["flip"]["error"]
     assert "of tensor 'optim/" in flip or "of tensor 'param/" in flip
     assert "has crc32 0x" in flip and "index.json recorded 0x" in flip
+
+
+def _latest_on_one_rank_only(rank: int, world: int, where: str) -> dict[str, Any]:
+    """Rank 0 loads from a directory holding a checkpoint, rank 1 from an empty one (a directory that is not
+    shared): both must stop at the same agreement instead of rank 1 returning while rank 0 reads on."""
+    engine = _engine()
+    train_engine(engine, rank, world, global_batches(1, MB * GAS * world), MB, GAS)
+    engine.save_checkpoint(str(Path(where) / "saved"))
+    mine = Path(where) / ("saved" if rank == 0 else f"empty{rank}")
+    mine.mkdir(exist_ok=True)
+    start = time.monotonic()
+    error = error_of(lambda: engine.load_checkpoint(str(mine)))
+    # the engine is still usable and in step: one more training step pairs its collectives normally
+    after = error_of(lambda: train_engine(engine, rank, world, global_batches(1, MB * GAS * world), MB, GAS))
+    return {"error": error, "after": after, "seconds": time.monotonic() - start}
+
+
+def test_latest_seen_by_some_ranks_only_is_one_error_everywhere(dist_run, tmp_path: Path) -> None:
+    results = dist_run(_latest_on_one_rank_only, 2, str(tmp_path))
+    for r in results:
+        assert r["error"].startswith("ValueError: whether") and "holds a checkpoint" in r["error"], r["error"]
+        assert r["after"] == "no error"
+        assert r["seconds"] < BOUND_S
+    assert results[0]["error"] == results[1]["error"]

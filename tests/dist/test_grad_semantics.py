@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from parity import global_batches, make_model, rank_slice
 
 import shardspeed
+from harness import RankFailure
 
 EXAMPLES = Path(__file__).parents[1] / "fixtures" / "examples"
 SLOW = pytest.mark.slow  # the default suite runs a representative subset; the whole matrix under -m slow
@@ -459,10 +460,24 @@ def _backward_raises(rank: int, world: int, stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=SLOW)])
 def test_loss_backward_that_raised_is_cleaned_up(dist_run, stage: int) -> None:
-    want = _reference(global_batches(3, MB * 2))
-    for r in dist_run(_backward_raises, 2, stage):
+    """Alone, a script may catch a failed ``loss.backward()`` (an out-of-memory error, say), clear and go on."""
+    want = _reference(global_batches(3, MB))
+    for r in dist_run(_backward_raises, 1, stage):
         assert r["message"] == "boom"
         _assert_close(r["params"], want)
+
+
+def test_loss_backward_that_raised_beside_peers_is_an_error_on_every_rank(dist_run) -> None:
+    """With data-parallel peers it may not: they launched that pass's reductions and wait for this rank's half, so
+    the engine refuses to go on (and, unagreed, the error reaches every rank) instead of pairing reductions one pass
+    off ([Note: failure propagation])."""
+    with pytest.raises(RankFailure) as failure:
+        dist_run(_backward_raises, 2, 2)
+    assert sorted(failure.value.errors) == [0, 1]
+    for message in failure.value.messages():
+        assert "raised on this rank before its gradients were reduced" in message or "failed in engine.zero_grad()" in (
+            message
+        ), message
 
 
 class _Checkpointed(torch.nn.Module):

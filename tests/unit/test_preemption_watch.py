@@ -73,3 +73,32 @@ def test_preempted_is_a_quiet_system_exit_with_its_own_code() -> None:
     assert isinstance(stop, SystemExit)
     assert stop.code == PREEMPTED_EXIT_CODE != 1
     assert str(stop).startswith("preempted by SIGTERM at step 3")
+
+
+def test_a_stop_agreed_at_a_step_that_raised_is_not_acted_on_later() -> None:
+    """A boundary that agreed a stop but raised (here: its backward had raised) must not leave the stop behind for
+    a later micro-step to act on mid-accumulation; the signal stays pending and is agreed again next boundary."""
+    import torch
+
+    import shardspeed
+
+    model = torch.nn.Linear(4, 1)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fault_tolerance": {"preemption_signals": []},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+
+    def boom(grad: torch.Tensor) -> None:
+        raise ValueError("boom")
+
+    out = engine(torch.ones(2, 4))
+    out.register_hook(boom)
+    with pytest.raises(ValueError):
+        out.sum().backward()
+    engine._core.agreed_stop = int(signal.SIGTERM)  # as if this boundary's agreement had carried a stop
+    with pytest.raises(RuntimeError, match="the last backward raised"):
+        engine.step()
+    assert engine._core.take_stop() == 0

@@ -66,12 +66,15 @@ def agree_on_outcome(
     *,
     own_error: BaseException | None = None,
     write: bool = False,
+    agreed: bool = True,
 ) -> None:
     """All-gather ``failure`` (None: this rank succeeded) and raise on every rank if any rank failed.
 
     ``gather`` all-gathers one object over the ranks taking part (``ranks`` are their global ranks, for messages);
     ``what`` says what they were doing ("save_checkpoint to /ckpt/global_step4"). ``write``: the error is a
-    ``CheckpointWriteError`` (an ``OSError``, with the first failure's errno). ``own_error`` is chained."""
+    ``CheckpointWriteError`` (an ``OSError``, with the first failure's errno). ``own_error`` is chained.
+    ``agreed``: the error leaves the engine usable (nothing changed); False when state was partly changed, so the
+    failure guard fails the engine instead (faults/guard.py)."""
     everyone = gather(failure)
     failed = [(ranks[index], found) for index, found in enumerate(everyone) if found is not None]
     if not failed:
@@ -84,7 +87,8 @@ def agree_on_outcome(
         error = CheckpointWriteError(number, text) if number is not None else CheckpointWriteError(text)
     else:
         error = _REBUILDABLE.get(type_name, CheckpointError)(text)
-    mark_agreed(error)  # the same error on every rank: not a failure for the guard to publish
+    if agreed:
+        mark_agreed(error)  # the same error on every rank, nothing changed: not a failure for the guard to publish
     if own_error is not None:
         raise error from own_error
     raise error

@@ -255,9 +255,14 @@ def load(
 ) -> tuple[Path | None, dict | None]:
     axis, comm = engine.topology.data, engine.collectives
     load_dir = Path(load_dir)
-    if tag is None and not (load_dir / "latest").exists():
+    # Agreed before branching: a rank that sees no 'latest' (a directory that is not shared, a lagging NFS cache)
+    # must not return while its peers go on into the load's collectives.
+    found = tag is not None or (load_dir / "latest").exists()
+    check_same_on_all_ranks(
+        found, axis, comm, what="whether load_checkpoint's directory holds a checkpoint ('latest' or a tag)"
+    )
+    if not found:
         engine.logger.warning("no checkpoint to load: %s has no 'latest' file", load_dir)
-        check_same_on_all_ranks(None, axis, comm, what="checkpoint tag")
         return None, None
     what = f"load_checkpoint from {load_dir}"
     gather = lambda found: comm.all_gather_object(found, axis)  # noqa: E731
@@ -277,7 +282,8 @@ def load(
         except Exception as error:  # verified data failed to read after all (the file changed meanwhile?)
             failure, own = failure_of(error), error
         partly = f"{what} (after verification: the state is partly loaded)"
-        agree_on_outcome(failure, gather, axis.ranks, partly, own_error=own)
+        # Not agreed: weights are partly overwritten, so the engine must refuse further calls (the guard fails it).
+        agree_on_outcome(failure, gather, axis.ranks, partly, own_error=own, agreed=False)
         # Evidence that each rank read only what it holds (tests assert it; useful when tuning chunk sizes).
         engine.last_load_stats = {"files_opened": reader.files_opened, "chunks_read": reader.chunks_read}
     finally:
@@ -290,7 +296,9 @@ def load(
             after_load()
         except Exception as error:  # e.g. a full NVMe swap disk; the all-gather below must not wait for this rank
             failure, own = failure_of(error), error
-        agree_on_outcome(failure, gather, axis.ranks, f"{what} (writing the offload store)", own_error=own)
+        agree_on_outcome(
+            failure, gather, axis.ranks, f"{what} (writing the offload store)", own_error=own, agreed=False
+        )
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
     engine.states.zero_grads()
     if custom_load_fn is not None:

@@ -73,7 +73,11 @@ class FailureBoard:
         self.rank = rank
         self.world_size = world_size
         self.interval = watch_interval_s
-        self._store = dist.PrefixStore(_PREFIX, store)
+        # Per restart attempt: torchrun's agent store outlives an attempt, and a restarted rank must not find the
+        # previous attempt's failure (distributed.py does the same for the group's own keys).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = dist.PrefixStore(f"{_PREFIX}attempt_{attempt}/", store)
+        self.published_here = False  # this rank published an origin failure (the exit hook may linger for it)
         self._lock = threading.Lock()
         self._failure: FailureRecord | None = None
         self._waiters: set[threading.Event] = set()
@@ -84,6 +88,7 @@ class FailureBoard:
         # watchdog (the process-group timeout) ends a collective whose peer never comes.
         self._host_waits = dist.get_backend() != "nccl"
         self._helper_queue: queue.SimpleQueue | None = None
+        _remove_own_failure_file(rank)  # a record from an earlier restart attempt is not this attempt's failure
         self._store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self._watcher = threading.Thread(target=self._watch, name=f"shardspeed-failure-watch-{rank}", daemon=True)
         self._watcher.start()
@@ -110,6 +115,7 @@ class FailureBoard:
     def publish(self, where: str, exc: BaseException) -> FailureRecord:
         """Publish an origin failure of this rank (and write ``$SHARDSPEED_FAILURE_DIR/rank<R>.json``)."""
         record = FailureRecord.of(self.rank, where, exc)
+        self.published_here = True
         mark_published(exc)
         self._record(record)
         self._post(record)
@@ -300,6 +306,13 @@ def _write_failure_file(record: FailureRecord) -> None:
         logger.warning("could not write the failure file in %s: %s", directory, error)
 
 
+def _remove_own_failure_file(rank: int) -> None:
+    directory = os.environ.get(FAILURE_DIR_ENV)
+    if directory:
+        with contextlib.suppress(OSError):
+            (Path(directory) / f"rank{rank}.json").unlink()
+
+
 # --- the process-wide slot ---------------------------------------------------------------------------------------
 class _Slot:
     """The board of the current default process group, and the process-wide hooks that need it (see the Note)."""
@@ -377,8 +390,19 @@ def _exit_after_failure() -> None:
         if _slot.board is not None:
             _slot.board.close(wait_s=2.0)
         return
+    board = _slot.board
+    if board is not None and board.published_here and board.rank == 0 and not _agent_store():
+        # Rank 0's process hosts the TCPStore (env:// under SLURM, MPI, a hand-made rendezvous): leaving at once
+        # would take the published failure with it before the peers' watchers read it, and they would see only a
+        # closed connection. Two watch intervals (and a second) give every watcher a poll.
+        time.sleep(min(2 * board.interval + 1.0, 5.0))
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     logging.shutdown()
     os._exit(1)
+
+
+def _agent_store() -> bool:
+    """Whether torchrun's agent hosts the store (then it outlives every rank)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

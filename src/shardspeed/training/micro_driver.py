@@ -119,6 +119,7 @@ class MicroStepDriver:
         if loss.numel() != 1:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self.last_loss = loss.detach()
+        self._refuse_stale_pass("backward()")
         scale = 1.0 / self.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.core.loss_scaler is not None:
             scale *= self.core.loss_scaler.scale
@@ -138,9 +139,21 @@ class MicroStepDriver:
 
     def zero_grad(self) -> None:
         """``engine.zero_grad()``: forget every gradient accumulated since the last step."""
-        self.passes.abort_stale()
+        self._refuse_stale_pass("zero_grad()")
         self.core.zero_grads()
         self.cleared_since_step += 1
+
+    def _refuse_stale_pass(self, where: str) -> None:
+        """A backward of this engine that autograd started (``loss.backward()``) and that raised midway is aborted
+        here. Alone, the script may retry (e.g. after an out-of-memory error). With data-parallel peers it may not:
+        they launched this pass's reductions and wait for this rank's half, so this rank's next reductions would
+        pair with theirs one pass off. Raised unagreed, so the failure guard publishes it to every rank."""
+        if self.passes.abort_stale() and self.core.axis.size > 1:
+            raise RuntimeError(
+                f"{where}: a backward of this engine (loss.backward()) raised on this rank before its gradients were "
+                "reduced; the other data-parallel ranks wait for those reductions, so the ranks can no longer train "
+                "in step (skipping a batch whose backward failed on one rank is not possible with data parallelism)"
+            )
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
