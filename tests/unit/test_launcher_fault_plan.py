@@ -18,6 +18,7 @@ from test_launcher import _plan  # the launcher tests' plan helper
 from shardspeed.launcher import cli
 from shardspeed.launcher.errors import LauncherError
 from shardspeed.launcher.failure_report import (
+    AGENT_WHERE,
     FAILURE_DIR_ENV,
     RankFailure,
     failure_dir,
@@ -151,6 +152,14 @@ def test_report_names_the_earliest_record(tmp_path: Path) -> None:
         "[shardspeed] later failure records: rank 0",
         "[shardspeed] unreadable failure records: rank1.json",
     ]
+
+
+def test_a_ranks_own_record_outranks_the_agents_earlier_one(tmp_path: Path) -> None:
+    """torchrun's whole-second time for rank 0 (which exited *because* rank 1 failed) is earlier than rank 1's own
+    record; the cause is still rank 1's."""
+    write_failure(str(tmp_path), RankFailure(rank=0, time=100.0, where=AGENT_WHERE, error="exited with code 1"))
+    write_failure(str(tmp_path), RankFailure(rank=1, time=100.7, where="engine.step() at step 3", error="E: boom"))
+    assert report_lines(str(tmp_path))[0] == "[shardspeed] first failure: rank 1 in engine.step() at step 3: E: boom"
 
 
 def test_report_without_records_says_so(tmp_path: Path) -> None:

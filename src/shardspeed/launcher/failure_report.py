@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 FAILURE_DIR_ENV = "SHARDSPEED_FAILURE_DIR"
 PREFIX = "[shardspeed]"
+AGENT_WHERE = "process"
+"""``where`` of the records torchrun's agent writes for ranks that wrote none (``torchrun_agent.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,8 @@ def _parse(text: str) -> RankFailure:
 
 
 def read_failures(directory: str) -> tuple[list[RankFailure], list[str]]:
-    """Every readable ``rank<R>.json`` in ``directory`` (earliest first), and the names of files that were not
+    """Every readable ``rank<R>.json`` in ``directory`` (rank-written records first, each kind earliest first), and
+    the names of files that were not
     valid records (a rank killed while writing one leaves a partial file)."""
     failures: list[RankFailure] = []
     unreadable: list[str] = []
@@ -82,7 +85,10 @@ def read_failures(directory: str) -> tuple[list[RankFailure], list[str]]:
                 failures.append(_parse(handle.read()))
         except (OSError, ValueError, KeyError, TypeError):
             unreadable.append(name)
-    failures.sort(key=lambda failure: (failure.time, failure.rank))
+    # A rank's own record (an exception it raised, or a peer's death it saw) names a cause; the agent's records
+    # only say that a process exited, and carry torchrun's whole-second times, which would sort a rank that exited
+    # *because* of another's failure ahead of it. So the agent's records come after every rank-written one.
+    failures.sort(key=lambda failure: (failure.where == AGENT_WHERE, failure.time, failure.rank))
     return failures, unreadable
 
 

@@ -19,11 +19,11 @@ import signal
 import sys
 
 if __package__:
-    from shardspeed.launcher.failure_report import FAILURE_DIR_ENV, RankFailure, write_failure
+    from shardspeed.launcher.failure_report import AGENT_WHERE, FAILURE_DIR_ENV, RankFailure, write_failure
 else:  # run by file path: the sibling module, without importing the shardspeed package
-    from failure_report import FAILURE_DIR_ENV, RankFailure, write_failure  # type: ignore[no-redef]
+    from failure_report import AGENT_WHERE, FAILURE_DIR_ENV, RankFailure, write_failure  # type: ignore[no-redef]
 
-WHERE = "process"
+WHERE = AGENT_WHERE
 
 
 def describe_exit(exitcode: int, signal_name: str) -> str:
