@@ -129,6 +129,15 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
+def _launch_two_ranks(tmp_path: Path, name: str, script: str) -> subprocess.Popen[str]:
+    """``script`` written to ``tmp_path/name`` and launched on 2 ranks (its argument: ``tmp_path``)."""
+    (tmp_path / name).write_text(script)
+    command = [*_launcher(), "--num_procs", "2", "--master_port", str(_free_port()), name, str(tmp_path)]
+    return subprocess.Popen(
+        command, cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def _wait_for(paths: list[Path], launcher: subprocess.Popen[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(path.exists() for path in paths):
@@ -169,11 +178,7 @@ def test_max_restarts_restarts_the_failed_worker_group(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_kill_9_of_a_rank_tears_the_job_down_and_names_it(tmp_path: Path) -> None:
-    (tmp_path / "sleeper.py").write_text(SLEEPER_SCRIPT)
-    command = [*_launcher(), "--num_procs", "2", "--master_port", str(_free_port()), "sleeper.py", str(tmp_path)]
-    launcher = subprocess.Popen(
-        command, cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    launcher = _launch_two_ranks(tmp_path, "sleeper.py", SLEEPER_SCRIPT)
     try:
         _wait_for([tmp_path / "pid_rank0", tmp_path / "pid_rank1"], launcher, timeout_s=180)
         job = _descendants(launcher.pid)
@@ -195,11 +200,7 @@ def test_kill_9_of_a_rank_tears_the_job_down_and_names_it(tmp_path: Path) -> Non
 @pytest.mark.slow  # make test keeps tests/unit/test_launcher.py::test_sigterm_to_launcher_stops_its_children
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
-    (tmp_path / "trap.py").write_text(SIGTERM_SCRIPT)
-    command = [*_launcher(), "--num_procs", "2", "--master_port", str(_free_port()), "trap.py", str(tmp_path)]
-    launcher = subprocess.Popen(
-        command, cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    launcher = _launch_two_ranks(tmp_path, "trap.py", SIGTERM_SCRIPT)
     try:
         _wait_for([tmp_path / "ready_rank0", tmp_path / "ready_rank1"], launcher, timeout_s=180)
         job = _descendants(launcher.pid)
