@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import run_ranks
 from shardspeed.comm import Collectives
 from shardspeed.config.fault_tolerance import FaultToleranceConfig
-from shardspeed.faults.board import failure_board
+from shardspeed.faults.process import failure_board
 from shardspeed.topology import AxisGroup
 
 

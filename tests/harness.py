@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardspeed.faults.board import current_failure
+from shardspeed.faults.process import current_failure
 
 PG_TIMEOUT_S = 30.0  # a hung collective fails the test quickly instead of at the pytest-timeout
 JOIN_DEADLINE_S = 90.0

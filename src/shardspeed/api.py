@@ -9,8 +9,8 @@ import torch
 from shardspeed.config import load_config
 from shardspeed.distributed import init_distributed
 from shardspeed.engine import ShardSpeedEngine
-from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import EngineGuard
+from shardspeed.faults.process import failure_board
 from shardspeed.faults.resume import resume_latest
 from shardspeed.faults.startup import configured_timeout, early_fault_config
 from shardspeed.topology import Topology

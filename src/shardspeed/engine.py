@@ -37,9 +37,9 @@ from shardspeed.engine_setup import (
     log_engine_summary,
     offload_params,
 )
-from shardspeed.faults.board import failure_board
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
+from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
