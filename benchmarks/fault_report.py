@@ -161,8 +161,9 @@ def time_to_exit(job: Launch, fault_time: float | None, timeout_s: float) -> str
 def launcher_summary(text: str) -> str:
     """The launcher's own "[shardspeed] ..." verdict line, and the rank torchrun names as the root cause."""
     lines = [line.strip() for line in text.splitlines() if line.startswith("[shardspeed]")]
-    verdicts = [line for line in lines if "exited" in line or "interrupted" in line or "failed" in line]
-    summary = trim(verdicts[-1], 120) if verdicts else ""
+    first = [line for line in lines if "first failure:" in line]  # the launcher's verdict on which rank and why
+    verdicts = first or [line for line in lines if "exited" in line or "interrupted" in line or "failed" in line]
+    summary = trim(verdicts[-1], 160) if verdicts else ""
     _, found, after = text.partition("Root Cause (first observed failure)")
     root = _TORCHRUN_FAILURE.search(after) if found else None
     if root is not None:

@@ -316,3 +316,29 @@ def test_uncaught_user_exception_is_published(dist_run, tmp_path, in_thread: boo
     record = json.loads((tmp_path / "failures" / "rank1.json").read_text())
     assert (record["rank"], record["where"], record["error"]) == (1, where, "ValueError: user code bug between steps")
     assert not (tmp_path / "failures" / "rank0.json").exists()  # rank 0 did not fail of its own accord
+
+
+def _agreed_uncaught_case(rank: int, world: int, failure_dir: str) -> str:
+    """An agreed error (every rank raises it alike) left uncaught: nothing is published to the peers, but each rank
+    leaves a failure record so the launcher can name the cause instead of "exited with code 1"."""
+    from shardspeed.faults.errors import mark_agreed
+
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(0))
+    os.environ["SHARDSPEED_FAILURE_DIR"] = failure_dir
+    try:
+        raise mark_agreed(ValueError("the same on every rank"))
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    _train(engine, rank, world, 1)  # nothing was published: the ranks still train together
+    return "trained"
+
+
+def test_an_uncaught_agreed_error_is_recorded_for_the_launcher_not_published(dist_run, tmp_path) -> None:
+    assert dist_run(_agreed_uncaught_case, 2, str(tmp_path / "failures"), deadline_s=DEADLINE_S) == ["trained"] * 2
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "failures" / f"rank{rank}.json").read_text())
+        assert (record["where"], record["error"]) == (
+            "user code (uncaught exception)",
+            "ValueError: the same on every rank",
+        )

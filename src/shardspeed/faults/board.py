@@ -113,7 +113,7 @@ class FailureBoard:
         mark_published(exc)
         self._record(record)
         self._post(record)
-        _write_failure_file(record)
+        write_failure_file(record)
         return record
 
     def _post(self, record: FailureRecord) -> None:
@@ -285,7 +285,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def _write_failure_file(record: FailureRecord) -> None:
+def write_failure_file(record: FailureRecord) -> None:
     """``$SHARDSPEED_FAILURE_DIR/rank<R>.json`` for the launcher (written atomically); nothing if unset."""
     directory = os.environ.get(FAILURE_DIR_ENV)
     if not directory:

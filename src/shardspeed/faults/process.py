@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from shardspeed.config.fault_tolerance import FaultToleranceConfig
-from shardspeed.faults.board import FailureBoard
+from shardspeed.faults.board import FailureBoard, write_failure_file
 from shardspeed.faults.errors import FailureRecord, PeerFailedError, is_agreed, is_published
 
 logger = logging.getLogger("shardspeed")
@@ -61,7 +61,10 @@ def current_failure() -> FailureRecord | None:
 
 def _publish_uncaught(exc: BaseException, where: str) -> None:
     board = _slot.board
-    if board is None or isinstance(exc, (PeerFailedError, SystemExit)) or is_published(exc) or is_agreed(exc):
+    if board is None or isinstance(exc, (PeerFailedError, SystemExit)) or is_published(exc):
+        return
+    if is_agreed(exc):  # every rank raised it alike: nothing to tell the peers, but the launcher names the cause
+        write_failure_file(FailureRecord.of(board.rank, where, exc))
         return
     try:
         board.publish(where, exc)
