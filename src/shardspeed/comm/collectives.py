@@ -12,6 +12,7 @@ waited through the board, so a peer's published failure (or death) raises here i
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ class Work:
     """A pending collective (or an already-finished no-op). ``wait()`` is idempotent; with a failure board it
     raises ``PeerFailedError`` instead of waiting for a peer that failed."""
 
-    def __init__(self, handle: dist.Work | None, board: FailureBoard | None = None, doing: str = "") -> None:
+    def __init__(
+        self, handle: dist.Work | None, board: FailureBoard | None = None, doing: Callable[[], str] = str
+    ) -> None:
         self._handle = handle
         self._board = board
         self._doing = doing
@@ -65,7 +68,10 @@ class Collectives:
     def _run(self, launch: object, axis: AxisGroup, op: str, tag: str, async_op: bool) -> Work:
         """Issue ``launch(async_op)`` and return its Work, waited already unless ``async_op``: through the failure
         board when there is one (always issued async then), else as torch's own synchronous call."""
-        doing = f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
+
+        def doing() -> str:  # built only for an error message: this runs for every collective
+            return f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
+
         if self.board is None:
             return Work(launch(async_op), None, doing)  # type: ignore[operator]
         work = Work(launch(True), self.board, doing)  # type: ignore[operator]

@@ -40,6 +40,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -146,10 +147,12 @@ class FailureBoard:
             self._watcher.join(wait_s)
 
     # --- waiting -------------------------------------------------------------------------------------------------
-    def wait(self, handle: dist.Work, doing: str) -> None:
+    def wait(self, handle: dist.Work, doing: Callable[[], str]) -> None:
         """``handle.wait()``, but raise ``PeerFailedError`` as soon as a failure is published, and turn a
-        connection error into one naming the peer that died."""
-        self.raise_if_failed(doing)
+        connection error into one naming the peer that died. ``doing()`` says what this rank was waiting in; it is
+        called only for an error (every collective of the library waits here: no message is built on success)."""
+        if self._failure is not None:
+            raise PeerFailedError(self._failure, doing())
         helper: _Pending | None = None
         if self._host_waits and not handle.is_completed():
             event = threading.Event()
@@ -169,14 +172,14 @@ class FailureBoard:
                     self._waiters.discard(event)
             if not (helper.done if helper is not None else handle.is_completed()):
                 self.abandoned += 1
-                self.raise_if_failed(doing)
+                self.raise_if_failed(doing())
         try:
             if helper is None:
                 handle.wait()
             elif helper.error is not None:
                 raise helper.error
         except RuntimeError as error:
-            raise self._communication_error(error, doing) from error
+            raise self._communication_error(error, doing()) from error
         # A collective that completed returns its result even if a failure was published meanwhile: ranks that
         # raise together after an agreement (step_core's checks) then raise their own error, not the first one's.
 
