@@ -3,6 +3,17 @@
 The mesh math (which global ranks share an axis) is pure and tested without processes; `Topology.build` turns it
 into process groups once, and the resulting object is passed down explicitly — there is no module-level group state.
 
+[Note: axes and scopes] The *axes* are the mesh's dimensions (pipe, data, tensor; sequence and expert would be
+further axes). A *scope* is a set of axes a role communicates over, and each has its own group, built once:
+- ``data``: batch slicing, gradient reduction and ZeRO sharding (replicas of the same model slice);
+- ``tensor``: tensor-parallel layers (Megatron's f/g), sequence-parallel gathers, partitioned activations;
+- ``model`` = pipe × tensor: ranks that hold *different* pieces of one model replica; a sum over the model
+  (gradient norm, Lamb's norms of TP-sliced parameters) is a sum over this scope, counting each
+  tensor-replicated parameter on one tensor rank only (``params/spec.py``);
+- ``world``: decisions every rank must take alike (overflow, step checks, checkpoint commit).
+A Topology is also a Megatron-style ``mpu`` (``get_data_parallel_group()``, ``get_tensor_model_parallel_rank()``,
+…), so a model built on it and ``initialize(mpu=topology)`` agree on the groups.
+
 Rank layout: pipeline is the outermost axis, tensor the innermost (ranks of one tensor-parallel group are
 adjacent, so on a GPU cluster they land on one node), data in between:
     global_rank = (pipe_index * data + data_index) * tensor + tensor_index
@@ -57,16 +68,28 @@ def rank_of(coords: dict[Axis, int], shape: MeshShape) -> int:
 
 def axis_groups(shape: MeshShape, axis: Axis) -> list[tuple[int, ...]]:
     """Every group of global ranks that differ only along ``axis``, in a fixed order (all ranks agree on it)."""
-    others = [a for a in AXES if a != axis]
-    groups: list[tuple[int, ...]] = []
-    for i in range(shape.size(others[0])):
-        for j in range(shape.size(others[1])):
-            members = []
-            for k in range(shape.size(axis)):
-                coords: dict[Axis, int] = {others[0]: i, others[1]: j, axis: k}
-                members.append(rank_of(coords, shape))
-            groups.append(tuple(members))
-    return groups
+    return scope_groups(shape, (axis,))
+
+
+def scope_groups(shape: MeshShape, axes: tuple[Axis, ...]) -> list[tuple[int, ...]]:
+    """Every group of global ranks that differ only along ``axes`` (members in ascending rank order), in a fixed
+    order all ranks agree on."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(shape.world_size):
+        coords = coords_of(rank, shape)
+        key = tuple(coords[a] for a in AXES if a not in axes)
+        groups.setdefault(key, []).append(rank)
+    return [tuple(members) for _, members in sorted(groups.items())]
+
+
+SCOPES: dict[str, tuple[Axis, ...]] = {
+    "pipe": ("pipe",),
+    "data": ("data",),
+    "tensor": ("tensor",),
+    "model": ("pipe", "tensor"),
+    "world": AXES,
+}
+"""Every group a Topology builds ([Note: axes and scopes]), in build order (every rank creates them alike)."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +111,19 @@ class AxisGroup:
 
 
 class Topology:
-    """The process groups of this rank for each mesh axis. Build once per engine; pass it down."""
+    """The process groups of this rank for each mesh axis and scope. Build once per job; pass it down."""
 
-    def __init__(self, shape: MeshShape, global_rank: int, axes: dict[Axis, AxisGroup]) -> None:
+    def __init__(self, shape: MeshShape, global_rank: int, axes: dict[str, AxisGroup]) -> None:
         self.shape = shape
         self.global_rank = global_rank
         self.pipe = axes["pipe"]
         self.data = axes["data"]
         self.tensor = axes["tensor"]
+        solo = AxisGroup("model", None, (global_rank,), 0)
+        self.model: AxisGroup = axes.get("model", solo)
+        """pipe × tensor: the ranks holding different pieces of this rank's model replica."""
+        self.world: AxisGroup = axes.get("world", AxisGroup("world", None, (global_rank,), 0))
+        """Every rank."""
 
     @classmethod
     def build(cls, shape: MeshShape | None = None) -> Topology:
@@ -109,9 +137,9 @@ class Topology:
                 f"does not match the world size {world_size}"
             )
         mine = coords_of(rank, shape)
-        axes: dict[Axis, AxisGroup] = {}
-        for axis in AXES:
-            groups = axis_groups(shape, axis)
+        axes: dict[str, AxisGroup] = {}
+        for scope, scope_axes in SCOPES.items():
+            groups = scope_groups(shape, scope_axes)
             own = next(g for g in groups if rank in g)
             if len(own) == 1:
                 pg = None
@@ -121,7 +149,8 @@ class Topology:
                 # new_group is collective over the whole world: every rank creates every group, same order.
                 created = [dist.new_group(list(g)) for g in groups]
                 pg = created[groups.index(own)]
-            axes[axis] = AxisGroup(axis, pg, own, mine[axis])
+            axes[scope] = AxisGroup(scope, pg, own, own.index(rank))
+        assert all(axes[a].rank == mine[a] for a in AXES)
         return cls(shape, rank, axes)
 
     @classmethod
@@ -152,3 +181,44 @@ class Topology:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.data.group
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tensor.rank
+
+    @property
+    def tp_world_size(self) -> int:
+        return self.tensor.size
+
+    # --- the Megatron ``mpu`` interface: a Topology can be passed as ``initialize(mpu=...)`` ----------------------
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.data.group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data.rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data.size
+
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.tensor.group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tensor.rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tensor.size
+
+    # Megatron's older names: "model parallel" meant the tensor axis.
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.pipe.group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pipe.rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pipe.size
