@@ -42,11 +42,13 @@ from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
+from shardspeed.params import ParamSpecs
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
+from shardspeed.tensor_parallel import bind_collectives
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
@@ -87,6 +89,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
         # comms log; interruptible waits (the board); order verification (a debug option)
         self.collectives = engine_collectives(config, topology, board)
+        bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
+        self.param_specs = ParamSpecs.collect(model, topology.tensor.rank, topology.tensor.size)
+        """What each parameter is a piece of ([Note: parameter specs] in params/spec.py)."""
 
         # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
         check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")
