@@ -148,8 +148,8 @@ class ParamSpec:
 
 @runtime_checkable
 class SpecProvider(Protocol):
-    """A module that owns tensor-parallel parameters declares their specs, keyed by the parameter's attribute name
-    (``"weight"``, ``"bias"``); parameters it leaves out are replicated."""
+    """A module that owns tensor-parallel parameters declares their specs, keyed by the parameter's path below it
+    (``"weight"``, ``"bias"``, or ``"norm.weight"`` for a wrapper); parameters it leaves out are replicated."""
 
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]: ...
 
@@ -175,7 +175,7 @@ class ParamSpecs:
             if not isinstance(sub, SpecProvider):
                 continue
             for attr, spec in sub.tensor_parallel_specs().items():
-                p = getattr(sub, attr)
+                p = sub.get_parameter(attr)  # dotted paths allowed: a wrapper may declare its inner norm's weight
                 full_name = f"{prefix}.{attr}" if prefix else attr
                 if not isinstance(p, nn.Parameter):
                     raise TypeError(f"{type(sub).__name__} declares a spec for '{full_name}', which is not a parameter")
