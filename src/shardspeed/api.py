@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardspeed.config import load_config
 from shardspeed.distributed import init_distributed
@@ -13,16 +14,8 @@ from shardspeed.faults.guard import EngineGuard
 from shardspeed.faults.process import failure_board
 from shardspeed.faults.resume import resume_latest
 from shardspeed.faults.startup import configured_timeout, early_fault_config
+from shardspeed.mesh import resolve_mesh
 from shardspeed.topology import Topology
-
-
-def _topology_from_mpu(mpu: Any) -> Topology:
-    """A Megatron-style ``mpu`` supplies the data-parallel group; we use it as the data axis."""
-    import torch.distributed as dist
-
-    group = mpu.get_data_parallel_group()
-    ranks = tuple(dist.get_process_group_ranks(group))
-    return Topology.from_data_group(group, ranks, mpu.get_data_parallel_rank())
 
 
 def initialize(
@@ -64,11 +57,14 @@ def initialize(
     init_distributed(
         distributed_port=distributed_port, dist_init_required=dist_init_required, timeout=configured_timeout(faults)
     )
-    topology = _topology_from_mpu(mpu) if mpu is not None else Topology.build()
+    # The mesh before the batch arithmetic: DP = world / (TP × PP) ([Note: where the mesh comes from] in mesh.py).
+    shape = resolve_mesh(config, dist.get_world_size() if dist.is_initialized() else 1, mpu)
+    topology = Topology.from_mpu(mpu) if mpu is not None else Topology.build(shape)
     # Construction is guarded too: a rank that fails building its engine must not leave the others waiting in
     # the construction's collectives ([Note: failure propagation] in faults/board.py).
     with EngineGuard(failure_board(faults), topology.global_rank).call("shardspeed.initialize()"):
         cfg = load_config(config, dp_world_size=topology.dp_world_size)
+        # AutoTP (tensor_parallel.autotp_size): the lead wires apply_tensor_parallel here
         engine = ShardSpeedEngine(
             model,
             cfg,

@@ -42,13 +42,13 @@ from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
 from shardspeed.optim.absent import require_optimizer
-from shardspeed.params import ParamSpecs
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
-from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
 from shardspeed.tensor_parallel import bind_collectives
+from shardspeed.tensor_parallel.batch_check import FirstBatchCheck
+from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, collect_specs_agreed
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
@@ -90,11 +90,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         # comms log; interruptible waits (the board); order verification (a debug option)
         self.collectives = engine_collectives(config, topology, board)
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
-        self.param_specs = ParamSpecs.collect(model, topology.tensor.rank, topology.tensor.size)
+        # Specs, then the structure (global shapes) agreed over the world: an error on every rank, not a hang.
+        self.param_specs = collect_specs_agreed(model, topology, self.collectives)
         """What each parameter is a piece of ([Note: parameter specs] in params/spec.py)."""
-
-        # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
-        check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")
+        self._first_batch = FirstBatchCheck(topology.tensor, self.collectives)  # same batch on every tensor rank
         deferred = has_deferred_tensors(model)
         if deferred and config.zero_optimization.stage != 3:
             raise ValueError(
@@ -231,10 +230,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
     @torch.no_grad()
     def _broadcast_module_state(self) -> None:
-        """Every rank starts from data-parallel rank 0's parameters and buffers (as DeepSpeed does)."""
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            if not tensor.is_meta:  # zero.Init: stage 3 broadcasts each unit as it materializes it
-                self.collectives.broadcast(tensor.data, self.topology.data, 0, tag="init")
+        """Every rank starts from data-parallel rank 0's replicas (tensor-replicated ones: tensor rank 0's too)."""
+        broadcast_initial_state(self.module, self.param_specs, self.topology, self.collectives)
 
     def _check_param_dtypes(self, packed: PackedParams) -> None:
         expected = self.config.compute_dtype
@@ -247,6 +244,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
+        self._first_batch(args, kwargs)  # the first forward only: identical across the tensor axis
         with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 

@@ -165,13 +165,18 @@ def _offload(
 def log_engine_summary(
     logger: logging.Logger, config: ShardSpeedConfig, topology: Topology, trainable_numel: int, predicted: Any
 ) -> None:
-    """Rank 0's two lines at construction: the layout of the run and the predicted model-state bytes per rank."""
+    """Rank 0's two lines at construction: the layout of the run (the mesh: pipe × data × tensor) and the predicted
+    model-state bytes per rank."""
+    shape = topology.shape
     logger.info(
-        "stage %d, %s, world %d (data %d), %d trainable parameters, micro batch %d × GAS %d × data %d = %d",
+        "stage %d, %s, world %d (mesh pipe %d × data %d × tensor %d), %d trainable parameters, "
+        "micro batch %d × GAS %d × data %d = %d",
         config.zero_optimization.stage,
         config.compute_dtype,
-        topology.shape.world_size,
-        topology.dp_world_size,
+        shape.world_size,
+        shape.pipe,
+        shape.data,
+        shape.tensor,
         trainable_numel,
         config.train_micro_batch_size_per_gpu,
         config.gradient_accumulation_steps,

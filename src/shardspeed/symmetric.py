@@ -32,14 +32,29 @@ def _first_difference(a: Any, b: Any) -> str:
     return f"{a!r} vs {b!r}"
 
 
+_AXIS_WORDS = {
+    "data": "data-parallel ranks",
+    "tensor": "tensor-parallel ranks",
+    "pipe": "pipeline ranks",
+    "model": "model-parallel ranks",
+    "world": "ranks",
+}
+
+
 def check_same_on_all_ranks(value: Any, axis: AxisGroup, collectives: Collectives, what: str) -> None:
-    """Raise the same ValueError on every rank of ``axis`` unless all ranks passed an equal ``value``."""
-    everyone = collectives.all_gather_object(value, axis)
+    """Raise the same ValueError on every rank of ``axis`` unless all ranks passed an equal ``value``. The error
+    names the two global ranks (``axis`` is usually ``topology.world``: every rank must take the same branch)."""
+    raise_if_different(collectives.all_gather_object(value, axis), axis, what)
+
+
+def raise_if_different(everyone: list[Any], axis: AxisGroup, what: str) -> None:
+    """The comparison of ``check_same_on_all_ranks`` on an already gathered list (one value per rank of ``axis``)."""
     for index, other in enumerate(everyone):
         if other != everyone[0]:
+            words = _AXIS_WORDS.get(axis.name, f"{axis.name} ranks")
             raise mark_agreed(  # every rank compares the same gathered list: the same error everywhere
                 ValueError(
-                    f"{what} differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
+                    f"{what} differs between {words} {axis.ranks[0]} and {axis.ranks[index]}: "
                     f"{_first_difference(everyone[0], other)}"
                 )
             )

@@ -22,7 +22,7 @@ adjacent, so on a GPU cluster they land on one node), data in between:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -113,9 +113,19 @@ class AxisGroup:
 class Topology:
     """The process groups of this rank for each mesh axis and scope. Build once per job; pass it down."""
 
-    def __init__(self, shape: MeshShape, global_rank: int, axes: dict[str, AxisGroup]) -> None:
+    def __init__(
+        self,
+        shape: MeshShape,
+        global_rank: int,
+        axes: dict[str, AxisGroup],
+        layout: tuple[int, ...] | None = None,
+    ) -> None:
         self.shape = shape
         self.global_rank = global_rank
+        self.layout: tuple[int, ...] = layout or tuple(range(shape.world_size))
+        """Global ranks in (pipe, data, tensor) row-major order: ``layout[rank_of(coords)]`` is the rank at those
+        coordinates. The identity for ``build``; an mpu may lay its ranks out differently (``from_mpu``)."""
+        self._device_mesh: Any = None
         self.pipe = axes["pipe"]
         self.data = axes["data"]
         self.tensor = axes["tensor"]
@@ -154,20 +164,79 @@ class Topology:
         return cls(shape, rank, axes)
 
     @classmethod
-    def from_data_group(cls, group: dist.ProcessGroup, ranks: tuple[int, ...], rank_in_group: int) -> Topology:
-        """A topology whose data axis is a caller-provided group (e.g. a Megatron-style ``mpu``'s)."""
-        global_rank = dist.get_rank() if dist.is_initialized() else 0
-        data = AxisGroup("data", group if len(ranks) > 1 else None, ranks, rank_in_group)
-        solo = (global_rank,)
-        return cls(
-            MeshShape(data=len(ranks)),
-            global_rank,
-            {
-                "data": data,
-                "pipe": AxisGroup("pipe", None, solo, 0),
-                "tensor": AxisGroup("tensor", None, solo, 0),
-            },
+    def from_mpu(cls, mpu: Any) -> Topology:
+        """The topology of a Megatron-style ``mpu``: its data, tensor and pipeline groups are used as they are
+        (a shardspeed ``Topology`` passed as mpu is returned unchanged). Every rank must call this.
+
+        Each rank's (pipe, data, tensor) indices and group members are all-gathered over the world and checked to
+        form one full grid (``grid_from_mpu_records``: the same ``MeshError`` on every rank otherwise); the derived
+        scopes (``model``, ``world``) are then created, in the same order on every rank.
+        """
+        if isinstance(mpu, Topology):
+            return mpu
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        record = _mpu_record(mpu)
+        records: list[Any] = [None] * world_size
+        if world_size > 1:
+            dist.all_gather_object(records, record)
+        else:
+            records = [record]
+        shape, layout = grid_from_mpu_records(records)  # raises alike on every rank: same gathered list
+        assert isinstance(record, _MpuRecord)  # an error text on any rank raised above, on every rank
+        getters = _MPU_GROUP_GETTERS
+        axes: dict[str, AxisGroup] = {}
+        for axis in AXES:
+            ranks = record.ranks[AXES.index(axis)]
+            group = _call_first(mpu, getters[axis]) if len(ranks) > 1 else None
+            axes[axis] = AxisGroup(axis, group, ranks, record.coords[AXES.index(axis)])
+        # model = pipe × tensor: the ranks sharing this rank's data index, built in the same order everywhere.
+        by_data: dict[int, list[int]] = {}
+        for r, rec in enumerate(records):
+            by_data.setdefault(rec.coords[1], []).append(r)
+        model_groups = [tuple(members) for _, members in sorted(by_data.items())]
+        own = next(g for g in model_groups if rank in g)
+        if len(own) == 1:
+            model_pg = None
+        elif len(own) == world_size:
+            model_pg = dist.group.WORLD
+        else:
+            created = [dist.new_group(list(g)) for g in model_groups]
+            model_pg = created[model_groups.index(own)]
+        axes["model"] = AxisGroup("model", model_pg, own, own.index(rank))
+        world = tuple(range(world_size))
+        axes["world"] = AxisGroup("world", dist.group.WORLD if world_size > 1 else None, world, rank)
+        return cls(shape, rank, axes, layout)
+
+    def device_mesh(self, device_type: str | None = None) -> Any:
+        """A torch ``DeviceMesh`` with dims ("pipe", "data", "tensor") over this topology's own process groups,
+        for DTensor code (``mesh["tensor"].get_group()`` is our tensor group). Collective on first call (a size-1
+        axis needs a one-rank group, created world-wide); cached after."""
+        if self._device_mesh is not None:
+            return self._device_mesh
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.device_mesh() needs torch.distributed to be initialized")
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        singleton: dist.ProcessGroup | None = None
+        groups: list[dist.ProcessGroup] = []
+        for axis in (self.pipe, self.data, self.tensor):
+            if axis.group is None:
+                if singleton is None:  # new_group is world-collective: every rank creates every one-rank group
+                    world = dist.get_world_size()
+                    singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [dist.group.WORLD]
+                    singleton = singles[self.global_rank if world > 1 else 0]
+                groups.append(singleton)
+            else:
+                groups.append(axis.group)
+        shape = self.shape
+        mesh = torch.tensor(self.layout, dtype=torch.int64).view(shape.pipe, shape.data, shape.tensor)
+        self._device_mesh = DeviceMesh.from_group(
+            groups, device_type, mesh=mesh, mesh_dim_names=("pipe", "data", "tensor")
         )
+        return self._device_mesh
 
     # DeepSpeed-familiar names, used by the demo and by users' code.
     @property
@@ -222,3 +291,107 @@ class Topology:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.pipe.size
+
+
+# --- a foreign mpu's layout, checked as one grid ---------------------------------------------------------------------
+_MPU_GROUP_GETTERS: dict[str, tuple[str, ...]] = {
+    "pipe": ("get_pipeline_model_parallel_group",),
+    "data": ("get_data_parallel_group",),
+    "tensor": ("get_tensor_model_parallel_group", "get_model_parallel_group"),
+}
+_MPU_RANK_GETTERS: dict[str, tuple[str, ...]] = {
+    "pipe": ("get_pipeline_model_parallel_rank",),
+    "data": ("get_data_parallel_rank",),
+    "tensor": ("get_tensor_model_parallel_rank", "get_model_parallel_rank"),
+}
+
+
+def _call_first(mpu: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        getter = getattr(mpu, name, None)
+        if getter is not None:
+            return getter()
+    return None
+
+
+@dataclass(frozen=True)
+class _MpuRecord:
+    """What one rank's mpu says: its (pipe, data, tensor) indices and each axis group's members (global ranks)."""
+
+    coords: tuple[int, int, int]
+    ranks: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def _mpu_record(mpu: Any) -> _MpuRecord | str:
+    """This rank's record, or the text of what went wrong reading the mpu (gathered like a record, so a rank whose
+    mpu is broken makes every rank raise instead of leaving its peers in the all-gather)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        coords, ranks = [], []
+        for axis in AXES:
+            group = _call_first(mpu, _MPU_GROUP_GETTERS[axis])
+            if group is None:  # an mpu without this axis (no pipeline): a size-1 axis
+                members: tuple[int, ...] = (rank,)
+                index = 0
+            else:
+                members = tuple(dist.get_process_group_ranks(group))
+                index = int(_call_first(mpu, _MPU_RANK_GETTERS[axis]) or 0)
+                if not 0 <= index < len(members) or members[index] != rank:
+                    return (
+                        f"its mpu says it is {axis} rank {index}, but global rank {rank} is at index "
+                        f"{members.index(rank) if rank in members else 'none'} of that group's ranks {list(members)}"
+                    )
+            coords.append(index)
+            ranks.append(members)
+        return _MpuRecord(tuple(coords), tuple(ranks))  # type: ignore[arg-type]
+    except Exception as exc:
+        return f"reading its mpu failed: {type(exc).__name__}: {exc}"
+
+
+def grid_from_mpu_records(records: list[Any]) -> tuple[MeshShape, tuple[int, ...]]:
+    """Pure: check that every rank's (pipe, data, tensor) indices and groups form one full grid; return the mesh
+    shape and the layout (global ranks in (pipe, data, tensor) row-major order). ``records[r]`` is global rank
+    r's ``_MpuRecord`` (or the text of its error). Raises ``MeshError`` naming the rank and the disagreement."""
+    from shardspeed.faults.errors import mark_agreed
+    from shardspeed.mesh import MeshError
+
+    def fail(text: str) -> MeshError:
+        return mark_agreed(MeshError(f"mpu layout: {text}"))  # type: ignore[return-value]
+
+    for r, rec in enumerate(records):
+        if not isinstance(rec, _MpuRecord):
+            raise fail(f"rank {r}: {rec}")
+    sizes = tuple(len(ranks) for ranks in records[0].ranks)
+    for r, rec in enumerate(records):
+        mine = tuple(len(ranks) for ranks in rec.ranks)
+        if mine != sizes:
+            raise fail(
+                f"rank {r} has group sizes (pipe, data, tensor) = {mine} but rank 0 has {sizes}: every rank's mpu "
+                "must describe the same mesh"
+            )
+    shape = MeshShape(pipe=sizes[0], data=sizes[1], tensor=sizes[2])
+    if shape.world_size != len(records):
+        raise fail(
+            f"pipe {shape.pipe} × data {shape.data} × tensor {shape.tensor} = {shape.world_size} does not match "
+            f"the world size {len(records)}"
+        )
+    at: dict[tuple[int, int, int], int] = {}
+    for r, rec in enumerate(records):
+        if rec.coords in at:
+            raise fail(f"ranks {at[rec.coords]} and {r} both claim (pipe, data, tensor) indices {rec.coords}")
+        at[rec.coords] = r
+    for r, rec in enumerate(records):
+        for i, axis in enumerate(AXES):
+            # the group along ``axis``: the ranks whose other indices equal this rank's, in their ``axis`` order
+            expected = []
+            for k in range(sizes[i]):
+                coords = list(rec.coords)
+                coords[i] = k
+                expected.append(at[tuple(coords)])  # type: ignore[index]
+            if tuple(expected) != rec.ranks[i]:
+                raise fail(
+                    f"rank {r}'s {axis} group is {list(rec.ranks[i])}, but the ranks sharing its other indices, in "
+                    f"{axis}-index order, are {expected}: the groups do not form a (pipe, data, tensor) grid"
+                )
+    layout = tuple(at[(p, d, t)] for p in range(shape.pipe) for d in range(shape.data) for t in range(shape.tensor))
+    return shape, layout

@@ -104,7 +104,7 @@ def _mismatched_models(rank: int, world: int) -> str:
 
 def test_model_mismatch_between_ranks_is_an_error_on_every_rank(dist_run) -> None:
     for message in dist_run(_mismatched_models, 2):
-        assert "model structure differs between data-parallel ranks 0 and 1" in message
+        assert "model structure differs between ranks 0 and 1" in message
 
 
 def _traffic(rank: int, world: int, stage: int, gas: int) -> dict:

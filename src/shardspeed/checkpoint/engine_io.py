@@ -258,8 +258,11 @@ def load(
     # Agreed before branching: a rank that sees no 'latest' (a directory that is not shared, a lagging NFS cache)
     # must not return while its peers go on into the load's collectives.
     found = tag is not None or (load_dir / "latest").exists()
-    check_same_on_all_ranks(
-        found, axis, comm, what="whether load_checkpoint's directory holds a checkpoint ('latest' or a tag)"
+    check_same_on_all_ranks(  # over the world: every rank of every axis must take the same branch
+        found,
+        engine.topology.world,
+        comm,
+        what="whether load_checkpoint's directory holds a checkpoint ('latest' or a tag)",
     )
     if not found:
         engine.logger.warning("no checkpoint to load: %s has no 'latest' file", load_dir)

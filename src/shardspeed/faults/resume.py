@@ -8,8 +8,9 @@ counters, the engine data loader's position (``training_data=``) and every rank'
 states (so dropout draws the same masks). A script that iterates its own DataLoader must put that position back
 itself: see README ("Preemption and elastic restarts").
 
-Whether ``latest`` exists is agreed across the data-parallel ranks first: a rank that sees a checkpoint its peers
-do not (a directory that is not shared) would otherwise load alone and wait in a collective the others skipped.
+Whether ``latest`` exists is agreed across the whole world first (every rank of every axis — data, tensor, pipe —
+must take the same branch): a rank that sees a checkpoint its peers do not (a directory that is not shared) would
+otherwise load alone and wait in a collective the others skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def resume_latest(engine: ShardSpeedEngine, config: FaultToleranceConfig) -> Pat
     directory = Path(config.checkpoint_dir)
     found = (directory / "latest").is_file()
     what = f"whether {directory / 'latest'} exists (fault_tolerance.auto_resume; is checkpoint_dir shared?)"
-    check_same_on_all_ranks(found, engine.topology.data, engine.collectives, what=what)
+    check_same_on_all_ranks(found, engine.topology.world, engine.collectives, what=what)
     rank0 = engine.topology.global_rank == 0
     if not found:
         if rank0:

@@ -1,0 +1,101 @@
+"""Mesh resolution: how many ranks each parallel axis gets, decided before the config's batch arithmetic.
+
+``train_batch_size = micro × GAS × DP`` needs DP, and DP is what is left of the world once the tensor and pipeline
+axes took theirs: DP = world / (TP × PP). So ``initialize`` resolves the mesh first, from what the job says about
+the model-parallel axes, then builds the topology and only then parses the config for that DP.
+
+[Note: where the mesh comes from] Three sources, each optional:
+- ``tensor_parallel.autotp_size`` in the raw config (DeepSpeed's AutoTP; 0, 1 or absent: no tensor axis), read
+  from the raw dict / JSON path the way ``faults/startup.early_fault_config`` reads ``fault_tolerance`` — the
+  typed config cannot be built yet, it needs DP;
+- an ``mpu`` (Megatron's interface, or a shardspeed ``Topology``): its tensor and pipeline sizes;
+- a pipeline module (issue 15): its stage count would set ``pipe`` (see ``PIPELINE_MODULE`` below).
+When two sources name the same axis they must agree; every disagreement, and a world the model-parallel axes do
+not divide, is a ``MeshError`` naming the numbers. The function is pure and reads the same config and mpu on every
+rank, so the error is the same everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardspeed.topology import MeshShape
+
+__all__ = ["MeshError", "autotp_size_of", "resolve_mesh"]
+
+PIPELINE_MODULE = None
+"""Issue 15 (pipeline parallelism): ``resolve_mesh`` will take the pipeline module's ``num_stages`` as the ``pipe``
+size here (checked against an mpu's pipeline size like ``autotp_size`` is against its tensor size). Nothing reads
+this yet; it marks the place."""
+
+
+class MeshError(ValueError):
+    """The parallel axes requested by the config / mpu do not fit the world (or each other)."""
+
+
+def autotp_size_of(raw_config: Any) -> int:
+    """``tensor_parallel.autotp_size`` of a raw config (dict or JSON path); 1 when absent, 0 or 1. A config that
+    cannot be read at all counts as "no tensor parallelism": ``load_config`` reports it properly afterwards."""
+    from shardspeed.config.load import read_config_source
+
+    try:
+        raw = read_config_source(raw_config)
+    except Exception:
+        return 1
+    section = raw.get("tensor_parallel")
+    if section is None:
+        return 1
+    if not isinstance(section, dict):
+        raise MeshError(f"tensor_parallel must be a JSON object, got {section!r}")
+    size = section.get("autotp_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise MeshError(f"tensor_parallel.autotp_size must be a non-negative integer, got {size!r}")
+    return max(size, 1)
+
+
+def _mpu_size(mpu: Any, *getters: str) -> int | None:
+    """The first of ``getters`` that ``mpu`` has, called; None if it has none of them (an mpu without a
+    pipeline axis, say)."""
+    for name in getters:
+        getter = getattr(mpu, name, None)
+        if getter is not None:
+            return int(getter())
+    return None
+
+
+def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None) -> MeshShape:
+    """The mesh shape for ``world_size`` ranks ([Note: where the mesh comes from]). Pure: no process group needed.
+
+    Raises ``MeshError`` naming the numbers when the world is not divisible by TP × PP, when ``autotp_size``
+    disagrees with the mpu's tensor size, or when the mpu's data × tensor × pipe is not the world.
+    """
+    if world_size < 1:
+        raise MeshError(f"world size must be >= 1, got {world_size}")
+    autotp = autotp_size_of(raw_config)
+    tensor, pipe = autotp, 1
+    if mpu is not None:
+        mpu_tensor = _mpu_size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size") or 1
+        mpu_pipe = _mpu_size(mpu, "get_pipeline_model_parallel_world_size") or 1
+        if autotp > 1 and autotp != mpu_tensor:
+            raise MeshError(
+                f"tensor_parallel.autotp_size is {autotp} but the mpu's tensor-parallel world size is {mpu_tensor}: "
+                "they name the same axis and must agree (or drop autotp_size and let the mpu decide)"
+            )
+        tensor, pipe = mpu_tensor, mpu_pipe
+    # PIPELINE_MODULE (issue 15): a pipeline module's stage count sets ``pipe`` here, checked against the mpu's.
+    model_parallel = tensor * pipe
+    if world_size % model_parallel:
+        source = "the mpu" if mpu is not None else "tensor_parallel.autotp_size"
+        raise MeshError(
+            f"world size {world_size} is not divisible by tensor {tensor} × pipe {pipe} = {model_parallel} "
+            f"(from {source}): the data-parallel size would not be a whole number"
+        )
+    data = world_size // model_parallel
+    if mpu is not None:
+        mpu_data = _mpu_size(mpu, "get_data_parallel_world_size")
+        if mpu_data is not None and mpu_data != data:
+            raise MeshError(
+                f"the mpu's data-parallel world size {mpu_data} × tensor {tensor} × pipe {pipe} = "
+                f"{mpu_data * model_parallel} does not match the world size {world_size}"
+            )
+    return MeshShape(pipe=pipe, data=data, tensor=tensor)

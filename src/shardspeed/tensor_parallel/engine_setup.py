@@ -1,0 +1,80 @@
+"""The engine's construction-time steps that a tensor axis changes: the parameter specs and the structure check
+agreed over the whole world, and the initial broadcast over the data *and* tensor axes.
+
+[Note: structure check over the world] Ranks of one tensor group hold different local shapes (uneven slices:
+ceil chunks), so comparing local shapes would fail on a correct model; comparing over the data axis alone would let
+a model that differs between tensor ranks go on into mismatched collectives (a hang, or silently mixed tensors).
+So the fingerprint is of *global* shapes (``engine.param_specs``) and is compared over ``topology.world``. The spec
+collection itself can fail on one rank only (a local shape its spec does not give); its error travels in the
+gathered fingerprint, so that rank's error is raised on every rank instead of leaving the others in the gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.comm import Collectives
+from shardspeed.faults.errors import mark_agreed
+from shardspeed.params import ParamSpecs
+from shardspeed.symmetric import raise_if_different
+from shardspeed.topology import Topology
+
+__all__ = ["broadcast_initial_state", "collect_specs_agreed", "global_fingerprint"]
+
+
+def global_fingerprint(module: nn.Module, specs: ParamSpecs) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """(name, *global* shape, dtype, requires_grad) for every parameter and buffer, in registration order: equal
+    on every rank of a correct tensor-parallel model, whatever its tensor rank's slice."""
+    entries = [
+        (n, tuple(specs.of(p, n).global_shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()
+    ]
+    entries += [(n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    return entries
+
+
+def collect_specs_agreed(model: nn.Module, topology: Topology, collectives: Collectives) -> ParamSpecs:
+    """``ParamSpecs.collect`` for this tensor rank, then the model structure (global shapes) checked identical over
+    the world ([Note: structure check over the world]). Collective over the world; raises the same error on every
+    rank."""
+    specs: ParamSpecs | None = None
+    try:
+        specs = ParamSpecs.collect(model, topology.tensor.rank, topology.tensor.size)
+        mine: Any = global_fingerprint(model, specs)
+    except (TypeError, ValueError) as exc:
+        mine = f"{type(exc).__name__}: {exc}"
+    if topology.world.size > 1:
+        everyone = collectives.all_gather_object(mine, topology.world)
+        for index, other in enumerate(everyone):
+            if isinstance(other, str):
+                raise mark_agreed(
+                    ValueError(f"model structure on rank {topology.world.ranks[index]} (its parameter specs): {other}")
+                )
+        raise_if_different(everyone, topology.world, what="model structure")
+    elif isinstance(mine, str):
+        raise ValueError(mine)
+    assert specs is not None
+    return specs
+
+
+@torch.no_grad()
+def broadcast_initial_state(module: nn.Module, specs: ParamSpecs, topology: Topology, collectives: Collectives) -> None:
+    """Every rank starts from the same replicas: all parameters and buffers from data-parallel rank 0 over the data
+    axis (as DeepSpeed does), and those replicated over the tensor axis (undeclared, or declared unpartitioned in
+    ``specs``) from tensor rank 0 over the tensor axis, so a model seeded differently per rank still starts with
+    identical replicas. Partitioned parameters keep their own slice. Meta tensors (``zero.Init``) are skipped:
+    stage 3 broadcasts each unit as it materializes it."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    for _, tensor in named:
+        if not tensor.is_meta:
+            collectives.broadcast(tensor.data, topology.data, 0, tag="init")
+    if topology.tensor.size == 1:
+        return
+    for name, tensor in named:
+        if tensor.is_meta:
+            continue
+        if specs.of(tensor, name).partitioned:
+            continue
+        collectives.broadcast(tensor.data, topology.tensor, 0, tag="init.tensor")
