@@ -36,7 +36,8 @@ def resume_latest(engine: ShardSpeedEngine, config: FaultToleranceConfig) -> Pat
         raise ValueError("fault_tolerance.auto_resume is true but fault_tolerance.checkpoint_dir is not set")
     directory = Path(config.checkpoint_dir)
     found = (directory / "latest").is_file()
-    what = f"whether {directory / 'latest'} exists (fault_tolerance.auto_resume; is checkpoint_dir shared?)"
+    # No path in the text: the error must read the same on every rank, whatever each rank's checkpoint_dir.
+    what = "whether checkpoint_dir/latest exists (fault_tolerance.auto_resume; is checkpoint_dir shared?)"
     check_same_on_all_ranks(found, engine.topology.world, engine.collectives, what=what)
     rank0 = engine.topology.global_rank == 0
     if not found:
