@@ -207,3 +207,42 @@ def test_checkpoint_presence_is_agreed_over_the_world(dist_run, tmp_path: Path) 
         errors = dist_run(_resume_disagreement, 2, str(tmp_path / via), via)
         assert len(set(errors)) == 1, errors
         assert errors[0].startswith(f"ValueError: {what}") and "differs between ranks 0 and 1" in errors[0], errors[0]
+
+
+def _foreign_mpu_training(rank: int, world: int) -> dict:
+    from test_topology_dist import MegatronStyleMpu
+
+    mpu = MegatronStyleMpu([[0, 2], [1, 3]], [[0, 1], [2, 3]])  # tensor groups {0,2},{1,3}: not our layout
+    topology = Topology.from_mpu(mpu)  # what the model is built on; initialize builds its own from the same mpu
+    torch.manual_seed(100 + rank)
+    model = TinyTP(topology)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), mpu=mpu, config={**_config(2), "train_batch_size": 4}
+    )
+    gen = torch.Generator().manual_seed(engine.topology.dp_rank)  # the data axis decides the batch
+    for _ in range(2):
+        x, y = torch.randn(2, HIDDEN, generator=gen), torch.randn(2, 1, generator=gen)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    return {
+        "tensor": engine.topology.tensor.ranks,
+        "data": engine.topology.data.ranks,
+        "gas": engine.gradient_accumulation_steps(),
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    }
+
+
+def test_engine_on_a_foreign_mpu_with_a_non_default_layout(dist_run) -> None:
+    results = dist_run(_foreign_mpu_training, 4)
+    assert [r["tensor"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [r["data"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert all(r["gas"] == 1 for r in results)  # train_batch_size 4 = micro 2 × GAS 1 × DP 2
+    for name in ("head.weight", "norm.weight", "down.bias"):  # replicated: one value on all four ranks
+        assert all(torch.allclose(r["params"][name], results[0]["params"][name], atol=1e-6) for r in results), name
+    for name in ("up.weight", "down.weight"):  # sliced: equal across the data axis (mpu's data groups)
+        assert torch.allclose(results[1]["params"][name], results[0]["params"][name], atol=1e-6), name
+        assert torch.allclose(results[3]["params"][name], results[2]["params"][name], atol=1e-6), name
+    assert results[0]["params"]["up.weight"].shape == (3, HIDDEN) and results[2]["params"]["up.weight"].shape == (
+        2,
+        HIDDEN,
+    )

@@ -162,3 +162,19 @@ def test_batch_fingerprint_names_arguments_and_detects_one_changed_element() -> 
     assert first_batch_difference([base, missing], (0, 1)) == (
         "argument kwargs['labels'] is a tensor on rank 0 but not on rank 1"
     )
+
+
+def test_engine_summary_shows_the_mesh() -> None:
+    from types import SimpleNamespace
+
+    from shardspeed.config import load_config
+    from shardspeed.engine_setup import log_engine_summary
+
+    lines: list[str] = []
+    logger = SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args))
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}, dp_world_size=2)
+    topology = SimpleNamespace(shape=MeshShape(data=2, tensor=2), dp_world_size=2)
+    predicted = SimpleNamespace(params=0, grads=0, optimizer=0, total=lambda: 0)
+    log_engine_summary(logger, config, topology, 84, predicted)  # type: ignore[arg-type]
+    assert "world 4 (mesh pipe 1 × data 2 × tensor 2)" in lines[0]
+    assert "micro batch 2 × GAS 1 × data 2 = 4" in lines[0]
