@@ -17,11 +17,13 @@ rank, so the error is the same everywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from shardspeed.topology import MeshShape
+from shardspeed.faults.errors import mark_agreed
+from shardspeed.topology import AXES, MeshShape
 
-__all__ = ["MeshError", "autotp_size_of", "resolve_mesh"]
+__all__ = ["MeshError", "MpuRecord", "autotp_size_of", "grid_from_mpu_records", "resolve_mesh"]
 
 PIPELINE_MODULE = None
 """Issue 15 (pipeline parallelism): ``resolve_mesh`` will take the pipeline module's ``num_stages`` as the ``pipe``
@@ -99,3 +101,59 @@ def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None) -> MeshShape
                 f"{mpu_data * model_parallel} does not match the world size {world_size}"
             )
     return MeshShape(pipe=pipe, data=data, tensor=tensor)
+
+
+# --- a foreign mpu's layout, checked as one grid (Topology.from_mpu gathers the records) ------------------------
+@dataclass(frozen=True)
+class MpuRecord:
+    """What one rank's mpu says: its (pipe, data, tensor) indices and each axis group's members (global ranks)."""
+
+    coords: tuple[int, int, int]
+    ranks: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def grid_from_mpu_records(records: list[Any]) -> tuple[MeshShape, tuple[int, ...]]:
+    """Pure: check that every rank's (pipe, data, tensor) indices and groups form one full grid; return the mesh
+    shape and the layout (global ranks in (pipe, data, tensor) row-major order). ``records[r]`` is global rank
+    r's ``MpuRecord`` (or the text of its error). Raises ``MeshError`` naming the rank and the disagreement."""
+
+    def fail(text: str) -> MeshError:
+        return mark_agreed(MeshError(f"mpu layout: {text}"))  # type: ignore[return-value]
+
+    for r, rec in enumerate(records):
+        if not isinstance(rec, MpuRecord):
+            raise fail(f"rank {r}: {rec}")
+    sizes = tuple(len(ranks) for ranks in records[0].ranks)
+    for r, rec in enumerate(records):
+        mine = tuple(len(ranks) for ranks in rec.ranks)
+        if mine != sizes:
+            raise fail(
+                f"rank {r} has group sizes (pipe, data, tensor) = {mine} but rank 0 has {sizes}: every rank's mpu "
+                "must describe the same mesh"
+            )
+    shape = MeshShape(pipe=sizes[0], data=sizes[1], tensor=sizes[2])
+    if shape.world_size != len(records):
+        raise fail(
+            f"pipe {shape.pipe} × data {shape.data} × tensor {shape.tensor} = {shape.world_size} does not match "
+            f"the world size {len(records)}"
+        )
+    at: dict[tuple[int, int, int], int] = {}
+    for r, rec in enumerate(records):
+        if rec.coords in at:
+            raise fail(f"ranks {at[rec.coords]} and {r} both claim (pipe, data, tensor) indices {rec.coords}")
+        at[rec.coords] = r
+    for r, rec in enumerate(records):
+        for i, axis in enumerate(AXES):
+            # the group along ``axis``: the ranks whose other indices equal this rank's, in their ``axis`` order
+            expected = []
+            for k in range(sizes[i]):
+                coords = list(rec.coords)
+                coords[i] = k
+                expected.append(at[tuple(coords)])  # type: ignore[index]
+            if tuple(expected) != rec.ranks[i]:
+                raise fail(
+                    f"rank {r}'s {axis} group is {list(rec.ranks[i])}, but the ranks sharing its other indices, in "
+                    f"{axis}-index order, are {expected}: the groups do not form a (pipe, data, tensor) grid"
+                )
+    layout = tuple(at[(p, d, t)] for p in range(shape.pipe) for d in range(shape.data) for t in range(shape.tensor))
+    return shape, layout

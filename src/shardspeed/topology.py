@@ -174,6 +174,8 @@ class Topology:
         """
         if isinstance(mpu, Topology):
             return mpu
+        from shardspeed.mesh import MpuRecord, grid_from_mpu_records
+
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         record = _mpu_record(mpu)
@@ -183,7 +185,7 @@ class Topology:
         else:
             records = [record]
         shape, layout = grid_from_mpu_records(records)  # raises alike on every rank: same gathered list
-        assert isinstance(record, _MpuRecord)  # an error text on any rank raised above, on every rank
+        assert isinstance(record, MpuRecord)  # an error text on any rank raised above, on every rank
         getters = _MPU_GROUP_GETTERS
         axes: dict[str, AxisGroup] = {}
         for axis in AXES:
@@ -314,17 +316,11 @@ def _call_first(mpu: Any, names: tuple[str, ...]) -> Any:
     return None
 
 
-@dataclass(frozen=True)
-class _MpuRecord:
-    """What one rank's mpu says: its (pipe, data, tensor) indices and each axis group's members (global ranks)."""
-
-    coords: tuple[int, int, int]
-    ranks: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-
-
-def _mpu_record(mpu: Any) -> _MpuRecord | str:
+def _mpu_record(mpu: Any) -> Any:
     """This rank's record, or the text of what went wrong reading the mpu (gathered like a record, so a rank whose
     mpu is broken makes every rank raise instead of leaving its peers in the all-gather)."""
+    from shardspeed.mesh import MpuRecord
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         coords, ranks = [], []
@@ -343,55 +339,6 @@ def _mpu_record(mpu: Any) -> _MpuRecord | str:
                     )
             coords.append(index)
             ranks.append(members)
-        return _MpuRecord(tuple(coords), tuple(ranks))  # type: ignore[arg-type]
+        return MpuRecord(tuple(coords), tuple(ranks))  # type: ignore[arg-type]
     except Exception as exc:
         return f"reading its mpu failed: {type(exc).__name__}: {exc}"
-
-
-def grid_from_mpu_records(records: list[Any]) -> tuple[MeshShape, tuple[int, ...]]:
-    """Pure: check that every rank's (pipe, data, tensor) indices and groups form one full grid; return the mesh
-    shape and the layout (global ranks in (pipe, data, tensor) row-major order). ``records[r]`` is global rank
-    r's ``_MpuRecord`` (or the text of its error). Raises ``MeshError`` naming the rank and the disagreement."""
-    from shardspeed.faults.errors import mark_agreed
-    from shardspeed.mesh import MeshError
-
-    def fail(text: str) -> MeshError:
-        return mark_agreed(MeshError(f"mpu layout: {text}"))  # type: ignore[return-value]
-
-    for r, rec in enumerate(records):
-        if not isinstance(rec, _MpuRecord):
-            raise fail(f"rank {r}: {rec}")
-    sizes = tuple(len(ranks) for ranks in records[0].ranks)
-    for r, rec in enumerate(records):
-        mine = tuple(len(ranks) for ranks in rec.ranks)
-        if mine != sizes:
-            raise fail(
-                f"rank {r} has group sizes (pipe, data, tensor) = {mine} but rank 0 has {sizes}: every rank's mpu "
-                "must describe the same mesh"
-            )
-    shape = MeshShape(pipe=sizes[0], data=sizes[1], tensor=sizes[2])
-    if shape.world_size != len(records):
-        raise fail(
-            f"pipe {shape.pipe} × data {shape.data} × tensor {shape.tensor} = {shape.world_size} does not match "
-            f"the world size {len(records)}"
-        )
-    at: dict[tuple[int, int, int], int] = {}
-    for r, rec in enumerate(records):
-        if rec.coords in at:
-            raise fail(f"ranks {at[rec.coords]} and {r} both claim (pipe, data, tensor) indices {rec.coords}")
-        at[rec.coords] = r
-    for r, rec in enumerate(records):
-        for i, axis in enumerate(AXES):
-            # the group along ``axis``: the ranks whose other indices equal this rank's, in their ``axis`` order
-            expected = []
-            for k in range(sizes[i]):
-                coords = list(rec.coords)
-                coords[i] = k
-                expected.append(at[tuple(coords)])  # type: ignore[index]
-            if tuple(expected) != rec.ranks[i]:
-                raise fail(
-                    f"rank {r}'s {axis} group is {list(rec.ranks[i])}, but the ranks sharing its other indices, in "
-                    f"{axis}-index order, are {expected}: the groups do not form a (pipe, data, tensor) grid"
-                )
-    layout = tuple(at[(p, d, t)] for p in range(shape.pipe) for d in range(shape.data) for t in range(shape.tensor))
-    return shape, layout

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardspeed.mesh import MeshError, autotp_size_of, resolve_mesh
+from shardspeed.mesh import MeshError, MpuRecord, autotp_size_of, grid_from_mpu_records, resolve_mesh
 from shardspeed.tensor_parallel.batch_check import batch_fingerprint, first_batch_difference
-from shardspeed.topology import MeshShape, _MpuRecord, grid_from_mpu_records
+from shardspeed.topology import MeshShape
 
 
 class _Mpu:
@@ -95,14 +95,14 @@ def test_mpu_data_size_must_complete_the_world() -> None:
 
 
 # --- a foreign mpu's grid ---------------------------------------------------------------------------------------
-def _records(tensor_groups: list[tuple[int, ...]], data_groups: list[tuple[int, ...]]) -> list[_MpuRecord]:
+def _records(tensor_groups: list[tuple[int, ...]], data_groups: list[tuple[int, ...]]) -> list[MpuRecord]:
     """Records of a world whose tensor and data groups are given (pipe of size 1)."""
     world = sum(len(g) for g in tensor_groups)
     out = []
     for r in range(world):
         tg = next(g for g in tensor_groups if r in g)
         dg = next(g for g in data_groups if r in g)
-        out.append(_MpuRecord((0, dg.index(r), tg.index(r)), ((r,), dg, tg)))
+        out.append(MpuRecord((0, dg.index(r), tg.index(r)), ((r,), dg, tg)))
     return out
 
 
@@ -125,14 +125,14 @@ def test_groups_that_are_not_a_grid_are_named() -> None:
         grid_from_mpu_records(records)
     # distinct indices, but rank 0's tensor group is not the ranks sharing its data index
     records = _records([(0, 1), (2, 3)], [(0, 2), (1, 3)])
-    records[0] = _MpuRecord((0, 0, 0), ((0,), (0, 2), (0, 3)))
+    records[0] = MpuRecord((0, 0, 0), ((0,), (0, 2), (0, 3)))
     with pytest.raises(MeshError, match=r"rank 0's tensor group is \[0, 3\], but the ranks sharing its other "):
         grid_from_mpu_records(records)
 
 
 def test_mismatched_sizes_and_errors_are_named() -> None:
     records: list = _records([(0, 1), (2, 3)], [(0, 2), (1, 3)])
-    records[3] = _MpuRecord((0, 0, 0), ((3,), (3,), (3,)))
+    records[3] = MpuRecord((0, 0, 0), ((3,), (3,), (3,)))
     with pytest.raises(MeshError, match=r"rank 3 has group sizes \(pipe, data, tensor\) = \(1, 1, 1\)"):
         grid_from_mpu_records(records)
     records[3] = "reading its mpu failed: AttributeError: no"
