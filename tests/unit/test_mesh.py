@@ -178,3 +178,16 @@ def test_engine_summary_shows_the_mesh() -> None:
     log_engine_summary(logger, config, topology, 84, predicted)  # type: ignore[arg-type]
     assert "world 4 (mesh pipe 1 × data 2 × tensor 2)" in lines[0]
     assert "micro batch 2 × GAS 1 × data 2 = 4" in lines[0]
+
+
+def test_batch_fingerprint_of_bf16_bool_and_empty_tensors() -> None:
+    x = torch.linspace(0, 1, 6, dtype=torch.bfloat16)
+    mask = torch.tensor([True, False, True])
+    base = batch_fingerprint((x, mask, torch.empty(0)), {})
+    assert [e[1:3] for e in base] == [((6,), "torch.bfloat16"), ((3,), "torch.bool"), ((0,), "torch.float32")]
+    flipped = batch_fingerprint((x, ~mask, torch.empty(0)), {})
+    assert first_batch_difference([base, flipped], (0, 1)) == (
+        "argument args[1] differs between ranks 0 and 1: its values differ (checksums)"
+    )
+    strided = batch_fingerprint((x.view(2, 3).t().contiguous().t(), mask, torch.empty(0)), {})  # same values
+    assert strided[0][3] == base[0][3]
