@@ -44,6 +44,8 @@ def collect_specs_agreed(model: nn.Module, topology: Topology, collectives: Coll
         specs = ParamSpecs.collect(model, topology.tensor.rank, topology.tensor.size)
         mine: Any = global_fingerprint(model, specs)
     except (TypeError, ValueError) as exc:
+        if topology.world.size == 1:
+            raise
         mine = f"{type(exc).__name__}: {exc}"
     if topology.world.size > 1:
         everyone = collectives.all_gather_object(mine, topology.world)
@@ -53,8 +55,6 @@ def collect_specs_agreed(model: nn.Module, topology: Topology, collectives: Coll
                     ValueError(f"model structure on rank {topology.world.ranks[index]} (its parameter specs): {other}")
                 )
         raise_if_different(everyone, topology.world, what="model structure")
-    elif isinstance(mine, str):
-        raise ValueError(mine)
     assert specs is not None
     return specs
 
