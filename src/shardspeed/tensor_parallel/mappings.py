@@ -182,15 +182,17 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     just keep this rank's chunk."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, dim: int, tensor_parallel_output_grad: bool) -> Any:
-        ctx.tp, ctx.dim, ctx.reduce = tp, dim, tensor_parallel_output_grad
-        return _gather(x, dim, tp, "sp.f.forward")
+    def forward(
+        ctx: Any, x: torch.Tensor, tp: TensorParallel, dim: int, tensor_parallel_output_grad: bool, tag: str
+    ) -> Any:
+        ctx.tp, ctx.dim, ctx.reduce, ctx.tag = tp, dim, tensor_parallel_output_grad, tag
+        return _gather(x, dim, tp, f"{tag}.forward")
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         if ctx.reduce:
-            return _reduce_scatter(grad, ctx.dim, ctx.tp, "sp.f.backward"), None, None, None
-        return _split(grad, ctx.dim, ctx.tp, "gather_from_sequence_region backward"), None, None, None
+            return _reduce_scatter(grad, ctx.dim, ctx.tp, f"{ctx.tag}.backward"), None, None, None, None
+        return _split(grad, ctx.dim, ctx.tp, "gather_from_sequence_region backward"), None, None, None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -238,10 +240,17 @@ def scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel, dim: int = 1
 
 
 def gather_from_sequence_region(
-    x: torch.Tensor, tp: TensorParallel, dim: int = 1, *, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor,
+    tp: TensorParallel,
+    dim: int = 1,
+    *,
+    tensor_parallel_output_grad: bool = True,
+    tag: str = "sp.f",
 ) -> torch.Tensor:
-    """``f̄``: all-gather the sequence dim (before a column-parallel layer under sequence parallelism)."""
-    return x if tp.size == 1 else _GatherFromSequenceRegion.apply(x, tp, dim, tensor_parallel_output_grad)
+    """``f̄``: all-gather the sequence dim (before a column-parallel layer under sequence parallelism).
+    ``tag``: the comms-log tag stem (``.forward`` / ``.backward`` appended); the model's exit from the region uses
+    its own (``sp.leave``), so a block's traffic can be told from the model's."""
+    return x if tp.size == 1 else _GatherFromSequenceRegion.apply(x, tp, dim, tensor_parallel_output_grad, tag)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:

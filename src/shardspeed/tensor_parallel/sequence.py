@@ -49,7 +49,9 @@ def leave_sequence_parallel(
     so the backward reduce-scatters); otherwise it is replicated (the backward keeps this rank's chunk)."""
     if not tp.sequence_parallel:
         return x
-    return gather_from_sequence_region(x, tp, dim, tensor_parallel_output_grad=consumer_is_tensor_parallel)
+    return gather_from_sequence_region(
+        x, tp, dim, tensor_parallel_output_grad=consumer_is_tensor_parallel, tag="sp.leave"
+    )
 
 
 def partial_grad_specs(module: nn.Module, prefix: str, tp: TensorParallel) -> dict[str, ParamSpec]:
