@@ -32,10 +32,15 @@ def dense_tp() -> TensorParallel:
 
 
 class TPMLP(nn.Module):
-    def __init__(self, h: int, ffn: int, tp: TensorParallel, *, bias: bool = True, layout: str = "out_in") -> None:
+    """``gathered``: the column layer gathers its output and the row layer slices it again (``gather_output`` +
+    ``input_is_parallel=False``: wasteful, but exercises both paths)."""
+
+    def __init__(
+        self, h: int, ffn: int, tp: TensorParallel, *, bias: bool = True, layout: str = "out_in", gathered: bool = False
+    ) -> None:
         super().__init__()
-        self.fc = ColumnParallelLinear(h, ffn, tp, bias=bias, weight_layout=layout)
-        self.proj = RowParallelLinear(ffn, h, tp, bias=bias, weight_layout=layout)
+        self.fc = ColumnParallelLinear(h, ffn, tp, bias=bias, weight_layout=layout, gather_output=gathered)
+        self.proj = RowParallelLinear(ffn, h, tp, bias=bias, weight_layout=layout, input_is_parallel=not gathered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

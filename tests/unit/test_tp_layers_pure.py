@@ -147,3 +147,16 @@ def test_hooks_skip_a_tensor_axis_of_one() -> None:
     tp = tp_at(0, 1, sp=True)
     block = _Block(tp, wrap=False)
     assert register_partial_grad_hooks(block, ParamSpecs.collect(block), tp.axis, tp.collectives) == []
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_one_rank_layers_are_plain_linear_layers(layout: str) -> None:
+    """The dense reference of the multi-rank tests (the same classes at tensor size 1) is plain torch."""
+    torch.manual_seed(3)
+    fc = ColumnParallelLinear(8, 13, tp_at(0, 1), weight_layout=layout)
+    proj = RowParallelLinear(13, 8, tp_at(0, 1), weight_layout=layout)
+    x = torch.randn(2, 5, 8)
+    w1 = fc.weight if layout == "out_in" else fc.weight.T
+    w2 = proj.weight if layout == "out_in" else proj.weight.T
+    want = nn.functional.linear(torch.tanh(nn.functional.linear(x, w1, fc.bias)), w2, proj.bias)
+    assert torch.equal(proj(torch.tanh(fc(x))), want)
