@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from tp_block import TPMLP, TPAttention, TPBlock, dense_tp, gather_global, load_global
 
 from shardspeed.params import ParamSpecs
 from shardspeed.tensor_parallel import TensorParallel, register_partial_grad_hooks
+from shardspeed.tensor_parallel.traffic import block_traffic, sequence_boundary_traffic
 from shardspeed.topology import MeshShape, Topology
 
 TOL = 1e-6
@@ -123,3 +125,137 @@ def test_per_rank_bytes_of_each_sliced_weight(dist_run) -> None:
         assert r["attn.qkv.weight"] == H * 3 * (H // 2) * f
         assert r["attn.out.weight"] == (H // 2) * H * f
         assert r["mlp.proj.bias"] == H * f and r["ln_1.weight"] == H * f
+
+
+# --- through the engine: partial gradients summed before ZeRO sees them, and the traffic of one block -------------
+STEPS, VOCAB, SEQ = 5, 32, 8
+
+
+def _lm_batches(seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
+            for _ in range(STEPS)]  # fmt: skip
+
+
+def _engine_vs_dense(rank: int, world: int, sp: bool, stage: int, kind: str, clip: float) -> dict[str, float]:
+    from parity import optimizer_config, torch_optimizer
+    from tp_block import TPTinyLM
+
+    from shardspeed.config import load_config
+    from shardspeed.engine import ShardSpeedEngine
+
+    lr = 1e-2 if kind == "adamw" else 5e-2
+    topo = Topology.build(MeshShape(tensor=world))
+    tp = TensorParallel.from_topology(topo, sequence_parallel=sp)
+    torch.manual_seed(0)
+    dense = TPTinyLM(dense_tp())
+    model = TPTinyLM(tp)
+    load_global(model, dense.state_dict(), tp)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": optimizer_config(kind, lr),
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage},
+    }
+    engine = ShardSpeedEngine(model, load_config(cfg, dp_world_size=1), topo)
+    opt = torch_optimizer(kind, dense.parameters(), lr)
+    for ids, labels in _lm_batches():
+        loss = engine(ids, labels)
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        dense(ids, labels).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(dense.parameters(), clip)
+        opt.step()
+    engine.destroy()
+    got = gather_global(model, {n: p.detach() for n, p in model.named_parameters()}, tp)
+    want = dict(dense.named_parameters())
+    return {n: (t - want[n].detach()).abs().max().item() for n, t in got.items()}
+
+
+SLOW = pytest.mark.slow
+NEEDS_TP_NORM = pytest.mark.xfail(
+    reason="clipping needs the gradient norm summed over the tensor axis (the step core's part of issue 14; "
+    "today each tensor rank clips by its own shard's norm)",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    "sp,stage,kind,clip",
+    [
+        (True, 0, "sgd", 0.0),
+        (True, 2, "adamw", 0.0),
+        pytest.param(True, 2, "sgd", 0.0, marks=SLOW),
+        pytest.param(True, 0, "adamw", 0.0, marks=SLOW),
+        pytest.param(False, 0, "sgd", 0.0, marks=SLOW),
+        pytest.param(False, 2, "adamw", 0.0, marks=SLOW),
+        pytest.param(True, 0, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
+        pytest.param(True, 2, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
+        pytest.param(False, 2, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
+    ],
+)
+def test_engine_trains_a_tensor_parallel_lm_like_the_dense_one(dist_run, sp: bool, stage: int, kind: str, clip: float):
+    """TP=2 (world 2), 5 steps, ZeRO 0 and 2, with and without sequence parallelism, within 1e-5 of plain torch
+    on the dense model. Fails without the partial-gradient hooks (the SP norms would get half their gradient)."""
+    for rank, errors in enumerate(dist_run(_engine_vs_dense, 2, sp, stage, kind, clip)):
+        bad = {n: e for n, e in errors.items() if not e <= 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+class _OneBlock(torch.nn.Module):
+    def __init__(self, tp: TensorParallel) -> None:
+        super().__init__()
+        self.block = TPBlock(H, 4, 24, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).square().sum()
+
+
+def _traffic(rank: int, world: int, sp: bool, whole_model: bool) -> dict[str, tuple[int, int]]:
+    from tp_block import TPTinyLM
+
+    from shardspeed.config import load_config
+    from shardspeed.engine import ShardSpeedEngine
+
+    topo = Topology.build(MeshShape(tensor=world))
+    tp = TensorParallel.from_topology(topo, sequence_parallel=sp)
+    torch.manual_seed(0)
+    model = TPTinyLM(tp, h=H, ffn=24) if whole_model else _OneBlock(tp)
+    cfg = {"train_micro_batch_size_per_gpu": B, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "comms_logger": {"enabled": True}}  # fmt: skip
+    engine = ShardSpeedEngine(model, load_config(cfg, dp_world_size=1), topo)
+    engine.comms_log.reset()  # construction's own collectives (structure check, …) are not the block's
+    if whole_model:
+        ids = torch.randint(0, 32, (B, SEQ), generator=torch.Generator().manual_seed(1))
+        loss = engine(ids, ids)
+    else:
+        x = torch.randn(B, SEQ, H, generator=torch.Generator().manual_seed(1))
+        loss = engine(x.chunk(world, dim=1)[rank] if sp else x)
+    engine.backward(loss)
+    totals = {k: (t.count, t.elements) for k, t in engine.comms_log.totals.items()}
+    engine.destroy()
+    return totals
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_one_block_moves_exactly_the_theory(dist_run, sp: bool) -> None:
+    """One block's forward + backward, counted by the engine's comms log, equals traffic.py by tag (fused QKV,
+    b=2, s=8, h=16, TP=2): without SP 2 + 2 all-reduces of b·s·h; with SP 2 all-gathers + 2 reduce-scatters each
+    way (no re-gathers) plus the partial-gradient sums of the two norms and two row biases (6 × h)."""
+    expected = block_traffic(B, SEQ, H, 2, sequence_parallel=sp, partial_grad_numels=(H,) * 6).by_key()
+    for totals in dist_run(_traffic, 2, sp, False):
+        assert totals == expected
+
+
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=SLOW), True])
+def test_model_traffic_is_blocks_plus_the_region_boundary(dist_run, sp: bool) -> None:
+    """Two blocks plus, with SP, entering (after the embedding) and leaving (before the replicated head) the
+    sequence region, tagged apart; the replicated embedding and cross-entropy communicate nothing."""
+    blocks = block_traffic(B, SEQ, H, 2, sequence_parallel=sp, partial_grad_numels=(H,) * 6).scaled(2)
+    expected = blocks.by_key()
+    if sp:
+        expected |= sequence_boundary_traffic(B, SEQ, H, 2).by_key()
+    for totals in dist_run(_traffic, 2, sp, True):
+        assert totals == expected

@@ -50,9 +50,18 @@ class TPAttention(nn.Module):
     """Causal self-attention with heads split over the tensor axis (heads divisible by the tensor size)."""
 
     def __init__(
-        self, h: int, heads: int, tp: TensorParallel, *, fused: bool = True, bias: bool = True, layout: str = "out_in"
+        self,
+        h: int,
+        heads: int,
+        tp: TensorParallel,
+        *,
+        fused: bool = True,
+        bias: bool = True,
+        layout: str = "out_in",
+        qkv_bias: bool | None = None,
     ) -> None:
         super().__init__()
+        bias, out_bias = (bias if qkv_bias is None else qkv_bias), bias
         if heads % tp.size:
             raise ValueError(f"{heads} heads cannot be split over {tp.size} tensor ranks")
         self.head_dim, self.local_heads, self.fused = h // heads, heads // tp.size, fused
@@ -62,7 +71,7 @@ class TPAttention(nn.Module):
             self.q = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
             self.k = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
             self.v = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
-        self.out = RowParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
+        self.out = RowParallelLinear(h, h, tp, bias=out_bias, weight_layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -89,11 +98,12 @@ class TPBlock(nn.Module):
         bias: bool = True,
         layout: str = "out_in",
         wrap_norms: bool = False,
+        qkv_bias: bool | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.ln_1 = SequenceParallel(nn.LayerNorm(h), tp) if wrap_norms else nn.LayerNorm(h)
-        self.attn = TPAttention(h, heads, tp, fused=fused, bias=bias, layout=layout)
+        self.attn = TPAttention(h, heads, tp, fused=fused, bias=bias, layout=layout, qkv_bias=qkv_bias)
         self.ln_2 = SequenceParallel(nn.LayerNorm(h), tp) if wrap_norms else nn.LayerNorm(h)
         self.mlp = TPMLP(h, ffn, tp, bias=bias, layout=layout)
         self.wrap_norms = wrap_norms
@@ -109,14 +119,18 @@ class TPBlock(nn.Module):
 
 
 class TPTinyLM(nn.Module):
-    """Embedding (replicated) → enter SP → blocks → leave SP → final norm → replicated head."""
+    """GPT-style: embedding (replicated) → enter SP → blocks → leave SP → final norm → replicated head."""
 
     def __init__(self, tp: TensorParallel, *, vocab: int = 32, h: int = 16, heads: int = 4, ffn: int = 24,
                  layers: int = 2, wrap_norms: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
         self.wte = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(TPBlock(h, heads, ffn, tp, wrap_norms=wrap_norms) for _ in range(layers))
+        # No QKV bias: the k bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by every
+        # key), so Adam would turn rounding noise there into full-size steps and no two summation orders agree.
+        self.blocks = nn.ModuleList(
+            TPBlock(h, heads, ffn, tp, wrap_norms=wrap_norms, qkv_bias=False) for _ in range(layers)
+        )
         self.ln_f = nn.LayerNorm(h)
         self.head = nn.Linear(h, vocab, bias=False)
 
