@@ -259,3 +259,29 @@ def test_model_traffic_is_blocks_plus_the_region_boundary(dist_run, sp: bool) ->
         expected |= sequence_boundary_traffic(B, SEQ, H, 2).by_key()
     for totals in dist_run(_traffic, 2, sp, True):
         assert totals == expected
+
+
+def _dropout_masks(rank: int, world: int) -> dict[str, bool]:
+    import torch.distributed as dist
+
+    from shardspeed.checkpointing import MODEL_PARALLEL_RNG, RNGStatesTracker
+    from shardspeed.tensor_parallel.sequence import SequenceParallelDropout
+
+    topo = Topology.build(MeshShape(tensor=world))
+    out = {}
+    for sp in (False, True):
+        tp = TensorParallel.from_topology(topo, sequence_parallel=sp)
+        tracker = RNGStatesTracker(torch.device("cpu"))
+        tracker.add(MODEL_PARALLEL_RNG, 1000 + tp.rank)  # what model_parallel_manual_seed does: per tensor rank
+        torch.manual_seed(0)  # the default stream: the same on every rank
+        mask = (SequenceParallelDropout(0.5, tp, tracker)(torch.ones(4, 64)) == 0).float()
+        masks = [torch.empty_like(mask) for _ in range(world)]
+        dist.all_gather(masks, mask)
+        out[f"sp={sp}"] = torch.equal(masks[0], masks[1])
+    return out
+
+
+def test_dropout_in_the_sequence_region_draws_a_mask_per_tensor_rank(dist_run) -> None:
+    """Shards of different tokens get different masks; replicated activations (no SP) the same one."""
+    for same in dist_run(_dropout_masks, 2):
+        assert same == {"sp=False": True, "sp=True": False}

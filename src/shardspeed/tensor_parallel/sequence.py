@@ -15,8 +15,10 @@ row-parallel layer reduce-scatters its output: ``layers.py``); the model does th
   keep its state-dict keys unchanged returns ``partial_grad_specs(self.ln_1, "ln_1", self.tp)`` from its own
   ``tensor_parallel_specs()`` instead. The engine sums those gradients over the tensor axis
   (``partial_grads.py``) before ZeRO sees them. The row-parallel bias declares itself.
-Dropout inside the region must draw different masks per tensor rank (each rank holds different tokens): that is
-the model-parallel RNG tracker's job (``shardspeed.checkpointing``; run dropout under ``tracker.fork()``).
+Dropout inside the region must draw different masks per tensor rank (each rank holds different tokens):
+``SequenceParallelDropout`` draws from the model-parallel stream of the RNG tracker (``shardspeed.checkpointing``:
+seeded per tensor rank by ``model_parallel_manual_seed``), and from the default stream — identical on every rank,
+as replicated activations need — when sequence parallelism is off.
 Without sequence parallelism every function here is the identity and every declaration is an ordinary replicated
 spec, so one model definition serves both.
 """
@@ -26,13 +28,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from shardspeed.checkpointing import RNGStatesTracker, get_rng_tracker
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.mappings import gather_from_sequence_region, scatter_to_sequence_region
 
-__all__ = ["SequenceParallel", "enter_sequence_parallel", "leave_sequence_parallel", "partial_grad_specs"]
+__all__ = [
+    "SequenceParallel",
+    "SequenceParallelDropout",
+    "enter_sequence_parallel",
+    "leave_sequence_parallel",
+    "partial_grad_specs",
+]
 
 
 def enter_sequence_parallel(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
@@ -79,3 +89,25 @@ class SequenceParallel(nn.Module):
 
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]:
         return partial_grad_specs(self.module, "module", self.tp)
+
+
+class SequenceParallelDropout(nn.Module):
+    """Dropout on the residual stream of a block ([Note: sequence-parallel regions]). Under sequence parallelism
+    each tensor rank holds different tokens, so the mask is drawn inside ``tracker.fork()`` (the model-parallel
+    stream, seeded per tensor rank); otherwise the activations are replicated and the mask comes from the default
+    stream, the same on every rank. ``tracker``: None for ``shardspeed.checkpointing``'s default context's (looked
+    up at each call, so a later ``model_parallel_manual_seed`` is seen)."""
+
+    def __init__(self, p: float, tp: TensorParallel, tracker: RNGStatesTracker | None = None) -> None:
+        super().__init__()
+        self.p = p
+        self.tp = tp
+        self.tracker = tracker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if not (self.tp.sequence_parallel and self.tp.size > 1):
+            return F.dropout(x, self.p, True)
+        with (self.tracker or get_rng_tracker()).fork():
+            return F.dropout(x, self.p, True)
