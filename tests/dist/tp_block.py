@@ -36,10 +36,20 @@ class TPMLP(nn.Module):
     ``input_is_parallel=False``: wasteful, but exercises both paths)."""
 
     def __init__(
-        self, h: int, ffn: int, tp: TensorParallel, *, bias: bool = True, layout: str = "out_in", gathered: bool = False
+        self,
+        h: int,
+        ffn: int,
+        tp: TensorParallel,
+        *,
+        bias: bool = True,
+        layout: str = "out_in",
+        gathered: bool = False,
+        regather: bool = False,
     ) -> None:
         super().__init__()
-        self.fc = ColumnParallelLinear(h, ffn, tp, bias=bias, weight_layout=layout, gather_output=gathered)
+        self.fc = ColumnParallelLinear(
+            h, ffn, tp, bias=bias, weight_layout=layout, gather_output=gathered, regather_input=regather
+        )
         self.proj = RowParallelLinear(ffn, h, tp, bias=bias, weight_layout=layout, input_is_parallel=not gathered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,18 +69,20 @@ class TPAttention(nn.Module):
         bias: bool = True,
         layout: str = "out_in",
         qkv_bias: bool | None = None,
+        regather: bool = False,
     ) -> None:
         super().__init__()
         bias, out_bias = (bias if qkv_bias is None else qkv_bias), bias
+        col = {"weight_layout": layout, "regather_input": regather}
         if heads % tp.size:
             raise ValueError(f"{heads} heads cannot be split over {tp.size} tensor ranks")
         self.head_dim, self.local_heads, self.fused = h // heads, heads // tp.size, fused
         if fused:
-            self.qkv = ColumnParallelLinear(h, 3 * h, tp, bias=bias, parts=3, weight_layout=layout)
+            self.qkv = ColumnParallelLinear(h, 3 * h, tp, bias=bias, parts=3, **col)
         else:
-            self.q = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
-            self.k = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
-            self.v = ColumnParallelLinear(h, h, tp, bias=bias, weight_layout=layout)
+            self.q = ColumnParallelLinear(h, h, tp, bias=bias, **col)
+            self.k = ColumnParallelLinear(h, h, tp, bias=bias, **col)
+            self.v = ColumnParallelLinear(h, h, tp, bias=bias, **col)
         self.out = RowParallelLinear(h, h, tp, bias=out_bias, weight_layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +111,16 @@ class TPBlock(nn.Module):
         layout: str = "out_in",
         wrap_norms: bool = False,
         qkv_bias: bool | None = None,
+        regather: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.ln_1 = SequenceParallel(nn.LayerNorm(h), tp) if wrap_norms else nn.LayerNorm(h)
-        self.attn = TPAttention(h, heads, tp, fused=fused, bias=bias, layout=layout, qkv_bias=qkv_bias)
+        self.attn = TPAttention(
+            h, heads, tp, fused=fused, bias=bias, layout=layout, qkv_bias=qkv_bias, regather=regather
+        )
         self.ln_2 = SequenceParallel(nn.LayerNorm(h), tp) if wrap_norms else nn.LayerNorm(h)
-        self.mlp = TPMLP(h, ffn, tp, bias=bias, layout=layout)
+        self.mlp = TPMLP(h, ffn, tp, bias=bias, layout=layout, regather=regather)
         self.wrap_norms = wrap_norms
 
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]:

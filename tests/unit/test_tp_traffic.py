@@ -56,3 +56,9 @@ def test_region_boundary_is_counted_apart() -> None:
     }
     tp_head = sequence_boundary_traffic(B, S, H, 2, head_is_tensor_parallel=True).by_key()
     assert tp_head["reduce_scatter:sp.leave.backward"] == (1, A)
+
+
+def test_megatron_style_regather_adds_one_all_gather_per_column_layer() -> None:
+    t = block_traffic(B, S, H, 2, sequence_parallel=True, regather_input=True).by_key()
+    assert t["all_gather:sp.regather.backward"] == (2, 2 * A)
+    assert "all_gather:sp.regather.backward" not in block_traffic(B, S, H, 2, sequence_parallel=True).by_key()

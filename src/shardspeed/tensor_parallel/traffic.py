@@ -8,11 +8,12 @@
   all-gather (``sp.f.forward``): forward 2 all-gathers + 2 reduce-scatters of ``A`` (logged at their unsharded
   size), i.e. ``4(n-1)/n·A`` — the same as the 2 all-reduces they replace. Backward is the mirror image: the
   column layers' ``f̄`` reduce-scatters its input gradient (``sp.f.backward``), the row layers' ``ḡ`` all-gathers
-  the output gradient (``sp.g.backward``). **Re-gathers: none.** Our column-parallel layer lets autograd save the
-  *gathered* input for its weight gradient, so backward needs no second all-gather. Megatron instead saves only the
-  sequence shard and re-gathers it in backward (one more all-gather of ``A`` per column layer, 2 per block,
-  overlapped with the input-gradient matmul): more traffic, less activation memory (``A`` instead of ``A/n`` saved
-  per column layer).
+  the output gradient (``sp.g.backward``). **Re-gathers: none by default.** Our column-parallel layer lets
+  autograd save the *gathered* input for its weight gradient, so backward needs no second all-gather. Megatron
+  instead saves only the sequence shard and re-gathers it in backward (one more all-gather of ``A`` per column
+  layer, 2 per block, overlapped with the input-gradient matmul): more traffic, less activation memory (``A/n``
+  instead of ``A`` saved per column layer). ``ColumnParallelLinear(regather_input=True)`` does the same
+  (``sp.regather.backward``).
 - separate q/k/v column layers (``qkv_layers=3``) each enter the region on their own: attention's ``f`` (or ``f̄``)
   then costs 3 collectives of ``A`` instead of 1. A fused QKV (``parts=3``) is the Megatron layout.
 - under sequence parallelism the replicated parameters inside the region (layer norms, row-parallel biases) have
@@ -95,11 +96,13 @@ def block_traffic(
     sequence_parallel: bool,
     qkv_layers: int = 1,
     partial_grad_numels: tuple[int, ...] = (),
+    regather_input: bool = False,
 ) -> Traffic:
     """One transformer block's forward + backward ([Note: tensor-parallel traffic]). ``qkv_layers``: 1 for a
     fused QKV, 3 for separate q/k/v column layers. ``partial_grad_numels``: under sequence parallelism, the sizes
     of the block's partial-gradient parameters (e.g. ``(h, h, h, h, h, h)`` for two affine layer norms and two
-    row-parallel biases), one all-reduce each per backward."""
+    row-parallel biases), one all-reduce each per backward. ``regather_input``: the column layers save their
+    input's shard and all-gather it again in backward (``ColumnParallelLinear(regather_input=True)``, Megatron)."""
     if qkv_layers not in (1, 3):
         raise ValueError(f"qkv_layers is 1 (fused QKV) or 3 (separate q, k, v), got {qkv_layers}")
     if tp_size == 1:
@@ -124,6 +127,7 @@ def block_traffic(
         backward=(
             Expected("reduce_scatter", "sp.f.backward", entries, entries * a),
             Expected("all_gather", "sp.g.backward", 2, 2 * a),
+            *((Expected("all_gather", "sp.regather.backward", entries, entries * a),) if regather_input else ()),
         ),
         partial_grads=partial,
     )
