@@ -241,7 +241,7 @@ def _traffic(rank: int, world: int, sp: bool, whole_model: bool, regather: bool 
     return totals
 
 
-@pytest.mark.parametrize("sp,regather", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("sp,regather", [(False, False), (True, False), pytest.param(True, True, marks=SLOW)])
 def test_one_block_moves_exactly_the_theory(dist_run, sp: bool, regather: bool) -> None:
     """One block's forward + backward, counted by the engine's comms log, equals traffic.py by tag (fused QKV,
     b=2, s=8, h=16, TP=2): without SP 2 + 2 all-reduces of b·s·h; with SP 2 all-gathers + 2 reduce-scatters each
@@ -254,7 +254,8 @@ def test_one_block_moves_exactly_the_theory(dist_run, sp: bool, regather: bool) 
         assert totals == expected
 
 
-@pytest.mark.parametrize("sp", [pytest.param(False, marks=SLOW), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
 def test_model_traffic_is_blocks_plus_the_region_boundary(dist_run, sp: bool) -> None:
     """Two blocks plus, with SP, entering (after the embedding) and leaving (before the replicated head) the
     sequence region, tagged apart; the replicated embedding and cross-entropy communicate nothing."""
