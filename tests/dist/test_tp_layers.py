@@ -291,3 +291,30 @@ def test_dropout_in_the_sequence_region_draws_a_mask_per_tensor_rank(dist_run) -
     """Shards of different tokens get different masks; replicated activations (no SP) the same one."""
     for same in dist_run(_dropout_masks, 2):
         assert same == {"sp=False": True, "sp=True": False}
+
+
+def _recompute(rank: int, world: int, sp: bool) -> dict[str, tuple[int, int]]:
+    from shardspeed.checkpointing import CheckpointingContext
+    from shardspeed.comm import Collectives, CommsLog
+
+    tp = TensorParallel.from_topology(Topology.build(MeshShape(tensor=world)), sequence_parallel=sp)
+    tp.bind(Collectives(CommsLog(enabled=True)))
+    block = TPBlock(H, 4, 24, tp)
+    x = torch.randn(B, SEQ // (world if sp else 1), H, generator=torch.Generator().manual_seed(1))
+    CheckpointingContext(configured=False).checkpoint(block, x).square().sum().backward()
+    return {k: (t.count, t.elements) for k, t in tp.collectives.log.totals.items()}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_checkpointed_block_adds_the_recompute_traffic(dist_run, sp: bool) -> None:
+    """Recompute is counted apart from the block's figure: block + recompute_traffic (the forward again, less the
+    last row layer's reduction, which torch's early-stopping checkpoint never reruns). No partial-gradient hooks
+    here (no engine), so no ``tp.partial_grad``."""
+    from shardspeed.tensor_parallel.traffic import recompute_traffic
+
+    expected = block_traffic(B, SEQ, H, 2, sequence_parallel=sp).by_key()
+    for key, (count, elements) in recompute_traffic(B, SEQ, H, 2, sequence_parallel=sp).by_key().items():
+        c, e = expected.get(key, (0, 0))
+        expected[key] = (c + count, e + elements)
+    for totals in dist_run(_recompute, 2, sp):
+        assert totals == expected

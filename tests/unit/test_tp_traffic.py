@@ -62,3 +62,15 @@ def test_megatron_style_regather_adds_one_all_gather_per_column_layer() -> None:
     t = block_traffic(B, S, H, 2, sequence_parallel=True, regather_input=True).by_key()
     assert t["all_gather:sp.regather.backward"] == (2, 2 * A)
     assert "all_gather:sp.regather.backward" not in block_traffic(B, S, H, 2, sequence_parallel=True).by_key()
+
+
+def test_recompute_repeats_the_forward_but_the_last_reduction() -> None:
+    from shardspeed.tensor_parallel.traffic import recompute_traffic
+
+    assert recompute_traffic(B, S, H, 2, sequence_parallel=False).by_key() == {"all_reduce:tp.g.forward": (1, A)}
+    assert recompute_traffic(B, S, H, 2, sequence_parallel=True).by_key() == {
+        "all_gather:sp.f.forward": (2, 2 * A),
+        "reduce_scatter:sp.g.forward": (1, A),
+    }
+    full = recompute_traffic(B, S, H, 2, sequence_parallel=False, early_stop=False).by_key()
+    assert full == {"all_reduce:tp.g.forward": (2, 2 * A)}

@@ -22,8 +22,10 @@
 Outside the block (not in its figure): entering the sequence region after the embedding costs an all-gather of the
 gradient in backward (``sp.scatter.backward``); leaving it before the head an all-gather of ``A`` forward
 (``sp.leave.forward``) and, with a tensor-parallel head, a reduce-scatter backward (``sp.leave.backward``);
-vocab-parallel embedding / cross-entropy have their own tags; activation recompute repeats the block's forward
-collectives once more in backward.
+vocab-parallel embedding / cross-entropy have their own tags. Activation recompute (a checkpointed block) repeats
+the block's forward collectives in backward, under the same tags, except the last ``g`` / ``ḡ``: torch's
+non-reentrant checkpoint stops recomputing once the last saved activation is rebuilt, and nothing after the MLP's
+row-parallel matmul is saved (``recompute_traffic``).
 The figures are exact: the comms log records the same message sizes (``comm/log.py``), and a test compares them.
 """
 
@@ -145,3 +147,25 @@ def sequence_boundary_traffic(
     if head_is_tensor_parallel:
         backward.append(Expected("reduce_scatter", "sp.leave.backward", 1, a))
     return Traffic(forward=(Expected("all_gather", "sp.leave.forward", 1, a),), backward=tuple(backward))
+
+
+def recompute_traffic(
+    batch: int,
+    seq: int,
+    hidden: int,
+    tp_size: int,
+    *,
+    sequence_parallel: bool,
+    qkv_layers: int = 1,
+    early_stop: bool = True,
+) -> Traffic:
+    """What recomputing one checkpointed block adds in backward ([Note: tensor-parallel traffic]): its forward
+    collectives again, less the final ``g``/``ḡ`` when the checkpoint stops early (torch's default,
+    ``torch.utils.checkpoint.set_checkpoint_early_stop``)."""
+    block = block_traffic(batch, seq, hidden, tp_size, sequence_parallel=sequence_parallel, qkv_layers=qkv_layers)
+    if not early_stop or tp_size == 1:
+        return Traffic((), block.forward)
+    a = batch * seq * hidden
+    last = "sp.g.forward" if sequence_parallel else "tp.g.forward"
+    trimmed = tuple(Expected(e.op, e.tag, e.count - 1, e.elements - a) if e.tag == last else e for e in block.forward)
+    return Traffic((), trimmed)
