@@ -197,3 +197,13 @@ def test_partial_grad_hooks_sum_before_accumulation_and_come_off() -> None:
     for name in hooked:
         factor = 2 if name in ("ln.weight", "ln.bias", "proj.bias") else 1
         assert torch.equal(hooked[name], factor * plain[name]), name
+
+
+def test_a_sequence_not_divisible_by_the_tensor_size_is_a_clear_error() -> None:
+    """Raised before any collective, from shapes every tensor rank shares: the same error on every rank."""
+    from shardspeed.tensor_parallel.sequence import enter_sequence_parallel
+
+    with pytest.raises(ValueError, match=r"dim 1 of a tensor of shape \(2, 5, 4\) is not divisible by .* 2"):
+        enter_sequence_parallel(torch.zeros(2, 5, 4), tp_at(0, 2, sp=True))
+    x = torch.zeros(2, 5, 4)
+    assert enter_sequence_parallel(x, tp_at(0, 2)) is x  # no SP: the identity
