@@ -46,7 +46,7 @@ from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
-from shardspeed.tensor_parallel import bind_collectives
+from shardspeed.tensor_parallel import bind_collectives, register_partial_grad_hooks
 from shardspeed.tensor_parallel.batch_check import FirstBatchCheck
 from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, collect_specs_agreed
 from shardspeed.timers import PhaseTimers
@@ -94,6 +94,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)
         """What each parameter is a piece of ([Note: parameter specs] in params/spec.py)."""
         self._first_batch = FirstBatchCheck(topology.tensor, self.collectives)  # same batch on every tensor rank
+        self._tp_grad_hooks = register_partial_grad_hooks(model, self.param_specs, topology.tensor, self.collectives)
         deferred = has_deferred_tensors(model)
         if deferred and config.zero_optimization.stage != 3:
             raise ValueError(
@@ -382,6 +383,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
         self.states.reducer.remove_hooks()
+        for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
+            handle.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

@@ -13,14 +13,15 @@ fused projections (``parts``, e.g. QKV = 3) that each part is split separately.
 Sequence parallelism (``tp.sequence_parallel``): the column-parallel layer's input arrives split along the sequence
 dim and is all-gathered (``f̄``); the row-parallel layer's output is reduce-scattered along it (``ḡ``), and its
 bias, added after the reduce-scatter on a sequence shard, gets a partial gradient (``partial_grad``). The gathered
-input is saved by autograd for the weight gradient as the gathered tensor (simpler; Megatron instead saves the
-shard and re-gathers it in backward to save activation memory — stated in docs/architecture.md).
+input is saved by autograd for the weight gradient as the gathered tensor by default (no traffic beyond the
+all-reduces it replaces); ``regather_input=True`` saves only the shard and re-gathers it in backward, as Megatron
+does (``n×`` less activation memory per column layer, one more all-gather of the input in backward).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,8 @@ from torch import nn
 from shardspeed.params.spec import ParamSpec, shard_bounds
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.mappings import (
+    _gather,
+    _reduce_scatter,
     copy_to_tensor_region,
     gather_from_sequence_region,
     gather_from_tensor_region,
@@ -146,7 +149,8 @@ class ColumnParallelLinear(_ParallelLinear):
     Input: replicated (or sequence-split under sequence parallelism, gathered here). Output: split along the last
     dim unless ``gather_output`` (then all-gathered; used before a non-parallel consumer such as an LM head's loss
     that needs full logits). ``parts``: a fused projection (QKV = 3) whose parts are split separately, so each rank
-    holds whole heads of q, of k and of v.
+    holds whole heads of q, of k and of v. ``regather_input`` (sequence parallelism only): save the input's
+    sequence shard, not the gathered input, and all-gather it again in backward (Megatron's choice).
     """
 
     split_weight_dim_out_in = 0
@@ -165,8 +169,10 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_dim: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        regather_input: bool = False,
     ) -> None:
         self.gather_output = gather_output
+        self.regather_input = regather_input
         super().__init__(
             in_features,
             out_features,
@@ -186,14 +192,42 @@ class ColumnParallelLinear(_ParallelLinear):
         return _local_size(self.out_features, self.parts, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp, self.sequence_dim)  # f̄
+        if self.tp.sequence_parallel and self.regather_input and self.tp.size > 1:
+            weight = self.weight if self.weight_layout == "out_in" else self.weight.T
+            y = _RegatheringLinear.apply(x, weight, self.tp, self.sequence_dim)  # f̄ fused with the matmul
         else:
-            x = copy_to_tensor_region(x, self.tp)  # f
-        y = self._matmul(x)
+            if self.tp.sequence_parallel:
+                x = gather_from_sequence_region(x, self.tp, self.sequence_dim)  # f̄
+            else:
+                x = copy_to_tensor_region(x, self.tp)  # f
+            y = self._matmul(x)
         if self.bias is not None:
             y = y + self.bias
-        return gather_from_tensor_region(y, self.tp) if self.gather_output else y
+        return gather_from_tensor_region(y, self.tp, self.out_features) if self.gather_output else y
+
+
+class _RegatheringLinear(torch.autograd.Function):
+    """``all_gather(x) @ Wᵀ`` saving only the sequence shard ``x`` (Megatron's ``LinearWithGradAccumulationAndAsync
+    Communication`` under sequence parallelism): backward all-gathers ``x`` again for the weight gradient
+    (``sp.regather.backward``) and reduce-scatters the input gradient (``sp.f.backward``). Saves ``A/n`` activation
+    elements per column layer instead of ``A``, for one more all-gather of ``A`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, dim, tp, "sp.f.forward"), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            full = _gather(x, ctx.dim, ctx.tp, "sp.regather.backward")
+            grad_w = grad.reshape(-1, grad.shape[-1]).T @ full.reshape(-1, full.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = _reduce_scatter(grad @ weight, ctx.dim, ctx.tp, "sp.f.backward")
+        return grad_x, grad_w, None, None
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -235,6 +269,8 @@ class RowParallelLinear(_ParallelLinear):
         )
         if tp.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        if parts > 1 and not input_is_parallel:
+            raise ValueError("RowParallelLinear: input_is_parallel=False with fused parts would split across parts")
 
     @property
     def local_in_features(self) -> int:
