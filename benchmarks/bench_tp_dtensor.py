@@ -72,7 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side per round (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side after the check (default 2)")
     parser.add_argument("--check-steps", type=int, default=3, help="steps whose losses are compared (default 3)")
-    parser.add_argument("--memory-repeats", type=int, default=2, help="fresh processes per side (default 2)")
+    parser.add_argument(
+        "--memory-repeats", type=int, default=2, help="fresh processes per side (default 2; 0 skips memory)"
+    )
     parser.add_argument("--model", choices=sorted(TP_MODEL_SIZES), default="small", help="model size (default small)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu/gloo or cuda/nccl (untested)")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
@@ -80,11 +82,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--memory-side", choices=SIDES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("tp", "repeats", "steps", "check_steps", "memory_repeats"):
+    for name in ("tp", "repeats", "steps", "check_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be 0 or more, got {args.warmup}")
+    for name in ("warmup", "memory_repeats"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     try:
         TP_MODEL_SIZES[args.model].check_tensor_parallel(args.tp)
     except ValueError as error:
@@ -387,7 +390,8 @@ def format_report(args: argparse.Namespace, timing: dict[str, Any], memory: dict
         f"{timing['world']} on {timing['world']} {timing['backend']} ranks ({timing['device']}, "
         f"{timing['threads']} thread(s) each), torch {torch.__version__}",
         f"{args.repeats} rounds x {args.steps} steps per side after {args.check_steps} checked + {args.warmup} "
-        f"warm-up steps; memory: {args.memory_repeats} fresh process(es) per side",
+        f"warm-up steps; memory: "
+        + (f"{args.memory_repeats} fresh process(es) per side" if args.memory_repeats else "not measured"),
         "",
         *table_lines(timing, memory),
         "",
