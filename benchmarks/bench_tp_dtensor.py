@@ -408,6 +408,11 @@ def format_report(args: argparse.Namespace, timing: dict[str, Any], memory: dict
         f"peak MiB/rank = {memory_what}; median over fresh processes. Peak ratio = shardspeed/torch.",
     ]
     for name in SIDES:
+        if memory.get(name):
+            ranks = range(len(memory[name][0]["ranks"]))
+            absolute = [median([run["ranks"][r]["peak_mib"] for run in memory[name]]) for r in ranks]
+            lines.append(f"{name}: absolute VmHWM per rank " + " / ".join(f"{v:.0f}" for v in absolute) + " MiB")
+    for name in SIDES:
         lines.append(
             f"{name}: {SIDE_DESCRIPTIONS[name]}; ms per round: " + " ".join(f"{v:.1f}" for v in timing["step_ms"][name])
         )
