@@ -98,18 +98,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # --- ranks (under torchrun) ------------------------------------------------------------------------------
 @dataclass
 class Side:
-    """One way to train the model: ``step()`` runs one optimizer step on the next batch and returns the loss."""
+    """One way to train the model, in two phases: ``forward_backward(tokens, targets) -> loss`` and
+    ``optimizer_step()``. ``step()`` runs both on the next batch and returns the loss."""
 
     name: str
-    run_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer_step: Callable[[], None]
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     local_elements: int  # parameter elements this rank holds (tied weights once): shows the slicing happened
     taken: int = 0
 
-    def step(self) -> float:
-        tokens, targets = self.batches[self.taken % len(self.batches)]
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batches[self.taken % len(self.batches)]
         self.taken += 1
-        return float(self.run_step(tokens, targets))
+        return batch
+
+    def step(self) -> float:
+        loss = self.forward_backward(*self._next_batch())
+        self.optimizer_step()
+        return float(loss)
+
+    def timed_phases(self, device: torch.device) -> tuple[float, float]:
+        """One step, returning (seconds in forward + backward, seconds in the optimizer step) on this rank."""
+        batch = self._next_batch()
+        _synchronize(device)
+        started = time.perf_counter()
+        self.forward_backward(*batch)
+        _synchronize(device)
+        between = time.perf_counter()
+        self.optimizer_step()
+        _synchronize(device)
+        return between - started, time.perf_counter() - between
 
 
 def local_elements(model: torch.nn.Module) -> int:
@@ -119,24 +138,27 @@ def local_elements(model: torch.nn.Module) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
-def _torch_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
-    def run_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _torch_side(name: str, model: torch.nn.Module, batches: list[Any]) -> Side:
+    """The plain torch loop (``set_to_none`` is torch's default for ``zero_grad``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
+
+    def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = model(tokens, targets)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return run_step
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Side(name, forward_backward, optimizer_step, batches, local_elements(model))
 
 
 def build_torch_side(template: torch.nn.Module, device: torch.device, batches: list[Any]) -> Side:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tensor",))
-    model = parallelize_for_torch(copy.deepcopy(template).to(device), mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
-    return Side("torch", _torch_loop(model, optimizer), batches, local_elements(model))
+    return _torch_side("torch", parallelize_for_torch(copy.deepcopy(template).to(device), mesh), batches)
 
 
 def shardspeed_config(size: TPModelSize) -> dict[str, Any]:
@@ -159,13 +181,12 @@ def build_shardspeed_side(template: torch.nn.Module, device: torch.device, batch
     model = slice_for_shardspeed(copy.deepcopy(template).to(device), TensorParallel.from_topology(topology))
     engine = ShardSpeedEngine(model, load_config(shardspeed_config(template.size), dp_world_size=1), topology)
 
-    def run_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = engine(tokens, targets)
         engine.backward(loss)
-        engine.step()
         return loss.detach()
 
-    return Side("shardspeed", run_step, batches, local_elements(model))
+    return Side("shardspeed", forward_backward, engine.step, batches, local_elements(model))
 
 
 BUILDERS = {"torch": build_torch_side, "shardspeed": build_shardspeed_side}
@@ -173,9 +194,7 @@ BUILDERS = {"torch": build_torch_side, "shardspeed": build_shardspeed_side}
 
 def dense_reference_losses(template: torch.nn.Module, batches: list[Any], steps: int) -> list[float]:
     """The single-process dense model trained by torch AdamW: what both sliced sides must reproduce."""
-    model = copy.deepcopy(template)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
-    side = Side("dense", _torch_loop(model, optimizer), batches, local_elements(model))
+    side = _torch_side("dense", copy.deepcopy(template), batches)
     return [side.step() for _ in range(steps)]
 
 
@@ -198,6 +217,22 @@ def time_block(side: Side, steps: int, device: torch.device) -> float:
     return float(elapsed.item()) * 1000.0 / steps
 
 
+def phase_split(sides: dict[str, Side], steps: int, device: torch.device) -> dict[str, list[float]]:
+    """[forward + backward ms, optimizer ms] per side: the median over ``steps`` steps (sides alternating step
+    by step) on each rank, then the slowest rank. Untimed by the rounds: it runs after them."""
+    phases: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for _ in range(steps):
+        for name, side in sides.items():
+            phases[name].append(side.timed_phases(device))
+    result = {}
+    for name, taken in phases.items():
+        mine = [median([t[0] for t in taken]) * 1000.0, median([t[1] for t in taken]) * 1000.0]
+        slowest = torch.tensor(mine, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        result[name] = slowest.tolist()
+    return result
+
+
 def timing_run(args: argparse.Namespace, template: torch.nn.Module, device: torch.device) -> dict[str, Any]:
     batches = [(x.to(device), y.to(device)) for x, y in make_batches(template.size, BATCH_COUNT)]
     reference = dense_reference_losses(template, [(x.cpu(), y.cpu()) for x, y in batches], args.check_steps)
@@ -216,6 +251,7 @@ def timing_run(args: argparse.Namespace, template: torch.nn.Module, device: torc
             print(f"round {round_index + 1}/{args.repeats} ({' then '.join(order)}): {done}", flush=True)
     return {
         "step_ms": step_ms,
+        "phase_ms": phase_split(sides, args.steps, device),
         "check_losses": {**check, "dense": reference},
         "local_elements": {name: side.local_elements for name, side in sides.items()},
         "model": template.size.describe(),
@@ -399,6 +435,8 @@ def format_report(args: argparse.Namespace, timing: dict[str, Any], memory: dict
         f"shardspeed| = {between:.2e} ({verdict}; tolerance {LOSS_TOLERANCE:.0e}); max |side - single-process "
         f"dense reference| = {to_dense:.2e}",
         "losses per step: " + "; ".join(f"{name} " + " ".join(f"{v:.7f}" for v in losses) for name, losses in checked),
+        "split of one step (median over steps, slowest rank), forward+backward / optimizer ms: "
+        + ", ".join(f"{name} {fb:.1f} / {opt:.1f}" for name, (fb, opt) in timing["phase_ms"].items()),
         f"parameter elements held by rank 0: torch {timing['local_elements']['torch']:,}, shardspeed "
         f"{timing['local_elements']['shardspeed']:,} (dense model {timing['parameters']:,})",
         "",

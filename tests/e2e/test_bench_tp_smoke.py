@@ -94,6 +94,7 @@ def test_the_table_has_one_row_per_side_with_median_range_peak_and_ratios() -> N
             **timing,
             "check_losses": {"torch": [5.0, 4.0], "shardspeed": [5.0, 4.0], "dense": [5.0, 4.0]},
             "local_elements": {"torch": 7, "shardspeed": 7},
+            "phase_ms": {"torch": [1.0, 2.0], "shardspeed": [1.5, 0.5]},
             "model": "m",
             "parameters": 10,
             "world": 2,
@@ -103,6 +104,7 @@ def test_the_table_has_one_row_per_side_with_median_range_peak_and_ratios() -> N
         memory,
     )
     assert "max |torch - shardspeed| = 0.00e+00 (agree" in report
+    assert "forward+backward / optimizer ms: torch 1.0 / 2.0, shardspeed 1.5 / 0.5" in report
 
 
 def _run_bench(*arguments: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], str]:
@@ -124,6 +126,7 @@ def _check_common(result: subprocess.CompletedProcess[str], report: str) -> None
     assert held, report
     torch_held, ours, dense = (int(value.replace(",", "")) for value in held.groups())
     assert torch_held == ours < dense, report  # both sides hold the same slice, smaller than the dense model
+    assert re.search(r"optimizer ms: torch [\d.]+ / [\d.]+, shardspeed [\d.]+ / [\d.]+", result.stdout), report
 
 
 @pytest.mark.slow  # about a minute on 2 shared cores: two ranks importing torch, DTensor and shardspeed
