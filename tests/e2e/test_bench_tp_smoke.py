@@ -24,7 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SRC = BENCHMARKS.parent / "src"
 sys.path.insert(0, str(BENCHMARKS))
 
-from bench_tp_dtensor import format_report, loss_check, parse_args, peak_growth_mib, table_lines  # noqa: E402
+from bench_tp_dtensor import parse_args  # noqa: E402
+from bench_tp_report import format_report, loss_check, peak_growth_mib, table_lines  # noqa: E402
 from tp_model import TP_MODEL_SIZES, TP_PLAN, build_dense, slice_for_shardspeed  # noqa: E402
 
 from shardspeed.tensor_parallel import TensorParallel  # noqa: E402
