@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench clean
+.PHONY: setup test test-all lint demo bench bench-tp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py $(ARGS)
+
+# Tensor parallelism (TP=2, 2 gloo ranks) against torch DTensor parallelize_module on the same GPT.
+bench-tp: $(STAMP)
+	$(PY) benchmarks/bench_tp_dtensor.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
