@@ -17,6 +17,7 @@ from tp_block import TPMLP, TPAttention, TPBlock, dense_tp, gather_global, load_
 
 from shardspeed.params import ParamSpecs
 from shardspeed.tensor_parallel import TensorParallel, register_partial_grad_hooks
+from shardspeed.tensor_parallel.sequence import enter_sequence_parallel
 from shardspeed.tensor_parallel.traffic import block_traffic, sequence_boundary_traffic
 from shardspeed.topology import MeshShape, Topology
 
@@ -212,6 +213,11 @@ class _OneBlock(torch.nn.Module):
         self.block = TPBlock(H, 4, 24, tp, regather=regather)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Every tensor rank gets the same batch (the engine checks the first one); under SP the block's input is
+        # this rank's sequence chunk. Entering the region costs one all-gather in backward, tagged apart
+        # ("sp.scatter.backward") and left out of the block's figure.
+        if self.block.tp.sequence_parallel:
+            x = enter_sequence_parallel(x, self.block.tp)
         return self.block(x).square().sum()
 
 
@@ -234,9 +240,11 @@ def _traffic(rank: int, world: int, sp: bool, whole_model: bool, regather: bool 
         loss = engine(ids, ids)
     else:
         x = torch.randn(B, SEQ, H, generator=torch.Generator().manual_seed(1))
-        loss = engine(x.chunk(world, dim=1)[rank] if sp else x)
+        loss = engine(x)
     engine.backward(loss)
     totals = {k: (t.count, t.elements) for k, t in engine.comms_log.totals.items()}
+    if not whole_model:
+        totals.pop("all_gather:sp.scatter.backward", None)  # entering the region: not the block's traffic
     engine.destroy()
     return totals
 
