@@ -27,7 +27,7 @@ from shardspeed.checkpointing.rng import RNGStatesTracker
 from shardspeed.params.spec import ParamSpec, ParamSpecs
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from shardspeed.tensor_parallel.embedding import VocabParallelEmbedding
+from shardspeed.tensor_parallel.embedding import VocabParallelEmbedding, VocabParallelLMHead
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardspeed.tensor_parallel.random import TensorParallelDropout
 from shardspeed.topology import AxisGroup
@@ -42,6 +42,10 @@ class GPTConfig:
     layers: int = 2
     ffn: int = 40  # 40/4 = 10 per rank at TP=4; not a power of two
     dropout: float = 0.0
+    qkv_bias: bool = False
+    """Off by default: the key bias's true gradient is exactly zero (softmax ignores a per-row shift of the scores),
+    so what it gets is fp32 rounding noise that differs with the summation order, and Adam turns that noise into
+    ±lr steps — no two implementations agree on it to 1e-5."""
 
 
 def solo_tp() -> TensorParallel:
@@ -59,7 +63,9 @@ class _ShardNorm(nn.LayerNorm):
         self.partial = tp.sequence_parallel and tp.size > 1
 
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]:
-        return {n: ParamSpec(tuple(p.shape), partial_grad=self.partial) for n, p in self.named_parameters()}
+        # Shapes from the config, not from the parameters: under ZeRO-3 they are empty placeholders between uses.
+        spec = ParamSpec(tuple(self.normalized_shape), partial_grad=self.partial)
+        return {"weight": spec, "bias": spec}
 
 
 class Attention(nn.Module):
@@ -70,7 +76,7 @@ class Attention(nn.Module):
         self.tp = tp
         self.local_heads = cfg.heads // tp.size
         self.head_dim = cfg.hidden // cfg.heads
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, tp, parts=3)
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, tp, bias=cfg.qkv_bias, parts=3)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, tp)
         self.attn_drop = TensorParallelDropout(cfg.dropout, tracker, "split")  # this rank's heads
 
@@ -123,26 +129,27 @@ class TPGPT(nn.Module):
         self.drop = TensorParallelDropout(cfg.dropout, tracker, "split" if tp.sequence_parallel else "replicated")
         self.blocks = nn.ModuleList(Block(cfg, tp, tracker) for _ in range(cfg.layers))
         self.ln_f = _ShardNorm(cfg.hidden, tp)
+        self.head = VocabParallelLMHead(self.wte)  # tied: the same parameter as wte.weight
 
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]:
-        return {"wpe.weight": ParamSpec(tuple(self.wpe.weight.shape), partial_grad=self.pos_partial)}
+        return {"wpe.weight": ParamSpec((self.cfg.max_seq, self.cfg.hidden), partial_grad=self.pos_partial)}
 
-    def _positions(self, s: int) -> torch.Tensor:
-        pos = self.wpe.weight[:s]
+    def _positions(self, s: int, device: torch.device) -> torch.Tensor:
+        ids = torch.arange(s, device=device)
         if self.tp.sequence_parallel and self.tp.size > 1:  # the embedding output is this rank's sequence chunk
             if s % self.tp.size:
                 raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {self.tp.size}")
-            pos = pos.chunk(self.tp.size, dim=0)[self.tp.rank]
-        return pos
+            ids = ids.chunk(self.tp.size)[self.tp.rank]
+        return self.wpe(ids)  # through the module (ZeRO-3 gathers wpe in its forward hooks)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.wte(tokens) + self._positions(tokens.shape[1]))
+        x = self.drop(self.wte(tokens) + self._positions(tokens.shape[1], tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.wte.lm_logits(self.hidden_states(tokens))  # [b, s, ceil(V/TP)]: vocab-split, not gathered
+        logits = self.head(self.hidden_states(tokens))  # [b, s, ceil(V/TP)]: vocab-split, not gathered
         return vocab_parallel_cross_entropy(logits, targets, self.tp, vocab_size=self.cfg.vocab_size)
 
     # --- dense ↔ sliced ----------------------------------------------------------------------------------------
@@ -185,13 +192,14 @@ def sum_partial_grads(model: TPGPT, grads: dict[str, torch.Tensor]) -> dict[str,
 def gather_global(model: TPGPT, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Dense tensors from every tensor rank's local pieces, placed by the specs' boxes (padding left out)."""
     tp, specs = model.tp, model.specs()
-    params = dict(model.named_parameters())
     pieces = tp.collectives.all_gather_object({n: t.cpu() for n, t in local.items()}, tp.axis) if tp.size > 1 else [
         {n: t.cpu() for n, t in local.items()}
     ]
     out = {}
     for name in local:
-        spec = specs.of(params[name], name)
+        # Undeclared parameters are replicated with the local tensor's shape (not the parameter's: under ZeRO-3
+        # the parameter is an empty placeholder between uses).
+        spec = specs.by_name(name) or ParamSpec(tuple(local[name].shape))
         full = torch.zeros(spec.global_shape, dtype=local[name].dtype)
         for rank, rank_pieces in enumerate(pieces):
             for box in spec.boxes(rank, tp.size):

@@ -131,22 +131,38 @@ class VocabParallelEmbedding(nn.Module):
             return reduce_scatter_to_sequence_region(partial, self.tp, self.sequence_dim)  # ḡ
         return reduce_from_tensor_region(partial, self.tp)  # g
 
-    def lm_logits(self, hidden: torch.Tensor, sequence_dim: int | None = None) -> torch.Tensor:
-        """The tied LM head: ``hidden @ weightᵀ`` on this rank's vocabulary rows → logits ``[..., c]`` split over
-        the vocabulary (padding columns included; ``vocab_parallel_cross_entropy(vocab_size=V)`` excludes them).
-
-        ``hidden`` enters the tensor-parallel region through ``f`` (its gradient is summed over the tensor axis),
-        or, under sequence parallelism, is all-gathered along the sequence (``f̄``). The tied weight's gradient
-        accumulates from both uses (lookup rows and head)."""
-        if self.tp.sequence_parallel:
-            dim = self.sequence_dim if sequence_dim is None else sequence_dim
-            hidden = gather_from_sequence_region(hidden, self.tp, dim)
-        else:
-            hidden = copy_to_tensor_region(hidden, self.tp)
-        return F.linear(hidden, self.weight)
-
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, rows=[{self.vocab_start}, "
             f"{self.vocab_real_end}) + {self.vocab_end - self.vocab_real_end} padding"
         )
+
+
+def tied_lm_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, sequence_dim: int = 1
+) -> torch.Tensor:
+    """``hidden @ weightᵀ`` on this rank's vocabulary rows → logits ``[..., c]`` split over the vocabulary (padding
+    columns included: ``vocab_parallel_cross_entropy(vocab_size=V)`` excludes them; nothing is gathered).
+
+    ``hidden`` enters the tensor-parallel region through ``f`` (its gradient is summed over the tensor axis), or,
+    under sequence parallelism, is all-gathered along ``sequence_dim`` (``f̄``)."""
+    if tp.sequence_parallel:
+        hidden = gather_from_sequence_region(hidden, tp, sequence_dim)
+    else:
+        hidden = copy_to_tensor_region(hidden, tp)
+    return F.linear(hidden, weight)
+
+
+class VocabParallelLMHead(nn.Module):
+    """An LM head tied to a ``VocabParallelEmbedding``: it holds the *same* parameter (registered here too, as
+    Hugging Face ties ``lm_head.weight``), so the tied weight's gradient accumulates from both uses, and ZeRO-3
+    gathers it for the head's own forward. Declares no spec of its own: the embedding's covers the parameter."""
+
+    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+        super().__init__()
+        self.tp = embedding.tp
+        self.sequence_dim = embedding.sequence_dim
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return tied_lm_logits(hidden, self.weight, self.tp, self.sequence_dim)
