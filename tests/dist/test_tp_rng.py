@@ -128,9 +128,36 @@ def test_checkpoint_recompute_of_a_tp_block_replays_the_masks_with_partitioned_i
         bsh = B * S * H
         assert r["log"] == {
             "all_reduce:tp.g.forward": (4, 4 * bsh),
-            "all_gather:activation_checkpointing": (2, 2 * bsh),
+            "all_gather:activation_checkpointing": (2, 2 * (bsh + 2 * 2)),  # + each rank's 2-float fingerprint
             "all_reduce:tp.f.backward": (2, 2 * bsh),
         }, r["log"]
     seen = [r["ckpt"]["seen"] for r in results]
     assert not torch.equal(seen[0][0], seen[1][0])  # split region (inner): the ranks' masks differ
     assert torch.equal(seen[0][1], seen[1][1])  # replicated region (outer): equal masks on both ranks
+
+
+def _sequence_parallel_partitioned(rank: int, world: int) -> str:
+    checkpointing.set_default_context(None)
+    topology = Topology.build(MeshShape(tensor=world))
+    checkpointing.configure(topology=topology, partition_activations=True)
+    checkpointing.model_parallel_cuda_manual_seed(5)
+    tp = TensorParallel(topology.tensor, sequence_parallel=True)
+    torch.manual_seed(0)
+    block = TPBlock(tp, checkpointing.get_cuda_rng_tracker())
+    full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
+    shard = full.chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard: not replicated
+    out = checkpointing.checkpoint(block, shard)
+    try:
+        out.square().sum().backward()
+    except ValueError as error:
+        return str(error)
+    finally:
+        checkpointing.set_default_context(None)
+    return "no error"
+
+
+def test_partitioning_a_sequence_parallel_input_is_one_clear_error_on_every_rank(dist_run) -> None:
+    errors = dist_run(_sequence_parallel_partitioned, 2)
+    assert errors[0] == errors[1]  # the same verdict everywhere (no rank left waiting)
+    assert "partition_activations: an input of shape (2, 3, 8) to a checkpointed region differs" in errors[0]
+    assert "ranks [1] differ from rank 0" in errors[0] and "sequence parallelism" in errors[0]

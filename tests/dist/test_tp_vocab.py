@@ -27,9 +27,11 @@ V, H, B, S = 37, 8, 3, 5  # 37 rows: 19 per rank at TP=2 (one padding row), 10 p
 IGNORE = -100
 
 
-def _tp(world: int, log: CommsLog | None = None) -> TensorParallel:
+def _tp(world: int, log: CommsLog | None = None, sequence_parallel: bool = False) -> TensorParallel:
     topology = Topology.build(MeshShape(tensor=world))
-    return TensorParallel(topology.tensor, Collectives(log or CommsLog(enabled=True)))
+    return TensorParallel(
+        topology.tensor, Collectives(log or CommsLog(enabled=True)), sequence_parallel=sequence_parallel
+    )
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,8 +141,8 @@ def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-def _gpt_vs_dense(rank: int, world: int) -> dict:
-    tp = _tp(world)
+def _gpt_vs_dense(rank: int, world: int, sequence_parallel: bool) -> dict:
+    tp = _tp(world, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     model = TPGPT(CFG, tp)
     torch.manual_seed(0)
@@ -161,8 +163,9 @@ def _gpt_vs_dense(rank: int, world: int) -> dict:
     }
 
 
-def test_tied_gpt_at_tp2_matches_its_dense_twin(dist_run) -> None:
-    for r in dist_run(_gpt_vs_dense, 2):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tied_gpt_at_tp2_matches_its_dense_twin(dist_run, sequence_parallel: bool) -> None:
+    for r in dist_run(_gpt_vs_dense, 2, sequence_parallel):
         assert r["tied"] and "head.weight" not in r["names"]  # one parameter, registered under wte
         assert r["init_err"] == 0.0  # sliced global inits: the same model as the dense one under the same seed
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5, r
