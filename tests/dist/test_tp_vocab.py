@@ -241,7 +241,16 @@ CLIP_NORM_PENDING = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("optimizer", [pytest.param("adamw_clip", marks=CLIP_NORM_PENDING), "adamw", "sgd"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param("adamw_clip", marks=CLIP_NORM_PENDING),
+        # AdamW without clipping: parity of everything but the norm today; slow (the default suite keeps
+        # adamw_clip, which covers it once the tensor-axis norm lands)
+        pytest.param("adamw", marks=pytest.mark.slow),
+        "sgd",
+    ],
+)
 def test_tp2_engine_steps_match_the_dense_reference(dist_run, stage: int, optimizer: str) -> None:
     for r in dist_run(_engine_steps, 2, stage, optimizer):
         assert r["moved"] > 1e-3  # training did something
