@@ -142,7 +142,8 @@ def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _gpt_vs_dense(rank: int, world: int, sequence_parallel: bool) -> dict:
-    tp = _tp(world, sequence_parallel=sequence_parallel)
+    log = CommsLog(enabled=True)
+    tp = _tp(world, log, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     model = TPGPT(CFG, tp)
     torch.manual_seed(0)
@@ -150,15 +151,18 @@ def _gpt_vs_dense(rank: int, world: int, sequence_parallel: bool) -> dict:
     init_err = _max_err(model.global_state_dict(), {n: p.detach() for n, p in dense.named_parameters()})
     dense.load_global_state_dict(model.global_state_dict())  # the twin from the sliced model's global weights
     tokens, targets = _batch()
+    log.reset()
     loss, ref = model(tokens, targets), dense(tokens, targets)
     loss.backward()
     ref.backward()
+    traffic = {k: (t.count, t.elements) for k, t in log.totals.items()}
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
     return {
         "init_err": init_err,
         "loss_err": (loss - ref).abs().item(),
         "grad_err": _max_err(model.global_grads(), dense_grads),
         "tied": model.head.weight is model.wte.weight,
+        "traffic": traffic,
         "names": sorted(n for n, _ in model.named_parameters()),
     }
 
@@ -169,6 +173,13 @@ def test_tied_gpt_at_tp2_matches_its_dense_twin(dist_run, sequence_parallel: boo
         assert r["tied"] and "head.weight" not in r["names"]  # one parameter, registered under wte
         assert r["init_err"] == 0.0  # sliced global inits: the same model as the dense one under the same seed
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5, r
+        if not sequence_parallel:  # one forward + backward, in elements (b·s·h per activation, b·s per CE sum)
+            bs, bsh, layers = 2 * CFG.max_seq, 2 * CFG.max_seq * CFG.hidden, CFG.layers
+            assert r["traffic"] == {
+                "all_reduce:tp.g.forward": (1 + 2 * layers, (1 + 2 * layers) * bsh),  # embedding + 2 per block
+                "all_reduce:tp.f.backward": (2 * layers + 1, (2 * layers + 1) * bsh),  # 2 per block + tied head
+                **{f"all_reduce:tp.ce.{t}": (1, bs) for t in ("max", "target", "sum_exp")},
+            }, r["traffic"]
 
 
 # ------------------------------------------------------------------------------------------------ 5 engine steps
