@@ -286,3 +286,60 @@ def test_tp2_sequence_parallel_engine_steps_match_the_dense_reference(dist_run, 
     for r in dist_run(_engine_steps, 2, stage, "adamw", True):
         assert r["moved"] > 1e-3
         assert r["param_err"] <= 1e-5 and r["loss_err"] <= 1e-5, r
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+BOX_CHECKPOINTS = importlib.util.find_spec("shardspeed.checkpoint.box_io") is not None
+NEEDS_BOX_CHECKPOINTS = pytest.mark.skipif(
+    not BOX_CHECKPOINTS,
+    reason="N-d (box) checkpoints are branch tp-ckpt's part of issue #14; runs once merged (passes on a trial merge)",
+)
+
+
+def _ckpt_engine(world: int, stage: int) -> tuple[TPGPT, ShardSpeedEngine]:
+    topology = Topology.build(MeshShape(tensor=world))
+    torch.manual_seed(0)
+    model = TPGPT(CFG, TensorParallel.from_topology(topology))
+    return model, ShardSpeedEngine(model, load_config(_engine_config(stage, "adamw"), dp_world_size=1), topology)
+
+
+def _global_params(model: TPGPT, engine: ShardSpeedEngine) -> dict[str, torch.Tensor]:
+    local = engine.module_state_dict()
+    return gather_global(model, {n: local[n] for n, _ in model.named_parameters()})
+
+
+def _save_trained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model, engine = _ckpt_engine(world, 0)
+    for step in range(2):
+        engine.backward(engine(*_batch(step)))
+        engine.step()
+    engine.save_checkpoint(path)
+    return _global_params(model, engine)
+
+
+def _load(rank: int, world: int, path: str, stage: int) -> dict[str, torch.Tensor]:
+    model, engine = _ckpt_engine(world, stage)
+    engine.load_checkpoint(path)
+    return _global_params(model, engine)
+
+
+def _check_reshard(dist_run, tmp_path: Path, load_world: int, load_stage: int) -> None:
+    from shardspeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(_save_trained, 2, path)[0]
+    assert _max_err(dist_run(_load, load_world, path, load_stage)[0], saved) == 0.0
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(path)
+    assert tuple(consolidated["wte.weight"].shape) == (CFG.vocab_size, CFG.hidden)  # the real vocabulary: no padding
+    assert _max_err({n: consolidated[n] for n in saved}, saved) == 0.0
+
+
+@NEEDS_BOX_CHECKPOINTS
+def test_tied_gpt_checkpoint_at_tp2_loads_dense_and_consolidates_without_padding(dist_run, tmp_path: Path) -> None:
+    _check_reshard(dist_run, tmp_path, load_world=1, load_stage=3)
+
+
+@NEEDS_BOX_CHECKPOINTS
+@pytest.mark.slow
+def test_tied_gpt_checkpoint_at_tp2_loads_at_tp4(dist_run, tmp_path: Path) -> None:
+    _check_reshard(dist_run, tmp_path, load_world=4, load_stage=0)
