@@ -8,7 +8,11 @@ A checkpointed region keeps nothing but its inputs; this module decides what for
 - ``partition_activations``: each tensor-axis rank keeps only its 1/N slice of the flattened input (padded so
   the slices are equal; gloo cannot gather uneven slices) and the recompute all-gathers the whole. This relies
   on the inputs being replicated across the tensor axis — true for the inputs of tensor-parallel blocks, whose
-  activations are all-reduced before they leave a block;
+  activations are all-reduced before they leave a block, but not under sequence parallelism, where a block's
+  input is this rank's sequence shard. So each rank also keeps a fingerprint of its whole input (the bits of its
+  float64 sum) and sends it with its slice in the recompute's all-gather: every rank then sees every rank's
+  fingerprint and, if they differ, raises the same error (Megatron refuses this combination up front; here it is
+  caught without an extra collective, at the cost of one host read of the fingerprints per recompute);
 - ``contiguous_memory_optimization`` (with partitioning): one checkpoint's slices of one dtype share a single
   buffer instead of one allocation each.
 
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm.collectives import Collectives
+from shardspeed.faults.errors import mark_agreed
 from shardspeed.topology import AxisGroup
 
 
@@ -53,6 +58,9 @@ class StoredTensor:
     version: int | None
     """Version counter when ``data`` shares storage with the caller's tensor: a later in-place change would make
     the recompute silently wrong, so it is detected instead."""
+    fingerprint: torch.Tensor | None = None
+    """Partitioned only: the bits (one int64) of the whole input's float64 sum, compared across the tensor axis
+    at the rebuild (a non-replicated input cannot be rebuilt from the ranks' slices)."""
 
     @property
     def nbytes(self) -> int:
@@ -67,10 +75,36 @@ class StoredTensor:
             )
         local = self.data.to(self.device, non_blocking=True) if self.data.device != self.device else self.data
         if self.partitioned:
-            gathered = torch.empty(local.numel() * axis.size, dtype=local.dtype, device=self.device)
-            collectives.all_gather(gathered, local.contiguous(), axis, tag="activation_checkpointing")
-            local = gathered[: self.shape.numel()].view(self.shape)
+            local = self._gather_checked(local, collectives, axis)
         return local.detach().requires_grad_(self.requires_grad)
+
+    def _gather_checked(self, local: torch.Tensor, collectives: Collectives, axis: AxisGroup) -> torch.Tensor:
+        """All-gather the slices, each followed by its rank's fingerprint; refuse (alike on every rank: every
+        rank sees every fingerprint) an input that was not the same on every rank of the tensor axis."""
+        assert self.fingerprint is not None
+        n = local.numel()
+        send = torch.cat([local.reshape(-1), self.fingerprint.to(local.device).view(local.dtype)])
+        gathered = torch.empty(send.numel() * axis.size, dtype=local.dtype, device=self.device)
+        collectives.all_gather(gathered, send, axis, tag="activation_checkpointing")
+        rows = gathered.view(axis.size, -1)
+        prints = rows[:, n:].contiguous().view(torch.int64).reshape(-1).tolist()
+        if any(p != prints[0] for p in prints):
+            differing = [axis.ranks[i] for i, p in enumerate(prints) if p != prints[0]]
+            raise mark_agreed(
+                ValueError(
+                    f"partition_activations: an input of shape {tuple(self.shape)} to a checkpointed region differs "
+                    f"across the tensor-parallel ranks {list(axis.ranks)} (ranks {differing} differ from rank "
+                    f"{axis.ranks[0]}), so it cannot be rebuilt from their slices. Partitioning needs inputs "
+                    "replicated over the tensor axis: turn partition_activations off under sequence parallelism, "
+                    "or checkpoint regions whose inputs are replicated"
+                )
+            )
+        return rows[:, :n].reshape(-1)[: self.shape.numel()].view(self.shape)
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """The bits of ``tensor``'s float64 sum as one int64 (stays on the tensor's device: no sync at store time)."""
+    return tensor.detach().double().sum().reshape(1).view(torch.int64)
 
 
 def _should_partition(tensor: torch.Tensor, plan: StoragePlan, axis: AxisGroup) -> bool:
@@ -94,7 +128,9 @@ def _store_one(tensor: torch.Tensor, plan: StoragePlan, axis: AxisGroup) -> Stor
         available = max(0, min(length, flat.numel() - start))
         piece[:available] = flat[start : start + available]  # a fresh buffer: the full input can be freed
         data = piece.to(host) if plan.cpu else piece
-        return StoredTensor(data, tensor.shape, tensor.device, tensor.requires_grad, True, None)
+        return StoredTensor(
+            data, tensor.shape, tensor.device, tensor.requires_grad, True, None, fingerprint=_fingerprint(detached)
+        )
     if plan.cpu and tensor.device != host:
         return StoredTensor(detached.to(host), tensor.shape, tensor.device, tensor.requires_grad, False, None)
     return StoredTensor(detached, tensor.shape, tensor.device, tensor.requires_grad, False, detached._version)

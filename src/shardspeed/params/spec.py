@@ -17,7 +17,10 @@ parallelism, so DP-only models need nothing.
 
 Slicing rule (``shard_bounds``): a dim of size ``d`` split ``n`` ways gives rank ``r`` the range
 ``[r·c, min((r+1)·c, d))`` with ``c = ceil(d / n)``, so every rank but the last holds exactly ``ceil(d/n)``
-(the last may hold less, or nothing). Layers whose ranks must hold equal slices (the vocabulary) pad ``d`` first.
+(the last may hold less, or nothing). Layers whose ranks must hold equal slices (the vocabulary) say so with
+``padded``: the global shape stays the real one (what a dense model holds, so checkpoints and consolidation see
+no padding), every rank holds ``padded / n`` entries along the split dim, and those past ``d`` are zero padding
+that lies outside every box (never saved, never loaded, never counted).
 
 Everything here is pure: no process group, no rank lookup; callers pass the tensor rank and size.
 """
@@ -79,8 +82,17 @@ class ParamSpec:
     partial_grad: bool = False
     """Replicated, but each tensor rank computes a partial gradient (sequence-parallel layer norms, row-parallel
     biases under sequence parallelism): the gradient is summed over the tensor axis."""
+    padded: int | None = None
+    """The partition dim padded to this length (a multiple of the split size) before splitting, so every rank
+    holds ``padded / tp_size`` entries; local entries past the global dim are padding outside every box
+    (``VocabParallelEmbedding``). None: no padding (ceil chunks, the last rank may hold less)."""
 
     def __post_init__(self) -> None:
+        if self.padded is not None:
+            if self.partition_dim is None or self.parts != 1:
+                raise ValueError("padded applies to split, unfused parameters only (partition_dim set, parts=1)")
+            if self.padded < self.global_shape[self.partition_dim]:
+                raise ValueError(f"padded={self.padded} is shorter than dim {self.partition_dim} ({self.global_shape})")
         if self.partition_dim is not None:
             if not 0 <= self.partition_dim < len(self.global_shape):
                 raise ValueError(f"partition_dim {self.partition_dim} outside a {len(self.global_shape)}-d tensor")
@@ -100,6 +112,11 @@ class ParamSpec:
         """The runs along the partition dim this rank holds, in local order (one per fused part)."""
         if self.partition_dim is None:
             return []
+        if self.padded is not None:
+            chunk = self._padded_chunk(tp_size)
+            dim = self.global_shape[self.partition_dim]
+            start = min(tp_rank * chunk, dim)
+            return [Segment(0, start, min(dim, tp_rank * chunk + chunk) - start)]
         block = self.global_shape[self.partition_dim] // self.parts
         start, end = shard_bounds(block, tp_size, tp_rank)
         out, local = [], 0
@@ -108,11 +125,20 @@ class ParamSpec:
             local += end - start
         return out
 
+    def _padded_chunk(self, tp_size: int) -> int:
+        assert self.padded is not None
+        if self.padded % tp_size:
+            raise ValueError(f"a dim padded to {self.padded} cannot be split evenly {tp_size} ways")
+        return self.padded // tp_size
+
     def local_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
         if self.partition_dim is None:
             return self.global_shape
         shape = list(self.global_shape)
-        shape[self.partition_dim] = sum(s.length for s in self.segments(tp_rank, tp_size))
+        if self.padded is not None:
+            shape[self.partition_dim] = self._padded_chunk(tp_size)  # padding included: equal on every rank
+        else:
+            shape[self.partition_dim] = sum(s.length for s in self.segments(tp_rank, tp_size))
         return tuple(shape)
 
     def boxes(self, tp_rank: int, tp_size: int) -> list[Box]:
@@ -143,6 +169,11 @@ class ParamSpec:
         if self.partition_dim is None:
             return full
         pieces = [full.narrow(self.partition_dim, s.global_start, s.length) for s in self.segments(tp_rank, tp_size)]
+        if self.padded is not None:  # zero rows up to the padded local length
+            local = self.local_shape(tp_rank, tp_size)
+            out = full.new_zeros(local)
+            out.narrow(self.partition_dim, 0, pieces[0].shape[self.partition_dim]).copy_(pieces[0])
+            return out
         return torch.cat(pieces, dim=self.partition_dim) if len(pieces) > 1 else pieces[0]
 
 
