@@ -21,6 +21,7 @@ from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardspeed.topology import MeshShape, Topology
 from shardspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from shardspeed.zero.api import full_shape
 
 IN, HID, OUT, BATCH = 6, 5, 4, 4  # HID=5 per fused part: TP=2 slices of 3 and 2 rows (ceil chunks)
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "checkpoints" / "dp_only_v1"
@@ -77,7 +78,7 @@ def _snapshot(engine: ShardSpeedEngine) -> dict:
     out: dict = {"tp": engine.topology.tp_rank, "tp_size": engine.topology.tp_world_size, "dp": engine.topology.dp_rank}
     for name, p in engine.module.named_parameters():
         out[name] = {
-            "spec": engine.param_specs.of(p, name),
+            "spec": engine.param_specs.by_name(name) or ParamSpec(tuple(full_shape(p))),  # ZeRO-3: not the placeholder
             "param": safe_get_full_fp32_param(p).clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),

@@ -41,7 +41,9 @@ from shardspeed.checkpoint.load_plan import open_and_verify, read_into_engine
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
 from shardspeed.checkpoint.store import CheckpointWriter
 from shardspeed.faults.errors import mark_agreed  # same files, same model: every rank raises alike
+from shardspeed.params.spec import ParamSpec
 from shardspeed.symmetric import check_same_on_all_ranks
+from shardspeed.zero.api import full_shape
 
 if TYPE_CHECKING:
     from shardspeed.engine import ShardSpeedEngine
@@ -218,7 +220,7 @@ def _param_layouts(engine: ShardSpeedEngine) -> dict[str, dict[str, Any]]:
     """Per parameter: its global shape and how the saving mesh split it (for readers; loading needs only boxes)."""
     out = {}
     for name, p in engine.module.named_parameters():
-        spec = engine.param_specs.of(p, name)
+        spec = engine.param_specs.by_name(name) or ParamSpec(tuple(full_shape(p)))  # ZeRO-3: not the placeholder's
         out[name] = {"global_shape": list(spec.global_shape), "partition_dim": spec.partition_dim, "parts": spec.parts}
     return out
 
