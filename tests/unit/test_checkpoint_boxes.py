@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import pytest
 import torch
 
+from shardspeed.checkpoint.box_io import read_local_into, write_local
 from shardspeed.checkpoint.boxes import (
     BoxRef,
     count_before,
@@ -18,6 +20,9 @@ from shardspeed.checkpoint.boxes import (
     sub_to_outer,
     whole,
 )
+from shardspeed.checkpoint.commit import commit_checkpoint, make_tmp_dir
+from shardspeed.checkpoint.index import CheckpointTilingError, build_index
+from shardspeed.checkpoint.store import CheckpointReader, CheckpointWriter
 
 
 def _random_box(rng: random.Random, shape: tuple[int, ...]) -> BoxRef:
@@ -112,3 +117,56 @@ def test_local_runs_cut_a_zero_shard_per_box(parts: int) -> None:
                 continue
             picked = shard[t.dst_start : t.dst_start + t.count] if t.dst_index is None else shard[t.dst_index]
             assert torch.equal(picked, box_values)
+
+
+def _write_sliced(tmp_path, full: torch.Tensor, boxes: list[BoxRef], data_ranks: int = 2) -> list[dict]:
+    """Each box written as ``data_ranks`` flat ranges (a ZeRO shard per data rank), by separate writers."""
+    records = []
+    tmp = make_tmp_dir(tmp_path, "t", "n" * 32)
+    for i, box in enumerate(boxes):
+        values = full[tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))].reshape(-1)
+        cut = [box.numel * r // data_ranks for r in range(data_ranks + 1)]
+        for r in range(data_ranks):
+            writer = CheckpointWriter(tmp, i * data_ranks + r, chunk_bytes=12)
+            writer.add("param/w", full.shape, cut[r], values[cut[r] : cut[r + 1]].clone(), box=box)
+            records += writer.finish()
+    return records
+
+
+def test_store_round_trips_boxes_and_reads_any_slice(tmp_path) -> None:
+    full = torch.arange(35, dtype=torch.float32).view(5, 7)
+    boxes = [BoxRef((0, 0), (5, 4)), BoxRef((0, 4), (5, 3))]  # TP=2 along dim 1 (ceil chunks)
+    commit_checkpoint(tmp_path, "t", tmp_path / f".tmp-t-{'n' * 32}", _write_sliced(tmp_path, full, boxes), {})
+    reader = CheckpointReader(tmp_path / "t")
+    assert reader.boxes("param/w") == boxes and reader.shape("param/w") == (5, 7)
+    assert torch.equal(reader.read_full("param/w"), full)  # zero-to-fp32's path: assembled from the boxes
+    assert torch.equal(reader.read_range("param/w", 9, 30), full.reshape(-1)[9:30])
+    # a TP=3 rank's slice along dim 1 (columns [3, 6)), a ZeRO shard of it: local elements [2, 13)
+    local = BoxRef((0, 0), (5, 3))
+    out = torch.zeros(11)
+    read_local_into(reader, "param/w", [(local, BoxRef((0, 3), (5, 3)))], (5, 3), 2, out)
+    assert torch.equal(out, full[:, 3:6].reshape(-1)[2:13])
+    index = json.loads((tmp_path / "t" / "index.json").read_text())
+    assert index["format_version"] == 2
+    assert {tuple(c["box_offset"]) for c in index["tensors"]["param/w"]["chunks"]} == {(0, 0), (0, 4)}
+
+
+def test_boxes_that_overlap_or_leave_a_gap_fail_the_commit(tmp_path) -> None:
+    full = torch.arange(35, dtype=torch.float32).view(5, 7)
+    overlapping = [BoxRef((0, 0), (5, 4)), BoxRef((0, 3), (5, 4))]
+    with pytest.raises(CheckpointTilingError, match="boxes at \\[0, 0\\] and \\[0, 3\\] overlap"):
+        build_index(_write_sliced(tmp_path / "a", full, overlapping))
+    with pytest.raises(CheckpointTilingError, match="written by no rank"):
+        build_index(_write_sliced(tmp_path / "b", full, [BoxRef((0, 0), (5, 4))]))
+
+
+def test_write_local_cuts_a_shard_of_a_fused_parameter_per_box(tmp_path) -> None:
+    """A ZeRO shard of a TP rank's fused parameter (two boxes along dim 0) is stored as flat ranges of the boxes,
+    and reads back into the same local positions."""
+    spec_boxes = [(BoxRef((0, 0), (2, 3)), BoxRef((1, 0), (2, 3))), (BoxRef((2, 0), (2, 3)), BoxRef((5, 0), (2, 3)))]
+    local = torch.arange(12, dtype=torch.float32) + 100
+    tmp = make_tmp_dir(tmp_path, "t", "m" * 32)
+    writer = CheckpointWriter(tmp, 0)
+    write_local(writer, "param/q", (8, 3), spec_boxes, (4, 3), 4, local[4:11])
+    records = writer.finish()
+    assert [(r["start"], r["end"], r["box_offset"]) for r in records] == [(4, 6, [1, 0]), (0, 5, [5, 0])]
