@@ -207,7 +207,8 @@ class CheckpointReader:
         metadata_path = self.ckpt_dir / METADATA_FILE
         self._entries: dict[str, TensorEntry] = index_from_json(_read_json(index_path), str(index_path))
         self._metadata: dict[str, Any] = metadata_from_json(_read_json(metadata_path), str(metadata_path))
-        self._runs: dict[tuple[str, BoxRef], tuple[Any, ...]] = {}  # (name, box) → its chunks, sorted by start
+        # (name, box) → its chunks sorted by start, and their starts (for bisect)
+        self._runs: dict[tuple[str, BoxRef], tuple[tuple[Any, ...], list[int]]] = {}
         self._handles: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._verified: set[tuple[str, str]] = set()
         self.files_opened = 0  # for tests and diagnostics: a rank should open only the files it needs
@@ -321,10 +322,12 @@ class CheckpointReader:
         self, entry: TensorEntry, box: BoxRef, start: int, end: int, dtype: torch.dtype | None
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Consecutive pieces of elements ``[start, end)`` of one stored ``box`` of ``entry`` (its flat order)."""
-        run = self._runs.get((entry.name, box))
-        if run is None:
-            run = self._runs[(entry.name, box)] = entry.chunks_of(box)
-        position = max(0, bisect.bisect_right([chunk.start for chunk in run], start) - 1)
+        found = self._runs.get((entry.name, box))
+        if found is None:
+            run = entry.chunks_of(box)
+            found = self._runs[(entry.name, box)] = (run, [chunk.start for chunk in run])
+        run, starts = found
+        position = max(0, bisect.bisect_right(starts, start) - 1)
         cursor = start
         while cursor < end:
             chunk = run[position]
