@@ -5,6 +5,7 @@ the global tensors; today's DP-only checkpoints still load."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,11 +32,11 @@ class Net(torch.nn.Module):
     """A tensor-replicated layer norm, a fused (2-part) column-parallel layer split on dim 0, and a row-parallel
     layer split on dim 1 (its boxes are not contiguous in the flat order)."""
 
-    def __init__(self, tp: TensorParallel) -> None:
+    def __init__(self, tp: TensorParallel, hid: int = HID) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(IN)
-        self.up = ColumnParallelLinear(IN, 2 * HID, tp, parts=2)
-        self.down = RowParallelLinear(2 * HID, OUT, tp, parts=2)
+        self.up = ColumnParallelLinear(IN, 2 * hid, tp, parts=2)
+        self.down = RowParallelLinear(2 * hid, OUT, tp, parts=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.tanh(self.up(self.norm(x))))
@@ -46,10 +47,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
-def _engine(tp: int, dp: int, stage: int) -> ShardSpeedEngine:
+def _engine(tp: int, dp: int, stage: int, hid: int = HID) -> ShardSpeedEngine:
     topology = Topology.build(MeshShape(tensor=tp, data=dp))
     torch.manual_seed(0)
-    model = Net(TensorParallel.from_topology(topology))
+    model = Net(TensorParallel.from_topology(topology), hid)
     config = {
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": BATCH // dp,
@@ -184,6 +185,25 @@ def test_tp2_dp2_checkpoint_reshards(dist_run, tmp_path: Path, stage: int, world
     saved = dist_run(_run, 4, 2, stage, 3, ckpt, None, 2)
     loaded = dist_run(_run, world, tp, load_stage, 0, None, ckpt, 2)
     _check_resharded(saved, loaded)
+
+
+def _load_other_shape(rank: int, world: int, ckpt: str) -> str:
+    engine = _engine(world, 1, 1, hid=HID + 1)
+    try:
+        engine.load_checkpoint(ckpt)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_global_shape_mismatch_is_named_on_every_rank(dist_run, tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    dist_run(_run, 2, 2, 0, 1, ckpt, None, 0)
+    messages = dist_run(_load_other_shape, 2, ckpt)
+    assert messages[0] == messages[1]
+    # global shapes, not the TP slices
+    pattern = r"parameter '(up|down)\.weight' is \((10, 6|4, 10)\) in checkpoint \S+ but \((12, 6|4, 12)\) in this"
+    assert re.search(pattern, messages[0]), messages[0]
 
 
 def _load_fixture(rank: int, world: int, stage: int) -> dict:
