@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from shardspeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from shardspeed.checkpoint import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 from shardspeed.config.load import load_config
 from shardspeed.engine import ShardSpeedEngine
 from shardspeed.params.spec import ParamSpec
@@ -151,6 +155,9 @@ def test_tp2_dp2_checkpoint_loads_at_tp1_dp1_and_consolidates(dist_run, tmp_path
     state = get_fp32_state_dict_from_zero_checkpoint(ckpt)
     assert state.keys() == want.keys()
     for name, tensor in state.items():
+        torch.testing.assert_close(tensor, want[name]["param"], rtol=0, atol=0)
+    written = convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "fp32")  # the streaming CLI path
+    for name, tensor in load_file(str(written[0])).items():
         torch.testing.assert_close(tensor, want[name]["param"], rtol=0, atol=0)
     dense = Net(TensorParallel(Topology.build(MeshShape()).tensor))
     load_state_dict_from_zero_checkpoint(dense, ckpt)
