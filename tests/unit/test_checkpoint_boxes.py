@@ -170,3 +170,19 @@ def test_write_local_cuts_a_shard_of_a_fused_parameter_per_box(tmp_path) -> None
     write_local(writer, "param/q", (8, 3), spec_boxes, (4, 3), 4, local[4:11])
     records = writer.finish()
     assert [(r["start"], r["end"], r["box_offset"]) for r in records] == [(4, 6, [1, 0]), (0, 5, [5, 0])]
+
+
+def test_format_1_checkpoint_reads_as_one_box_per_tensor() -> None:
+    """The DP-only fixture written by the pre-box code: no box fields, each tensor one box covering it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "checkpoints" / "dp_only_v1"
+    assert json.loads((fixture / "v1" / "index.json").read_text())["format_version"] == 1
+    expected = load_file(str(fixture / "expected.safetensors"))
+    with CheckpointReader(fixture / "v1") as reader:
+        assert reader.boxes("param/0.weight") == [whole((6, 5))]
+        for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+            assert torch.equal(reader.read_full(f"param/{name}"), expected[f"param/{name}"])
+            assert torch.equal(reader.read_full(f"optim/{name}/exp_avg"), expected[f"exp_avg/{name}"])
