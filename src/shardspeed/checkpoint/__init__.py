@@ -4,8 +4,9 @@ Module map: ``index`` (the JSON schema of ``index.json``/``metadata.json`` and t
 (``CheckpointWriter`` per rank, ``CheckpointReader`` with ranged, checksum-verified reads),
 ``safetensors_file`` (streaming safetensors writer), ``commit`` (crash-safe publish, ``latest``, tag
 resolution, stale temporary directories), ``consolidate`` (``shardspeed zero-to-fp32`` and the fp32 state-dict
-helpers). The engine's save/load on top of these lives in ``engine_io`` (``load_plan``: verify, then read;
-``agreement``: every rank raises when a save or load failed on any rank).
+helpers), ``boxes`` (pure: tensors stored as boxes of their global shape, flat ranges of boxes) and ``box_io`` (a
+rank's local parameter range ↔ those boxes). The engine's save/load on top of these lives in ``engine_io``
+(``load_plan``: verify, then read; ``agreement``: every rank raises when a save or load failed on any rank).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ shared storage and a copy would double their memory; they are listed as ``tied_w
 (or the single file's ``__metadata__``), and Hugging Face loaders re-tie them. The in-memory functions
 (``get_fp32_state_dict_from_zero_checkpoint`` and ``load_state_dict_from_zero_checkpoint``) include them.
 
+Tensor-parallel checkpoints hold each sliced tensor as boxes of its global shape; the reader assembles the global
+flat order from them block by block (``box_io.read_sliced_range``), so the output is the state dict a
+single-process model loads, at any tensor-parallel degree the checkpoint was saved with.
+
 Memory: the file header needs only shapes, so each output file is written as a stream of checkpoint chunks
 (read, checksum-verified, converted to fp32, written, dropped): the peak is about one chunk (64 MiB by default),
 less than the largest output shard, and never the whole model.

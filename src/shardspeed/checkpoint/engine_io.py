@@ -1,11 +1,14 @@
-"""save_checkpoint / load_checkpoint for the engine: every stage, any world size, no pickle.
+"""save_checkpoint / load_checkpoint for the engine: every stage, any world size and mesh, no pickle.
 
 Saving: each rank writes the parameter pieces it is responsible for (see checkpoint/pieces.py) and the
-optimizer state of the same ranges into its own files under a temporary directory; one rank commits (index,
-metadata, rename, then ``latest``). Loading: each rank reads, chunk by chunk, only the ranges of the pieces it
-holds — whatever stage and world size wrote them — then the stage propagates the loaded fp32 values into the
-model's parameters (copy back, or all-gather). Optimizer states are keyed by parameter name and element range,
-so a stage-3 world-2 checkpoint resumes as stage 0 on one process, or as stage 2 on four, without conversion.
+optimizer state of the same ranges into its own files under a temporary directory, as flat ranges of boxes of the
+global tensors (box_io.py: a tensor-parallel slice is a box); global rank 0 commits one checkpoint for the whole
+world (index, metadata, rename, then ``latest``), every agreement running over the world. Loading: each rank
+reads, chunk by chunk, only the ranges of the pieces it holds — whatever stage, world size and tensor-parallel
+degree wrote them — then the stage propagates the loaded fp32 values into the model's parameters (copy back, or
+all-gather). Optimizer states are keyed by parameter name and element range (of a box), so a stage-3 world-2
+checkpoint resumes as stage 0 on one process, or as stage 2 on four, and a TP=2 × DP=2 one at TP=1, without
+conversion.
 
 Faults: each phase of local file work ends in one all-gather of its outcome, so a full disk while saving or a
 damaged chunk while loading is the same error on every rank ([Note: agreed checkpoint outcomes] in
@@ -23,13 +26,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardspeed.checkpoint.agreement import agree_on_outcome, failure_of
+from shardspeed.checkpoint.box_io import write_local
 from shardspeed.checkpoint.commit import commit_checkpoint, discard_tmp, make_tmp_dir
-from shardspeed.checkpoint.engine_pieces import FORMAT, _all_pieces, _optimizer_name, _persistent_buffers, _resident
+from shardspeed.checkpoint.engine_pieces import (
+    FORMAT,
+    _all_pieces,
+    _optimizer_name,
+    _persistent_buffers,
+    _resident,
+    boxes_of,
+    writes_piece,
+)
 from shardspeed.checkpoint.load_plan import open_and_verify, read_into_engine
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
 from shardspeed.checkpoint.store import CheckpointWriter
 from shardspeed.faults.errors import mark_agreed  # same files, same model: every rank raises alike
+from shardspeed.params.spec import ParamSpec
 from shardspeed.symmetric import check_same_on_all_ranks
+from shardspeed.zero.api import full_shape
 
 if TYPE_CHECKING:
     from shardspeed.engine import ShardSpeedEngine
@@ -92,7 +106,7 @@ def save(
 ) -> Path:
     """``exclude_frozen``: parameters with ``requires_grad=False`` are left out (DeepSpeed's
     ``exclude_frozen_parameters``; loading such a checkpoint needs ``load_module_strict=False``)."""
-    axis, comm = engine.topology.data, engine.collectives
+    axis, comm = engine.topology.world, engine.collectives  # one checkpoint, one commit for the whole world
     tag = tag or f"global_step{engine.global_steps}"
     save_dir = Path(save_dir)
     _check_same_destination(save_dir, tag, axis, comm)
@@ -112,12 +126,12 @@ def save(
     )
     failures = [r["failure"] for r in everything]
     if any(f is not None for f in failures):
-        if engine.topology.dp_rank == 0:
+        if engine.topology.global_rank == 0:
             discard_tmp(save_dir, tag, nonce)
         agree_on_outcome(failure, lambda _: failures, axis.ranks, what, own_error=own, write=True)
     failure, own = None, None
     try:
-        if engine.topology.dp_rank == 0:
+        if engine.topology.global_rank == 0:
             _commit(engine, save_dir, tag, tmp_dir, everything, client, save_latest)
     except Exception as error:
         failure, own = failure_of(error), error
@@ -137,19 +151,21 @@ def _write_pieces(
     optimizer = engine.optimizer
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     for piece in _resident(engine, [p for p in _all_pieces(engine) if p.name not in frozen], writing=False):
-        if not piece.write:
+        spec, boxes = boxes_of(engine, piece)
+        if not writes_piece(engine, piece, spec):
             continue
-        writer.add(f"param/{piece.name}", piece.full_shape, piece.start, piece.value.detach().contiguous())
+        where = (spec.global_shape, boxes, piece.full_shape, piece.start)
+        write_local(writer, f"param/{piece.name}", *where, piece.value)
         if piece.opt_tensor is None:
             continue
         states = optimizer.state.get(piece.opt_tensor, {}) if optimizer is not None else {}
         for key, value in states.items():
             if _per_element(key, value, piece.opt_tensor):
                 part = value.view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
-                writer.add(f"optim/{piece.name}/{key}", piece.full_shape, piece.start, part.detach().contiguous())
+                write_local(writer, f"optim/{piece.name}/{key}", *where, part)
             elif (scalar := _scalar(value)) is not None:
                 scalars.setdefault(piece.name, {})[key] = scalar
-    if engine.topology.dp_rank == 0:
+    if engine.topology.dp_rank == 0 and engine.topology.tp_rank == 0:
         for name, buf in _persistent_buffers(engine.module):
             writer.add(f"buffer/{name}", tuple(buf.shape), 0, buf.detach().reshape(-1).contiguous())
     return writer.finish(), scalars
@@ -164,7 +180,7 @@ def _commit(
     client: Any,
     save_latest: bool,
 ) -> None:
-    """Data-parallel rank 0: the metadata, then ``commit_checkpoint`` (a failed commit leaves no ``.tmp-`` dir)."""
+    """Global rank 0: the metadata, then ``commit_checkpoint`` (a failed commit leaves no ``.tmp-`` dir)."""
     optimizer = engine.optimizer
     merged_scalars: dict[str, dict[str, Any]] = {}
     for r in everything:
@@ -181,6 +197,8 @@ def _commit(
         },
         "zero_stage": engine.config.zero_optimization.stage,
         "dp_world_size": engine.topology.data.size,
+        "mesh": {axis: engine.topology.shape.size(axis) for axis in ("pipe", "data", "tensor")},
+        "params": _param_layouts(engine),
         "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
         "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
         "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
@@ -190,12 +208,21 @@ def _commit(
         else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
-        "rng": [r["rng"] for r in everything],
+        "rng": [r["rng"] for r in everything],  # by global rank: gathered over the world
         "client_state": client,
         "tied": _aliases(engine.module),
     }
     records_all = [rec for r in everything for rec in r["records"]]
     commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
+
+
+def _param_layouts(engine: ShardSpeedEngine) -> dict[str, dict[str, Any]]:
+    """Per parameter: its global shape and how the saving mesh split it (for readers; loading needs only boxes)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        spec = engine.param_specs.by_name(name) or ParamSpec(tuple(full_shape(p)))  # ZeRO-3: not the placeholder's
+        out[name] = {"global_shape": list(spec.global_shape), "partition_dim": spec.partition_dim, "parts": spec.parts}
+    return out
 
 
 def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> None:
@@ -216,7 +243,7 @@ def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> N
         if other_dir != first_dir:
             raise mark_agreed(
                 ValueError(
-                    f"save_checkpoint: data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]} passed different "
+                    f"save_checkpoint: ranks {axis.ranks[0]} and {axis.ranks[index]} passed different "
                     f"directories ({first_dir!r} vs {other_dir!r}); every rank must pass the same save_dir, on a file "
                     "system all ranks share: one rank commits the checkpoint from the pieces all ranks wrote there"
                 )
@@ -224,7 +251,7 @@ def _check_same_destination(save_dir: Path, tag: str, axis: Any, comm: Any) -> N
         if other_tag != first_tag:
             raise mark_agreed(
                 ValueError(
-                    f"checkpoint tag differs between data-parallel ranks {axis.ranks[0]} and {axis.ranks[index]}: "
+                    f"checkpoint tag differs between ranks {axis.ranks[0]} and {axis.ranks[index]}: "
                     f"{first_tag!r} vs {other_tag!r}"
                 )
             )
@@ -253,7 +280,7 @@ def load(
     load_module_only: bool,
     custom_load_fn: Any = None,
 ) -> tuple[Path | None, dict | None]:
-    axis, comm = engine.topology.data, engine.collectives
+    axis, comm = engine.topology.world, engine.collectives
     load_dir = Path(load_dir)
     # Agreed before branching: a rank that sees no 'latest' (a directory that is not shared, a lagging NFS cache)
     # must not return while its peers go on into the load's collectives.

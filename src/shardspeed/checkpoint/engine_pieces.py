@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardspeed.checkpoint.box_io import LocalBoxes, local_boxes
 from shardspeed.checkpoint.pieces import Piece
+from shardspeed.params.spec import ParamSpec
 
 if TYPE_CHECKING:
     from shardspeed.engine import ShardSpeedEngine
@@ -47,3 +49,20 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     name = getattr(optimizer, "optimizer_class_name", None) or type(optimizer).__name__  # offload wrappers
     return "Lamb" if name == "ShardedLamb" else name
+
+
+def spec_of(engine: ShardSpeedEngine, piece: Piece) -> ParamSpec:
+    """What ``piece``'s parameter is a slice of (params/spec.py); undeclared: replicated, its own shape."""
+    return engine.param_specs.by_name(piece.name) or ParamSpec(piece.full_shape)
+
+
+def boxes_of(engine: ShardSpeedEngine, piece: Piece) -> tuple[ParamSpec, LocalBoxes]:
+    """``piece``'s spec and the boxes of the global tensor its parameter holds on this tensor rank."""
+    spec = spec_of(engine, piece)
+    return spec, local_boxes(spec, engine.param_specs.tp_rank, engine.param_specs.tp_size)
+
+
+def writes_piece(engine: ShardSpeedEngine, piece: Piece, spec: ParamSpec) -> bool:
+    """Whether this rank writes ``piece``: the stage elects one data rank (``piece.write``), and of a parameter
+    every tensor rank holds alike (a layer norm) tensor rank 0 writes it, so nothing is written twice."""
+    return piece.write and (spec.partitioned or engine.param_specs.tp_rank == 0)

@@ -6,6 +6,11 @@ the flattened full tensor, ``file``/``key`` locate the 1-D data of that range in
 ``crc32`` is ``zlib.crc32`` of its raw bytes. Which rank wrote a chunk does not matter to a reader, which is what
 lets a checkpoint saved at one world size and ZeRO stage load into any other.
 
+Under tensor parallelism a tensor is stored as *boxes* of its global shape (``box_offset``/``box_shape`` on a chunk;
+absent: the box is the whole tensor, as in every format-version-1 checkpoint), and a chunk's ``[start, end)`` is a
+flat range of its box ([Note: flat ranges of boxes restrict to flat ranges] in boxes.py). The boxes of a tensor
+must tile it exactly once, and each box's chunks must tile the box.
+
 Chunks of all ranks together must tile each tensor exactly once; ``build_index`` checks that at commit and
 ``index_from_json`` checks it again at load (so a hand-edited or damaged index fails by name, not with wrong
 weights). A record whose ``file`` is None *declares* a tensor without data (a rank whose share is empty), so a
@@ -22,7 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-FORMAT_VERSION = 1
+from shardspeed.checkpoint.boxes import BoxRef, intersect
+
+FORMAT_VERSION = 2  # 2: chunks may be flat ranges of boxes (tensor parallelism); version 1 still loads
 INDEX_FILE = "index.json"
 METADATA_FILE = "metadata.json"
 
@@ -76,6 +83,7 @@ class ChunkRef:
     start: int
     end: int
     crc32: int
+    box: BoxRef | None = None  # the box of the tensor that [start, end) is a flat range of; None: the whole tensor
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,18 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def boxes(self) -> list[BoxRef]:
+        """The boxes the tensor is stored as, in order (the whole tensor when its chunks name none)."""
+        seen: dict[BoxRef, None] = {}
+        for chunk in self.chunks:
+            seen.setdefault(chunk.box or BoxRef((0,) * len(self.shape), self.shape))
+        return list(seen) or [BoxRef((0,) * len(self.shape), self.shape)]
+
+    def chunks_of(self, box: BoxRef) -> tuple[ChunkRef, ...]:
+        """The chunks tiling ``box``, sorted by start."""
+        wanted = None if box == BoxRef((0,) * len(self.shape), self.shape) else box
+        return tuple(c for c in self.chunks if c.box == wanted)
 
 
 def _require_int(value: Any, what: str, minimum: int = 0) -> int:
@@ -117,7 +137,21 @@ def _parse_dtype(value: Any, what: str) -> str:
     return value
 
 
-def _parse_chunk(raw: Any, what: str) -> ChunkRef:
+def _parse_box(raw: Mapping[str, Any], shape: tuple[int, ...], what: str) -> BoxRef | None:
+    """The optional ``box_offset``/``box_shape`` of a chunk or record; None for the whole tensor."""
+    if raw.get("box_offset") is None and raw.get("box_shape") is None:
+        return None
+    offset = _parse_shape(raw.get("box_offset"), f"{what}.box_offset")
+    size = _parse_shape(raw.get("box_shape"), f"{what}.box_shape")
+    box = BoxRef(offset, size) if len(offset) == len(size) else None
+    if box is None or not box.inside(shape):
+        raise CheckpointError(
+            f"{what}: box at {list(offset)} of shape {list(size)} does not fit in the tensor's shape {list(shape)}"
+        )
+    return None if box == BoxRef((0,) * len(shape), shape) else box
+
+
+def _parse_chunk(raw: Any, what: str, shape: tuple[int, ...] = ()) -> ChunkRef:
     if not isinstance(raw, Mapping):
         raise CheckpointError(f"{what} must be an object with file, key, start, end, crc32; got {raw!r}")
     missing = [field for field in ("file", "key", "start", "end", "crc32") if field not in raw]
@@ -129,6 +163,7 @@ def _parse_chunk(raw: Any, what: str) -> ChunkRef:
         start=_require_int(raw["start"], f"{what}.start"),
         end=_require_int(raw["end"], f"{what}.end"),
         crc32=_require_int(raw["crc32"], f"{what}.crc32"),
+        box=_parse_box(raw, shape, what),
     )
 
 
@@ -137,11 +172,27 @@ def _describe(chunk: ChunkRef) -> str:
 
 
 def check_tiling(entry: TensorEntry) -> None:
-    """Raise ``CheckpointTilingError`` unless the chunks cover ``[0, numel)`` exactly once (they are sorted)."""
-    numel = entry.numel
-    where = f"tensor {entry.name!r} (shape {list(entry.shape)}, {numel} elements)"
+    """Raise ``CheckpointTilingError`` unless the boxes tile the tensor exactly once and each box's chunks cover
+    its ``[0, numel)`` exactly once (chunks are sorted by box, then start)."""
+    boxes = entry.boxes()
+    where = f"tensor {entry.name!r} (shape {list(entry.shape)}, {entry.numel} elements)"
+    for i, box in enumerate(boxes):
+        for other in boxes[:i]:
+            if intersect(box, other) is not None:
+                raise CheckpointTilingError(f"{where}: boxes at {list(other.offset)} and {list(box.offset)} overlap")
+    if sum(box.numel for box in boxes) != entry.numel:  # disjoint boxes inside the tensor: equal counts tile it
+        raise CheckpointTilingError(
+            f"{where}: its boxes ({', '.join(f'{list(b.shape)} at {list(b.offset)}' for b in boxes)}) leave elements "
+            "written by no rank"
+        )
+    for box in boxes:
+        inside = "" if len(boxes) == 1 else f" box at {list(box.offset)} of shape {list(box.shape)}"
+        _check_box_tiling(entry.chunks_of(box), box.numel, where + inside)
+
+
+def _check_box_tiling(chunks: tuple[ChunkRef, ...], numel: int, where: str) -> None:
     covered = 0
-    for chunk in entry.chunks:
+    for chunk in chunks:
         if chunk.end <= chunk.start:
             raise CheckpointTilingError(f"{where}: chunk {_describe(chunk)} is empty or reversed")
         if chunk.end > numel:
@@ -158,7 +209,9 @@ def check_tiling(entry: TensorEntry) -> None:
 
 
 def _sorted_entry(name: str, shape: tuple[int, ...], dtype: str, chunks: list[ChunkRef]) -> TensorEntry:
-    entry = TensorEntry(name=name, shape=shape, dtype=dtype, chunks=tuple(sorted(chunks, key=lambda c: c.start)))
+    zeros = (0,) * len(shape)
+    ordered = sorted(chunks, key=lambda c: (c.box.offset if c.box else zeros, c.start))
+    entry = TensorEntry(name=name, shape=shape, dtype=dtype, chunks=tuple(ordered))
     check_tiling(entry)
     return entry
 
@@ -192,7 +245,7 @@ def build_index(records: Iterable[Mapping[str, Any]]) -> dict[str, TensorEntry]:
         elif dtypes[name] != dtype:
             raise CheckpointTilingError(f"tensor {name!r} is written with dtype {dtypes[name]} and with {dtype}")
         if record["file"] is not None:  # None: a declaration without data
-            chunks[name].append(_parse_chunk(record, what))
+            chunks[name].append(_parse_chunk(record, what, shape))
     return {name: _sorted_entry(name, shapes[name], dtypes[name], chunks[name]) for name in shapes}
 
 
@@ -204,14 +257,19 @@ def index_to_json(entries: Mapping[str, TensorEntry]) -> dict[str, Any]:
             name: {
                 "shape": list(entry.shape),
                 "dtype": entry.dtype,
-                "chunks": [
-                    {"file": c.file, "key": c.key, "start": c.start, "end": c.end, "crc32": c.crc32}
-                    for c in entry.chunks
-                ],
+                "chunks": [_chunk_to_json(c) for c in entry.chunks],
             }
             for name, entry in entries.items()
         },
     }
+
+
+def _chunk_to_json(chunk: ChunkRef) -> dict[str, Any]:
+    out: dict[str, Any] = {"file": chunk.file, "key": chunk.key, "start": chunk.start, "end": chunk.end}
+    out["crc32"] = chunk.crc32
+    if chunk.box is not None:
+        out["box_offset"], out["box_shape"] = list(chunk.box.offset), list(chunk.box.shape)
+    return out
 
 
 def _check_version(document: Any, source: str) -> None:
@@ -242,11 +300,12 @@ def index_from_json(document: Any, source: str) -> dict[str, TensorEntry]:
             raw_chunks = raw.get("chunks")
             if not isinstance(raw_chunks, list):
                 raise CheckpointError(f"{what}.chunks must be a list, got {raw_chunks!r}")
+            shape = _parse_shape(raw.get("shape"), f"{what}.shape")
             entries[name] = _sorted_entry(
                 name,
-                _parse_shape(raw.get("shape"), f"{what}.shape"),
+                shape,
                 _parse_dtype(raw.get("dtype"), f"{what}.dtype"),
-                [_parse_chunk(chunk, f"{what}.chunks[{i}]") for i, chunk in enumerate(raw_chunks)],
+                [_parse_chunk(chunk, f"{what}.chunks[{i}]", shape) for i, chunk in enumerate(raw_chunks)],
             )
     except CheckpointError as error:
         raise CheckpointCorruptError(f"{source}: {error}") from None

@@ -15,8 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardspeed.checkpoint.box_io import LocalBoxes, read_local_into, verify_local
 from shardspeed.checkpoint.commit import resolve_tag
-from shardspeed.checkpoint.engine_pieces import FORMAT, _all_pieces, _optimizer_name, _persistent_buffers, _resident
+from shardspeed.checkpoint.engine_pieces import (
+    FORMAT,
+    _all_pieces,
+    _optimizer_name,
+    _persistent_buffers,
+    _resident,
+    boxes_of,
+    spec_of,
+)
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.checkpoint.store import CheckpointReader
 
@@ -58,7 +67,8 @@ def open_and_verify(
             )
         pieces = _all_pieces(engine)
         model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
-        _check_names(reader, pieces, model_names, strict, load_dir / tag)
+        shapes = {p.name: spec_of(engine, p).global_shape for p in pieces}
+        _check_names(reader, shapes, model_names, strict, load_dir / tag)
         # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
         # checkpoint such an engine saved (it holds no optimizer states)
         with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
@@ -75,10 +85,11 @@ def open_and_verify(
         for piece in pieces:
             if not reader.has(f"param/{piece.name}"):
                 continue
-            reader.verify_range(f"param/{piece.name}", piece.start, piece.end)
+            where = (boxes_of(engine, piece)[1], piece.full_shape, piece.start, piece.end)
+            verify_local(reader, f"param/{piece.name}", *where)
             if with_optimizer and piece.opt_tensor is not None:
                 for key in optim_keys.get(piece.name, []):
-                    reader.verify_range(f"optim/{piece.name}/{key}", piece.start, piece.end)
+                    verify_local(reader, f"optim/{piece.name}/{key}", *where)
         for name, _ in _persistent_buffers(engine.module):
             if reader.has(f"buffer/{name}"):
                 reader.verify_range(f"buffer/{name}", 0, reader.numel(f"buffer/{name}"))
@@ -97,10 +108,12 @@ def read_into_engine(engine: ShardSpeedEngine, plan: LoadPlan) -> None:
             entry = f"param/{piece.name}"
             if not reader.has(entry):
                 continue
-            reader.read_range_into(entry, piece.start, piece.value)
+            boxes = boxes_of(engine, piece)[1]
+            read_local_into(reader, entry, boxes, piece.full_shape, piece.start, piece.value)
             if plan.with_optimizer and piece.opt_tensor is not None:
                 scalars = meta["optimizer_scalars"].get(piece.name, {})
-                _load_optimizer_piece(engine.optimizer, reader, piece, plan.optim_keys.get(piece.name, []), scalars)
+                keys = plan.optim_keys.get(piece.name, [])
+                _load_optimizer_piece(engine.optimizer, reader, piece, boxes, keys, scalars)
         for name, buf in _persistent_buffers(engine.module):
             if reader.has(f"buffer/{name}"):
                 buf.copy_(reader.read_full(f"buffer/{name}", dtype=buf.dtype).view_as(buf))
@@ -123,10 +136,9 @@ def module_state_dict(reader: CheckpointReader, meta: dict[str, Any]) -> dict[st
 
 
 def _check_names(
-    reader: CheckpointReader, pieces: list[Piece], model_names: set[str], strict: bool, where: Path
+    reader: CheckpointReader, ours: dict[str, tuple[int, ...]], model_names: set[str], strict: bool, where: Path
 ) -> None:
-    """Shapes of what this rank holds must match; with ``strict`` the sets of names must be equal."""
-    ours = {p.name: p.full_shape for p in pieces}
+    """Global shapes of what this rank holds must match; with ``strict`` the sets of names must be equal."""
     theirs = {n.removeprefix("param/") for n in reader.names("param/")}
     for name, shape in ours.items():
         if name in theirs and tuple(reader.shape(f"param/{name}")) != shape:
@@ -144,7 +156,12 @@ def _check_names(
 
 
 def _load_optimizer_piece(
-    optimizer: torch.optim.Optimizer, reader: CheckpointReader, piece: Piece, keys: list[str], scalars: dict[str, Any]
+    optimizer: torch.optim.Optimizer,
+    reader: CheckpointReader,
+    piece: Piece,
+    boxes: LocalBoxes,
+    keys: list[str],
+    scalars: dict[str, Any],
 ) -> None:
     assert piece.opt_tensor is not None
     if not keys and not scalars:  # no state saved for it (never stepped): nothing to load, nothing to create
@@ -155,7 +172,7 @@ def _load_optimizer_piece(
         if key not in state:
             state[key] = torch.zeros_like(piece.opt_tensor)
         target = state[key].view(-1)[piece.opt_offset : piece.opt_offset + piece.numel]
-        reader.read_range_into(entry, piece.start, target)
+        read_local_into(reader, entry, boxes, piece.full_shape, piece.start, target)
     for key, scalar in scalars.items():
         if scalar["tensor"]:
             state[key] = torch.tensor(scalar["value"], dtype=getattr(torch, scalar["dtype"]))

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from shardspeed.checkpoint.box_io import read_sliced_range
+from shardspeed.checkpoint.boxes import BoxRef, whole
 from shardspeed.checkpoint.commit import fsync_directory, list_tags, resolve_tag
 from shardspeed.checkpoint.index import (
     DTYPE_NAMES,
@@ -82,11 +84,14 @@ class CheckpointWriter:
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []  # (record, its CPU copy) not yet on disk
         self._pending_bytes = 0
         self._files_written = 0
-        self._keys: set[tuple[str, int]] = set()
+        self._keys: set[tuple[str, tuple[int, ...], int]] = set()
         self._finished = False
 
-    def add(self, name: str, full_shape: Sequence[int], start: int, data: torch.Tensor) -> None:
-        """Store ``data``, elements ``[start, start + data.numel())`` of the flattened tensor ``name``.
+    def add(
+        self, name: str, full_shape: Sequence[int], start: int, data: torch.Tensor, box: BoxRef | None = None
+    ) -> None:
+        """Store ``data``, elements ``[start, start + data.numel())`` of the flattened tensor ``name`` — or, with
+        ``box`` (a block of the tensor of shape ``full_shape``), of that box in its own row-major order.
 
         ``data`` is a 1-D tensor of any supported dtype on any device; it is copied before this returns.
         An empty ``data`` declares the tensor (shape and dtype) without contributing elements.
@@ -103,19 +108,26 @@ class CheckpointWriter:
             raise ValueError(f"tensor {name!r}: data must be a 1-D tensor (flatten it with .reshape(-1)), got {got}")
         if data.dtype not in DTYPE_NAMES_BY_TORCH:
             raise ValueError(f"tensor {name!r}: dtype {data.dtype} is not storable; valid: {', '.join(DTYPE_NAMES)}")
-        numel = math.prod(shape)
+        if box is not None and not box.inside(shape):
+            raise ValueError(f"tensor {name!r}: box {box} does not fit in the full tensor of shape {list(shape)}")
+        box = None if box is None or box == whole(shape) else box
+        numel = math.prod(shape) if box is None else box.numel
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + data.numel() > numel:
             raise ValueError(
                 f"tensor {name!r}: start={start!r} with {data.numel()} elements does not fit in the full tensor "
-                f"of shape {list(shape)} ({numel} elements)"
+                f"of shape {list(shape)}{'' if box is None else f' (its box {box})'} ({numel} elements)"
             )
         elements_per_chunk = max(1, self.chunk_bytes // data.element_size())
-        chunk_starts = [(name, start + offset) for offset in range(0, data.numel(), elements_per_chunk)]
-        repeated = [element for key, element in chunk_starts if (key, element) in self._keys]
+        where = () if box is None else box.offset
+        chunk_starts = [(name, where, start + offset) for offset in range(0, data.numel(), elements_per_chunk)]
+        repeated = [element for key, _, element in chunk_starts if (key, where, element) in self._keys]
         if repeated:  # chunk keys must be unique within this rank's files
             raise ValueError(f"tensor {name!r}: this rank already added a piece covering element {repeated[0]}")
         self._keys.update(chunk_starts)
         base = {"name": name, "shape": list(shape), "dtype": DTYPE_NAMES_BY_TORCH[data.dtype], "rank": self.rank}
+        if box is not None:
+            base |= {"box_offset": list(box.offset), "box_shape": list(box.shape)}
+        key_prefix = name if box is None else f"{name}@{'.'.join(map(str, box.offset))}"
         if data.numel() == 0:
             self._records.append({**base, "file": None, "key": None, "start": start, "end": start, "crc32": 0})
             return
@@ -129,7 +141,7 @@ class CheckpointWriter:
             record = {
                 **base,
                 "file": data_file_name(self.rank, self._files_written),
-                "key": f"{name}@{chunk_start}",
+                "key": f"{key_prefix}@{chunk_start}",
                 "start": chunk_start,
                 "end": chunk_start + copy.numel(),
                 "crc32": chunk_crc32(copy),
@@ -195,7 +207,8 @@ class CheckpointReader:
         metadata_path = self.ckpt_dir / METADATA_FILE
         self._entries: dict[str, TensorEntry] = index_from_json(_read_json(index_path), str(index_path))
         self._metadata: dict[str, Any] = metadata_from_json(_read_json(metadata_path), str(metadata_path))
-        self._starts = {name: [chunk.start for chunk in entry.chunks] for name, entry in self._entries.items()}
+        # (name, box) → its chunks sorted by start, and their starts (for bisect)
+        self._runs: dict[tuple[str, BoxRef], tuple[tuple[Any, ...], list[int]]] = {}
         self._handles: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._verified: set[tuple[str, str]] = set()
         self.files_opened = 0  # for tests and diagnostics: a rank should open only the files it needs
@@ -251,9 +264,12 @@ class CheckpointReader:
                 self._handles.popitem(last=False)
         return handle
 
-    def _load_chunk(self, entry: TensorEntry, position: int, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` (relative to the chunk) of chunk ``position``, checksum-verified."""
-        chunk = entry.chunks[position]
+    def boxes(self, name: str) -> list[BoxRef]:
+        """The boxes tensor ``name`` is stored as (one covering it for a tensor no rank stored sliced)."""
+        return self.entry(name).boxes()
+
+    def _load_chunk(self, entry: TensorEntry, chunk: Any, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` (relative to the chunk) of ``chunk``, checksum-verified."""
         handle = self._open(chunk.file, entry.name)
         path = self.ckpt_dir / chunk.file
         where = f"chunk {chunk.key!r} of tensor {entry.name!r} (elements [{chunk.start}, {chunk.end}))"
@@ -278,9 +294,9 @@ class CheckpointReader:
         self._verified.add((chunk.file, chunk.key))
         return data[start:end]
 
-    def _check_range(self, name: str, start: int, end: int) -> TensorEntry:
+    def _check_range(self, name: str, start: int, end: int, box: BoxRef | None = None) -> TensorEntry:
         entry = self.entry(name)
-        if not 0 <= start <= end <= entry.numel:
+        if not 0 <= start <= end <= (entry.numel if box is None else box.numel):
             raise ValueError(
                 f"tensor {name!r}: range [{start}, {end}) is outside its {entry.numel} elements (shape "
                 f"{list(entry.shape)})"
@@ -297,27 +313,45 @@ class CheckpointReader:
         The range is checked before the first piece is read (when this is called, not when iterated).
         """
         entry = self._check_range(name, start, end)
-        return self._pieces(entry, start, end, dtype)
+        boxes = entry.boxes()
+        if len(boxes) == 1:  # stored whole (every DP-only checkpoint): straight from its chunks
+            return self._pieces(entry, boxes[0], start, end, dtype)
+        return read_sliced_range(self, name, start, end, dtype)  # assembled from the boxes overlapping the range
 
     def _pieces(
-        self, entry: TensorEntry, start: int, end: int, dtype: torch.dtype | None
+        self, entry: TensorEntry, box: BoxRef, start: int, end: int, dtype: torch.dtype | None
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        position = max(0, bisect.bisect_right(self._starts[entry.name], start) - 1)
+        """Consecutive pieces of elements ``[start, end)`` of one stored ``box`` of ``entry`` (its flat order)."""
+        found = self._runs.get((entry.name, box))
+        if found is None:
+            run = entry.chunks_of(box)
+            found = self._runs[(entry.name, box)] = (run, [chunk.start for chunk in run])
+        run, starts = found
+        position = max(0, bisect.bisect_right(starts, start) - 1)
         cursor = start
         while cursor < end:
-            chunk = entry.chunks[position]
+            chunk = run[position]
             piece_end = min(end, chunk.end)
-            piece = self._load_chunk(entry, position, cursor - chunk.start, piece_end - chunk.start)
+            piece = self._load_chunk(entry, chunk, cursor - chunk.start, piece_end - chunk.start)
             yield cursor - start, piece if dtype is None else piece.to(dtype)
             cursor, position = piece_end, position + 1
 
-    def verify_range(self, name: str, start: int, end: int) -> None:
-        """Check every chunk overlapping elements ``[start, end)`` of ``name`` (file present, readable, crc32),
-        each once per reader, without counting them in ``chunks_read``: a load verifies all it will read before it
-        changes anything, so a damaged file fails it with the engine's state untouched."""
-        entry = self._check_range(name, start, end)
+    def iter_box_range(
+        self, name: str, box: BoxRef, start: int, end: int, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``iter_range`` within one stored box of ``name`` (one of ``boxes(name)``), in the box's flat order."""
+        entry = self._check_range(name, start, end, box)
+        if box not in entry.boxes():
+            raise ValueError(f"tensor {name!r} is not stored as box {box}; its boxes: {entry.boxes()}")
+        return self._pieces(entry, box, start, end, dtype)
+
+    def verify_range(self, name: str, start: int, end: int, box: BoxRef | None = None) -> None:
+        """Check every chunk overlapping elements ``[start, end)`` of ``name`` (of its stored ``box`` when given)
+        (file present, readable, crc32), each once per reader, without counting them in ``chunks_read``: a load
+        verifies all it will read before it changes anything, so a damaged file fails it with the engine's state
+        untouched."""
         counted = self.chunks_read
-        for _ in self._pieces(entry, start, end, None):
+        for _ in self.iter_range(name, start, end) if box is None else self.iter_box_range(name, box, start, end):
             pass
         self.chunks_read = counted
 
