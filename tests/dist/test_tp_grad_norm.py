@@ -106,9 +106,11 @@ def engine_config(stage: int, kind: str, clip: float = CLIP, **extra: Any) -> di
     }
 
 
-def tp_train(rank: int, world: int, stage: int, kind: str, tp: int) -> dict[str, Any]:
+def tp_train(rank: int, world: int, stage: int, kind: str, tp: int, zero: dict | None = None) -> dict[str, Any]:
     topology = Topology.build(MeshShape(tensor=tp, data=world // tp))
-    engine = tp_engine(topology, engine_config(stage, kind))
+    config = engine_config(stage, kind)
+    config["zero_optimization"].update(zero or {})
+    engine = tp_engine(topology, config)
     dp, dp_world = topology.dp_rank, topology.dp_world_size
     norms = []
     for x, y in batches(MB * dp_world):
@@ -158,6 +160,13 @@ def test_tp2_dp2_stage3_norm_and_parameters_match_dense(dist_run) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tp2_dp2_norm_and_parameters_match_dense(dist_run, stage: int, kind: str) -> None:
     check_against_reference(dist_run(tp_train, 4, stage, kind, 2), kind, 4, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_offload_optimizer_host_gradients(dist_run, stage: int) -> None:
+    """``offload_optimizer``: the norm is the stage's (device gradients), the clip scales the host copies."""
+    offload = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 37}
+    check_against_reference(dist_run(tp_train, 2, stage, "adamw", 2, offload), "adamw", 2, 2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
