@@ -193,7 +193,7 @@ class StepCore:
                 )
             )
         if any_unreduced > 0:
-            where = "this rank's" if unreduced else "another rank's"
+            where = "this rank's" if unreduced else "another (data-, tensor- or pipeline-parallel) rank's"
             raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
                 RuntimeError(
                     f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
@@ -202,7 +202,8 @@ class StepCore:
                 )
             )
         if any_unused > 0:
-            where = f"here: {', '.join(unused[:5])}" if unused else "on another rank"
+            elsewhere = "on another data-parallel rank or tensor/pipeline rank"
+            where = f"here: {', '.join(unused[:5])}" if unused else elsewhere
             raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
                 RuntimeError(
                     f"parameters received no gradient this step ({where}) and zero_optimization."
