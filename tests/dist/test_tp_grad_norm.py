@@ -180,3 +180,38 @@ def test_tp2_lamb_trust_ratios_from_global_parameters(dist_run, stage: int) -> N
 @pytest.mark.parametrize("stage", [0, 2])
 def test_tp2_dp2_lamb_trust_ratios_from_global_parameters(dist_run, stage: int) -> None:
     check_against_reference(dist_run(tp_train, 4, stage, "lamb", 2), "lamb", 4, 2)
+
+
+def _norm_traffic(rank: int, world: int, stage: int, tp: int, kind: str) -> dict[str, tuple[int, int]]:
+    topology = Topology.build(MeshShape(tensor=tp, data=world // tp))
+    engine = tp_engine(topology, engine_config(stage, kind, comms_logger={"enabled": True}))
+    dp = topology.dp_rank
+    for x, y in batches(MB * topology.dp_world_size):
+        rows = slice(dp * MB, (dp + 1) * MB)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+    totals = engine.comms_log.totals
+    return {tag: (totals[f"all_reduce:{tag}"].count, totals[f"all_reduce:{tag}"].elements) for tag in TAGS}
+
+
+TAGS = ("grad_norm", "lamb_norms")
+PARAMS = 6  # norm.weight, norm.bias, up.weight, up.bias, down.weight, down.bias
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "stage", "kind", "expected"),
+    [
+        # data-parallel only: as cheap as before the tensor axis (no norm collective at stage 0, one at stage 1)
+        (2, 1, 0, "adamw", {"grad_norm": (0, 0), "lamb_norms": (0, 0)}),
+        (2, 1, 1, "adamw", {"grad_norm": (STEPS, STEPS), "lamb_norms": (0, 0)}),
+        # TP=2: one scalar all-reduce per step (model scope at stage 0, world at stage 1)
+        (2, 2, 0, "adamw", {"grad_norm": (STEPS, STEPS), "lamb_norms": (0, 0)}),
+        (2, 2, 1, "adamw", {"grad_norm": (STEPS, STEPS), "lamb_norms": (0, 0)}),
+        # Lamb: one table of (||w||², ||r||²) per parameter per step, whatever the stage
+        (2, 2, 0, "lamb", {"grad_norm": (STEPS, STEPS), "lamb_norms": (STEPS, STEPS * 2 * PARAMS)}),
+        (2, 2, 3, "lamb", {"grad_norm": (STEPS, STEPS), "lamb_norms": (STEPS, STEPS * 2 * PARAMS)}),
+    ],
+)
+def test_norm_collectives_counted(dist_run, world: int, tp: int, stage: int, kind: str, expected: dict) -> None:
+    for traffic in dist_run(_norm_traffic, world, stage, tp, kind):
+        assert traffic == expected
