@@ -133,7 +133,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.optimizer: Any = None
         if optimizer is not None or config.optimizer is not None:
             self.optimizer, host_grads = build_engine_optimizer(
-                config, self.states, optimizer, groups, topology.data, self.collectives, self.device
+                config, self.states, optimizer, groups, topology, self.collectives, self.device, self.param_specs
             )
         if self.optimizer is not None:
             # Stages 0-2: buckets are re-laid out from the first backward's arrival order (zero/arrival_order.py).
@@ -196,7 +196,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             gradient_clipping=config.gradient_clipping,
             ignore_unused_parameters=zero.ignore_unused_parameters,
             host_grads=host_grads,
-            axis=topology.data,
+            topology=topology,
+            param_specs=self.param_specs,
             collectives=self.collectives,
             device=self.device,
             logger=self.logger,

@@ -15,8 +15,10 @@ from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.build import prefer_client_optimizer
 from shardspeed.optim.lamb import Lamb
+from shardspeed.params.spec import ParamSpecs
+from shardspeed.precision.norm_weights import counted_weights
 from shardspeed.topology import AxisGroup, Topology
-from shardspeed.zero.sharded_lamb import ShardedLamb
+from shardspeed.zero.sharded_lamb import ShardedLamb, lamb_norm_axes, sum_over
 
 __all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives", "offload_params"]
 
@@ -82,13 +84,15 @@ def build_engine_optimizer(
     states: Any,
     user_optimizer: Any,
     groups: list[dict[str, Any]],
-    axis: AxisGroup,
+    topology: Topology,
     collectives: Collectives,
     device: torch.device,
+    specs: ParamSpecs | None = None,
 ) -> tuple[Any, bool]:
     """The optimizer over the tensors this stage steps (masters, shards), keeping the user's groups, wrapped for
     ``offload_optimizer`` when configured. Returns it and whether it keeps host copies of the gradients (then it,
-    not the stage, scales and forgets them)."""
+    not the stage, scales and forgets them). ``specs``: which parameters are tensor-parallel slices (Lamb)."""
+    axis = topology.data
     cfg = config.optimizer
     cfg = cfg if cfg is None or prefer_client_optimizer(cfg.type, user_optimizer) else None
     masters_access = _hand_masters_to_optimizer(config, states, device)
@@ -103,13 +107,17 @@ def build_engine_optimizer(
     else:
         optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
     stage = config.zero_optimization.stage
-    if stage > 0 and type(optimizer) is Lamb:
-        # Lamb's trust ratio needs whole-parameter norms: sum them across shards (one small all-reduce).
+    sliced = specs is not None and topology.tensor.size > 1 and specs.any_partitioned
+    if (stage > 0 or sliced) and type(optimizer) is Lamb:
+        # Lamb's trust ratio needs whole-parameter norms: sum them across shards and tensor-parallel slices (one
+        # small all-reduce; zero/sharded_lamb.py).
+        axes = lamb_norm_axes(topology, stage > 0) if sliced else [axis]
         optimizer = ShardedLamb.replacing(
             optimizer,
             states.tensor_segments(),
             num_params=states.num_params,
-            all_reduce_sum=lambda t: collectives.all_reduce(t, axis, tag="lamb_norms"),
+            all_reduce_sum=lambda t: sum_over(collectives, axes, t),
+            weights=counted_weights(specs, states.param_names) if sliced and specs is not None else None,
         )
     elif stage > 0 and not is_elementwise(optimizer) and not config.zero_allow_untested_optimizer:
         raise ValueError(

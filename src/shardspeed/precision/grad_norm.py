@@ -11,13 +11,14 @@ from collections.abc import Iterable
 import torch
 
 
-def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Σ x² over all elements of all tensors, as a 1-element fp32 tensor (inf/nan propagate)."""
+def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Σ x² over all elements of all tensors, as a 1-element fp32 tensor (inf/nan propagate). ``device``: where the
+    zero of an empty list lives (a rank that counts nothing still all-reduces its partial sum)."""
     total: torch.Tensor | None = None
     for t in tensors:
         partial = torch.linalg.vector_norm(t, dtype=torch.float32).square()
         total = partial if total is None else total + partial
-    return total.reshape(1) if total is not None else torch.zeros(1)
+    return total.reshape(1) if total is not None else torch.zeros(1, device=device)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -2,15 +2,19 @@
 
 norm → overflow → unscale × clip → optimizer step → copy back → LR schedule → loss-scale update → zero gradients.
 
-[Note: agreed step] Each decision here must come out the same on every rank, or ranks step differently and
-diverge silently (or one waits in a collective the others skipped). The global norm is computed from reduced
-gradients (identical everywhere; sharded stages add one scalar all-reduce), so the overflow verdict and the clip
-coefficient are identical too; the unused-parameter check and the count of gradient clearings since the last step
-and whether every rank reduced this step's gradients are one small all-reduce issued on every rank. Nothing in the
-step may depend on a rank-local value that was not agreed first. The non-finite verdict (fp32/bf16 skip, fp16
-overflow) follows from the agreed norm, so the consecutive-skip counters advance alike everywhere; locating the
-first offending parameter is one more small collective, issued only on that path ([Note: non-finite steps] in
-``nonfinite.py``).
+[Note: agreed step] Each decision here must come out the same on every rank of the *world* (every axis: data,
+tensor, pipe), or ranks step differently and diverge silently (or one waits in a collective the others skipped).
+The global norm is computed from reduced gradients, each element counted once: local sums of squares, with
+tensor-replicated parameters counted on tensor rank 0 only, added over the model scope (pipe × tensor) and, where
+the stage shards gradients over the data axis, over the data axis too (one all-reduce over the world; [Note: norm
+counted once] in precision/norm_weights.py). A data-parallel-only model pays what it did before: no collective at
+stage 0, one scalar all-reduce over the data axis at stages 1-3. So the overflow verdict and the clip coefficient
+are identical everywhere; the unused-parameter check, the count of gradient clearings since the last step, whether
+every rank reduced this step's gradients and a pending preemption stop are one small all-reduce over the world.
+Nothing in the step may depend on a rank-local value that was not agreed first. The non-finite verdict (fp32/bf16
+skip, fp16 overflow) follows from the agreed norm, so the consecutive-skip counters advance alike everywhere;
+locating the first offending parameter is one more small collective over the world, issued only on that path
+([Note: non-finite steps] in ``nonfinite.py``).
 
 The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
 nothing about micro-steps.
@@ -28,9 +32,11 @@ import torch
 
 from shardspeed.comm import Collectives
 from shardspeed.faults.errors import mark_agreed
+from shardspeed.params.spec import ParamSpecs
 from shardspeed.precision.grad_norm import clip_coefficient
 from shardspeed.precision.loss_scaler import LossScaler
-from shardspeed.topology import AxisGroup
+from shardspeed.precision.norm_weights import NormScope
+from shardspeed.topology import AxisGroup, Topology
 from shardspeed.training.nonfinite import NonFiniteGuard, agree_first_nonfinite
 
 __all__ = ["StepCore", "StepOutcome"]
@@ -46,10 +52,17 @@ class StepOutcome:
     """Raise after the step is counted: too many consecutive non-finite steps / fp16 overflows at min scale."""
 
 
+def decision_scope(topology: Topology) -> AxisGroup:
+    """The ranks every step decision is agreed over: the world (a topology made from a caller's data group alone,
+    ``Topology.from_data_group``, knows no wider scope than that group)."""
+    return topology.world if topology.world.size >= topology.data.size else topology.data
+
+
 class StepCore:
     """The boundary step of one engine. ``states`` is the stage's ``ModelStates``; ``optimizer`` the (possibly
     offloaded) optimizer; ``host_grads`` is True when an offload optimizer keeps host copies of the gradients
-    (then it, not the stage, scales and forgets them)."""
+    (then it, not the stage, scales and forgets them; the norm is still the stage's). ``param_specs``: which
+    parameters are split over the tensor axis (the rest are counted in the norm on tensor rank 0 only)."""
 
     def __init__(
         self,
@@ -61,7 +74,8 @@ class StepCore:
         gradient_clipping: float,
         ignore_unused_parameters: bool,
         host_grads: bool,
-        axis: AxisGroup,
+        topology: Topology,
+        param_specs: ParamSpecs,
         collectives: Collectives,
         device: torch.device,
         logger: logging.Logger,
@@ -76,7 +90,8 @@ class StepCore:
         self.gradient_clipping = gradient_clipping
         self.ignore_unused_parameters = ignore_unused_parameters
         self.host_grads = host_grads
-        self.axis = axis
+        self.axis = decision_scope(topology)
+        """Every rank: the step checks and the first non-finite parameter are agreed over it."""
         self.collectives = collectives
         self.device = device
         self.logger = logger
@@ -86,6 +101,7 @@ class StepCore:
         self.agreed_stop = 0
         """The largest pending signal number across ranks at the last boundary: the caller stops after the step."""
         self.nonfinite = nonfinite
+        states.bind_norm(NormScope.for_topology(topology, param_specs, nonfinite.order))
 
     def run(
         self, *, want_norm: bool, step_index: int, clearings: int = 0, lr_kwargs: dict[str, Any] | None = None
@@ -172,12 +188,12 @@ class StepCore:
                     f"gradients were cleared (zero_grad on the module, the optimizer or the engine) "
                     f"{clearings} time(s) "
                     f"on this rank since the last step, but between {least:.0f} and {most:.0f} times across the "
-                    "data-parallel ranks: every rank must clear its gradients alike, or ranks step on different "
+                    "ranks: every rank must clear its gradients alike, or ranks step on different "
                     "gradients"
                 )
             )
         if any_unreduced > 0:
-            where = "this rank's" if unreduced else "another data-parallel rank's"
+            where = "this rank's" if unreduced else "another (data-, tensor- or pipeline-parallel) rank's"
             raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
                 RuntimeError(
                     f"step() at a gradient-accumulation boundary, but {where} gradients of this step were never "
@@ -186,7 +202,8 @@ class StepCore:
                 )
             )
         if any_unused > 0:
-            where = f"here: {', '.join(unused[:5])}" if unused else "on another data-parallel rank"
+            elsewhere = "on another data-parallel rank or tensor/pipeline rank"
+            where = f"here: {', '.join(unused[:5])}" if unused else elsewhere
             raise mark_agreed(  # decided from the all-reduced flags: every rank raises here
                 RuntimeError(
                     f"parameters received no gradient this step ({where}) and zero_optimization."

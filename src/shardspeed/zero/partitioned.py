@@ -28,6 +28,7 @@ from shardspeed.checkpoint.pieces import Piece
 from shardspeed.comm import Work
 from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.precision.norm_weights import NormScope, counted_views
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
 from shardspeed.zero.grad_markers import SteppedGrads
@@ -61,6 +62,7 @@ class PartitionedStates(FlatLayoutStates):
         self.compute_dtype = dtypes.pop()
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
         self.meter = StagingMeter()
+        self.norm_scope = NormScope()
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
@@ -255,9 +257,17 @@ class PartitionedStates(FlatLayoutStates):
         """Staging peak (see [Note: staging memory] in zero/grad_sync.py)."""
         return self.meter.peak
 
+    def bind_norm(self, scope: NormScope) -> None:
+        self.norm_scope = scope
+
     def grad_sq_sum(self) -> float:
-        partial = sum_of_squares(self.grad_shards)
-        self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
+        """This rank's slices, replicated parameters left out off tensor rank 0; one all-reduce over the data
+        axis, or the world with a tensor/pipe axis ([Note: norm counted once])."""
+        scope, rank = self.norm_scope, self.ctx.axis.rank
+        spans = [self.layout.span(i) for i, n in enumerate(self.packed.names) if n in scope.excluded]
+        windows = [self.layout.rank_slice(k, rank) for k in range(len(self.layout.buckets))]
+        partial = sum_of_squares(counted_views(self.grad_shards, windows, spans), self.device)
+        self.ctx.collectives.all_reduce(partial, scope.sharded_grads or self.ctx.axis, tag="grad_norm")
         return partial.item()
 
     def nonfinite_grad_names(self) -> list[str]:

@@ -10,6 +10,7 @@ import torch
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.master import MasterWeights
+from shardspeed.precision.norm_weights import NormScope, counted_views
 from shardspeed.zero.arrival_order import LayoutPlanner
 from shardspeed.zero.grad_buffer import FlatGradBuffer
 from shardspeed.zero.grad_markers import SteppedGrads
@@ -38,6 +39,8 @@ class ReplicatedStates(FlatLayoutStates):
         self.packed, self.planner, self.ctx, self.device = packed, planner, ctx, device
         self.rank, self.world = ctx.axis.rank, ctx.axis.size
         self.meter = StagingMeter()
+        self.norm_scope = NormScope()
+        self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
         self._set_markers()
@@ -61,6 +64,7 @@ class ReplicatedStates(FlatLayoutStates):
         self.grad_sync = AllReduceGrads(self.grad_buffer, self.ctx, self.meter)
         # masters copy the model's parameters, which stage 0 never repacks: a re-layout only moves them
         self.master = MasterWeights(self.packed.params, self.grad_buffer) if self.mixed else None
+        self.tensor_segments()  # refreshed in place: a Lamb over tensor-parallel slices keeps it
 
     @torch.no_grad()
     def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:
@@ -102,9 +106,27 @@ class ReplicatedStates(FlatLayoutStates):
             pieces.append(Piece(name, tuple(p.shape), 0, p.numel(), value, stepped, 0, i % self.world == self.rank))
         return pieces
 
+    def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Each optimizer tensor (master or parameter) is one whole parameter (Lamb with a tensor axis)."""
+        out = self._segments
+        out.clear()
+        for i, p in enumerate(self.packed.params):
+            stepped = self.master.masters[i] if self.master is not None else p
+            out[id(stepped)] = [(i, 0, p.numel())]
+        return out
+
+    def bind_norm(self, scope: NormScope) -> None:
+        self.norm_scope = scope
+
     def grad_sq_sum(self) -> float:
-        # Reduced gradients are identical on every rank, so the norm (and any overflow) is too: no collective.
-        return sum_of_squares([self.grad_buffer.flat]).item()
+        # Reduced gradients are identical on every data-parallel rank, so the norm (and any overflow) is too: no
+        # collective unless the model is split over a tensor/pipe axis ([Note: norm counted once]).
+        scope, flat = self.norm_scope, self.grad_buffer.flat
+        spans = [self.layout.span(i) for i, n in enumerate(self.packed.names) if n in scope.excluded]
+        partial = sum_of_squares(counted_views([flat], [(0, flat.numel())], spans), flat.device)
+        if scope.whole_grads is not None:
+            self.ctx.collectives.all_reduce(partial, scope.whole_grads, tag="grad_norm")
+        return partial.item()
 
     def nonfinite_grad_names(self) -> list[str]:
         return [name for name, view in zip(self.packed.names, self.grad_buffer.views) if has_nonfinite(view)]

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, swap_optimizer_tensors
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
@@ -38,12 +39,23 @@ class ModelStates(Protocol):
         """Per optimizer tensor (by id): (parameter index, start, end) of each parameter piece inside it."""
         ...
 
+    @property
+    def param_names(self) -> list[str]:
+        """The parameters' names by the index ``tensor_segments`` uses."""
+        ...
+
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The user's groups with their parameters replaced by the tensors the optimizer must step."""
         ...
 
+    def bind_norm(self, scope: NormScope) -> None:
+        """Which parameters this rank leaves out of the norm and where partial sums are added ([Note: norm counted
+        once] in precision/norm_weights.py); until called: everything counted, the stage's own axis."""
+        ...
+
     def grad_sq_sum(self) -> float:
-        """Σ g² over the whole model's reduced gradients (collective where gradients are sharded)."""
+        """Σ g² over the whole model's reduced gradients, each element counted once (collective where gradients
+        are sharded or the model is split over a tensor/pipe axis: ``bind_norm``)."""
         ...
 
     def nonfinite_grad_names(self) -> list[str]:
@@ -181,3 +193,7 @@ class FlatLayoutStates:
     @property
     def num_params(self) -> int:
         return len(self.layout.numels)
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self.packed.names)

@@ -23,11 +23,12 @@ import torch
 
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.offload.stepped_access import stand_in
-from shardspeed.precision.grad_norm import sum_of_squares
+from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
+from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
 from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
 from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
@@ -39,7 +40,7 @@ from shardspeed.zero.stage3.registry import merge_external_parameters, register_
 from shardspeed.zero.stage3.runtime import Stage3Runtime
 from shardspeed.zero.stage3.shard_slices import ShardSlices
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
-from shardspeed.zero.states import has_nonfinite, sweep_cleared
+from shardspeed.zero.states import sweep_cleared
 
 
 class Stage3States:
@@ -66,6 +67,7 @@ class Stage3States:
         cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
         partitioned parameter was written in place (apply_guard.py; ``override_module_apply``)."""
         self.ctx = ctx
+        self.norm_scope = NormScope()  # bind_norm: [Note: norm counted once]
         plan = plan_units(module, persistence_threshold, leaves, model_persistence_threshold)
         merge_external_parameters(module, plan)
         no_group = max(group_of.values(), default=-1) + 1
@@ -258,23 +260,18 @@ class Stage3States:
     def tensor_segments(self) -> dict[int, list[tuple[int, int, int]]]:
         return self._segments
 
+    @property
+    def param_names(self) -> list[str]:
+        return [name for unit in self.units for name in unit.names]  # the order of _flat_index
+
+    def bind_norm(self, scope: NormScope) -> None:
+        self.norm_scope = scope
+
     def grad_sq_sum(self) -> float:
-        partial = sum_of_squares([g.grad_shard for g in self.grads if g.trainable])
-        self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
-        return partial.item()
+        return grad_sq_sum(self.units, self.grads, self.norm_scope, self.ctx)
 
     def nonfinite_grad_names(self) -> list[str]:
-        """This rank's shard of each unit's gradients, cut at parameter boundaries."""
-        names = []
-        for unit, grads in zip(self.units, self.grads):
-            owned_range = (unit.rank_start, unit.rank_start + unit.shard_numel)
-            for i in sorted(grads.trainable):
-                owned = intersect((unit.offsets[i], unit.offsets[i] + unit.numels[i]), owned_range)
-                if owned is not None and has_nonfinite(
-                    grads.grad_shard[owned[0] - unit.rank_start : owned[1] - unit.rank_start]
-                ):
-                    names.append(unit.names[i])
-        return names
+        return nonfinite_grad_names(self.units, self.grads)
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_([g.grad_shard for g in self.grads if g.trainable], factor)
