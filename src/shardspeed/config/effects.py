@@ -120,7 +120,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "aio.single_submit": _acts("offload swapper (AioSettings)"),
     "aio.overlap_events": _acts("offload swapper (AioSettings)"),
     # --- tensor_parallel (AutoTP) ---------------------------------------------------------------------------------
-    "tensor_parallel.autotp_size": _acts("tensor_parallel/autotp.py: the tensor-parallel degree the model is sliced to"),
+    "tensor_parallel.autotp_size": _acts(
+        "tensor_parallel/autotp.py: the tensor-parallel degree the model is sliced to"
+    ),
     "tensor_parallel.preset_model": _acts("tensor_parallel/hf_plans.py: the built-in plan"),
     "tensor_parallel.sequence_parallel": _acts("tensor_parallel/autotp.py: Megatron sequence parallelism"),
     "tensor_parallel.partition_config.layer_specs": _acts("tensor_parallel/plan.py: the custom plan's rules"),

@@ -138,7 +138,8 @@ def _refuse_tied(model: nn.Module, sliced: dict[str, nn.Module]) -> None:
         names = sorted(set(users.get(id(module.weight), [])))
         if len(names) > 1:
             raise PlanError(
-                f"cannot slice '{name}': its weight is shared (tied) with {', '.join(n for n in names if n != name + '.weight')}; "
+                f"cannot slice '{name}': its weight is shared (tied) with "
+                f"{', '.join(n for n in names if n != name + '.weight')}; "
                 "keep the layer whole (a 'skip' rule) or untie it"
             )
 

@@ -84,7 +84,8 @@ class PlanRule:
         try:
             re.compile(self.pattern)
         except re.error as error:
-            raise PlanError(f"{self.source or 'plan rule'}: {self.pattern!r} is not a regular expression: {error}")
+            where = self.source or "plan rule"
+            raise PlanError(f"{where}: {self.pattern!r} is not a regular expression: {error}") from None
 
     def applies_to(self, model_type: str | None) -> bool:
         return self.model_types is None or (model_type is not None and model_type.lower() in self.model_types)
