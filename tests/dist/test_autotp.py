@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from parity import optimizer_config, torch_optimizer
 
 from shardspeed.config import load_config
 from shardspeed.config.tensor_parallel import TensorParallelConfig
@@ -125,3 +126,75 @@ def test_indivisible_heads_are_an_error_naming_the_numbers(dist_run, family, ove
     messages = dist_run(_indivisible, 2, family, overrides)
     assert messages[0] == messages[1]
     assert numbers in messages[0] and "tensor-parallel size 2" in messages[0], messages[0]
+
+
+def _dense_reference(family: str, kind: str, clip: float, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain torch on the dense model, the same batches (every tensor rank sees the whole batch)."""
+    torch.manual_seed(0)
+    model = build(family)
+    opt = torch_optimizer(kind, model.parameters(), LR)
+    losses = []
+    for step in range(steps):
+        ids = batch(seed=10 + step)
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+LR, STEPS = 1e-2, 5
+
+
+def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float) -> dict[str, float]:
+    from shardspeed.engine import ShardSpeedEngine
+
+    reference, ref_losses = _dense_reference(family, kind, clip, STEPS)
+    torch.manual_seed(0)
+    model = build(family)
+    topology, tp = _tp(world)
+    config = load_config(
+        {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "optimizer": optimizer_config(kind, LR),
+            "gradient_clipping": clip,
+            "tensor_parallel": {"autotp_size": world},
+        },
+        dp_world_size=topology.data.size,
+    )
+    apply_tensor_parallel(model, tp, config.tensor_parallel)
+    engine = ShardSpeedEngine(model, config, topology)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(seed=10 + step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    worst = 0.0
+    for name, p in engine.module.named_parameters():
+        spec = engine.param_specs.of(p, name)
+        worst = max(worst, (p.detach() - spec.slice_global(reference[name], tp.rank, tp.size)).abs().max().item())
+    return {"params": worst, "losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
+
+
+@pytest.mark.parametrize(("family", "kind", "clip"), [
+        ("gpt2", "sgd", 0.0),
+        ("llama", "adamw", 0.0),
+        pytest.param(
+            "gpt2",
+            "adamw",
+            0.05,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="clipping needs the gradient norm summed over the tensor axis (helper 'norm', tp-norm); "
+                "on main the step core's norm is this rank's shards only — remove this mark once tp-norm is merged",
+            ),
+        ),
+    ])
+def test_engine_five_steps_match_dense_reference(dist_run, family: str, kind: str, clip: float) -> None:
+    for r in dist_run(_engine_parity, 2, family, kind, clip):
+        assert r["params"] <= 1e-5 and r["losses"] <= 1e-5, r
