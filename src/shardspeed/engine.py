@@ -48,7 +48,7 @@ from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
 from shardspeed.schedulers import build_scheduler
 from shardspeed.symmetric import check_same_on_all_ranks, model_fingerprint
-from shardspeed.tensor_parallel import bind_collectives
+from shardspeed.tensor_parallel import bind_collectives, register_partial_grad_hooks
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
@@ -92,6 +92,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
         self.param_specs = ParamSpecs.collect(model, topology.tensor.rank, topology.tensor.size)
         """What each parameter is a piece of ([Note: parameter specs] in params/spec.py)."""
+        self._tp_grad_hooks = register_partial_grad_hooks(model, self.param_specs, topology.tensor, self.collectives)
 
         # Symmetric check before the first collective: a model that differs between ranks is an error, not a hang.
         check_same_on_all_ranks(model_fingerprint(model), topology.data, self.collectives, what="model structure")
@@ -384,6 +385,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
         self.states.reducer.remove_hooks()
+        for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
+            handle.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

@@ -193,7 +193,7 @@ class ColumnParallelLinear(_ParallelLinear):
         y = self._matmul(x)
         if self.bias is not None:
             y = y + self.bias
-        return gather_from_tensor_region(y, self.tp) if self.gather_output else y
+        return gather_from_tensor_region(y, self.tp, self.out_features) if self.gather_output else y
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -235,6 +235,8 @@ class RowParallelLinear(_ParallelLinear):
         )
         if tp.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        if parts > 1 and not input_is_parallel:
+            raise ValueError("RowParallelLinear: input_is_parallel=False with fused parts would split across parts")
 
     @property
     def local_in_features(self) -> int:

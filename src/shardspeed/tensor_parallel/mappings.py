@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.params.spec import shard_bounds
 from shardspeed.tensor_parallel.context import TensorParallel
 
 __all__ = [
@@ -68,6 +69,37 @@ def _gather(x: torch.Tensor, dim: int, tp: TensorParallel, tag: str) -> torch.Te
     return torch.cat(out.unbind(0), dim=dim)
 
 
+def _split_uneven(x: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    """This rank's ceil-chunk of ``x`` along ``dim`` (``shard_bounds``: the last rank may hold less, or nothing),
+    the same split the layers' parameter specs use, so any feature count works."""
+    if tp.size == 1:
+        return x
+    start, end = shard_bounds(x.shape[dim], tp.size, tp.rank)
+    return x.narrow(dim, start, end - start).contiguous()
+
+
+def _gather_uneven(x: torch.Tensor, dim: int, full: int, tp: TensorParallel, tag: str) -> torch.Tensor:
+    """Inverse of ``_split_uneven``: every rank's ceil-chunk of a dim of length ``full`` concatenated along
+    ``dim``. The all-gather moves equal chunks (gloo has no uneven all-gather), so short chunks are padded to
+    ``ceil(full / size)`` first and the padding is dropped after; the log counts the padded message."""
+    if tp.size == 1:
+        return x
+    chunk = shard_bounds(full, tp.size, 0)[1]
+    start, end = shard_bounds(full, tp.size, tp.rank)
+    if x.shape[dim] != end - start:
+        raise ValueError(
+            f"'{tag}': this rank holds {x.shape[dim]} along dim {dim}, but a dim of {full} split {tp.size} ways "
+            f"gives tensor rank {tp.rank} {end - start}"
+        )
+    if chunk * tp.size == full:  # even split: a plain all-gather
+        return _gather(x, dim, tp, tag)
+    pad_shape = list(x.shape)
+    pad_shape[dim] = chunk - (end - start)
+    gathered = _gather(torch.cat([x, x.new_zeros(pad_shape)], dim=dim), dim, tp, tag)
+    lengths = [b - a for a, b in (shard_bounds(full, tp.size, r) for r in range(tp.size))]
+    return torch.cat([gathered.narrow(dim, r * chunk, n) for r, n in enumerate(lengths)], dim=dim)
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int, tp: TensorParallel, tag: str) -> torch.Tensor:
     """Sum ``x`` over the tensor axis and keep this rank's chunk along ``dim``."""
     if tp.size == 1:
@@ -110,25 +142,25 @@ class _ScatterToTensorRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return _split(x, -1, tp, "scatter_to_tensor_region")
+        ctx.tp, ctx.full = tp, x.shape[-1]
+        return _split_uneven(x, -1, tp)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, -1, ctx.tp, "tp.scatter.backward"), None
+        return _gather_uneven(grad, -1, ctx.full, ctx.tp, "tp.scatter.backward"), None
 
 
 class _GatherFromTensorRegion(torch.autograd.Function):
     """All-gather along the last dim forward (``gather_output``); keep this rank's chunk of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, full: int) -> torch.Tensor:
         ctx.tp = tp
-        return _gather(x, -1, tp, "tp.gather.forward")
+        return _gather_uneven(x, -1, full, tp, "tp.gather.forward")
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split(grad, -1, ctx.tp, "gather_from_tensor_region backward"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split_uneven(grad, -1, ctx.tp), None, None
 
 
 class _ScatterToSequenceRegion(torch.autograd.Function):
@@ -150,15 +182,17 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     just keep this rank's chunk."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, dim: int, tensor_parallel_output_grad: bool) -> Any:
-        ctx.tp, ctx.dim, ctx.reduce = tp, dim, tensor_parallel_output_grad
-        return _gather(x, dim, tp, "sp.f.forward")
+    def forward(
+        ctx: Any, x: torch.Tensor, tp: TensorParallel, dim: int, tensor_parallel_output_grad: bool, tag: str
+    ) -> Any:
+        ctx.tp, ctx.dim, ctx.reduce, ctx.tag = tp, dim, tensor_parallel_output_grad, tag
+        return _gather(x, dim, tp, f"{tag}.forward")
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         if ctx.reduce:
-            return _reduce_scatter(grad, ctx.dim, ctx.tp, "sp.f.backward"), None, None, None
-        return _split(grad, ctx.dim, ctx.tp, "gather_from_sequence_region backward"), None, None, None
+            return _reduce_scatter(grad, ctx.dim, ctx.tp, f"{ctx.tag}.backward"), None, None, None, None
+        return _split(grad, ctx.dim, ctx.tp, "gather_from_sequence_region backward"), None, None, None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -186,13 +220,18 @@ def reduce_from_tensor_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tens
 
 
 def scatter_to_tensor_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Split the last dim over the tensor axis (a row-parallel layer's input that is not yet split)."""
+    """Split the last dim over the tensor axis (a row-parallel layer's input that is not yet split), in ceil chunks
+    (``shard_bounds``), so it matches a row-parallel weight split the same way."""
     return x if tp.size == 1 else _ScatterToTensorRegion.apply(x, tp)
 
 
-def gather_from_tensor_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Concatenate the ranks' last-dim slices (a column-parallel layer with ``gather_output``)."""
-    return x if tp.size == 1 else _GatherFromTensorRegion.apply(x, tp)
+def gather_from_tensor_region(x: torch.Tensor, tp: TensorParallel, full: int | None = None) -> torch.Tensor:
+    """Concatenate the ranks' last-dim slices (a column-parallel layer with ``gather_output``). ``full``: the
+    gathered length when the slices are ceil chunks of a dim not divisible by the tensor size (default: equal
+    slices, ``size ×`` this rank's)."""
+    if tp.size == 1:
+        return x
+    return _GatherFromTensorRegion.apply(x, tp, full if full is not None else x.shape[-1] * tp.size)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
@@ -201,10 +240,17 @@ def scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel, dim: int = 1
 
 
 def gather_from_sequence_region(
-    x: torch.Tensor, tp: TensorParallel, dim: int = 1, *, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor,
+    tp: TensorParallel,
+    dim: int = 1,
+    *,
+    tensor_parallel_output_grad: bool = True,
+    tag: str = "sp.f",
 ) -> torch.Tensor:
-    """``f̄``: all-gather the sequence dim (before a column-parallel layer under sequence parallelism)."""
-    return x if tp.size == 1 else _GatherFromSequenceRegion.apply(x, tp, dim, tensor_parallel_output_grad)
+    """``f̄``: all-gather the sequence dim (before a column-parallel layer under sequence parallelism).
+    ``tag``: the comms-log tag stem (``.forward`` / ``.backward`` appended); the model's exit from the region uses
+    its own (``sp.leave``), so a block's traffic can be told from the model's."""
+    return x if tp.size == 1 else _GatherFromSequenceRegion.apply(x, tp, dim, tensor_parallel_output_grad, tag)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallel, dim: int = 1) -> torch.Tensor:
