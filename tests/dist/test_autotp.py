@@ -14,7 +14,7 @@ from parity import optimizer_config, torch_optimizer
 from shardspeed.config import load_config
 from shardspeed.config.tensor_parallel import TensorParallelConfig
 from shardspeed.params.spec import ParamSpecs
-from shardspeed.tensor_parallel import TensorParallel
+from shardspeed.tensor_parallel import TensorParallel, register_partial_grad_hooks
 from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardspeed.topology import MeshShape, Topology
@@ -42,17 +42,19 @@ def batch(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _tp(world: int) -> tuple[Topology, TensorParallel]:
+def _tp(world: int, sp: bool = False) -> tuple[Topology, TensorParallel]:
     topology = Topology.build(MeshShape(tensor=world))
-    return topology, TensorParallel.from_topology(topology)
+    return topology, TensorParallel.from_topology(topology, sequence_parallel=sp)
 
 
-def _forward_parity(rank: int, world: int, family: str) -> dict[str, Any]:
+def _forward_parity(rank: int, world: int, family: str, sp: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     dense = build(family)
     model = copy.deepcopy(dense)
-    _, tp = _tp(world)
-    apply_tensor_parallel(model, tp, TensorParallelConfig(autotp_size=world))
+    _, tp = _tp(world, sp)
+    apply_tensor_parallel(model, tp, TensorParallelConfig(autotp_size=world, sequence_parallel=sp))
+    # Without an engine, sum the partial gradients (sequence-parallel norms, row biases) as the engine would.
+    register_partial_grad_hooks(model, ParamSpecs.collect(model, tp.rank, tp.size), tp.axis, tp.collectives)
     ids = batch()
     ref, out = dense(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
     ref.loss.backward()
@@ -74,12 +76,14 @@ def _forward_parity(rank: int, world: int, family: str) -> dict[str, Any]:
         "sliced": sliced,
         "kinds": kinds,
         "keys_equal": list(model.state_dict()) == list(dense.state_dict()),
+        "partial": sorted(n for n, p in model.named_parameters() if specs.of(p, n).partial_grad),
     }
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_autotp_matches_dense_forward_and_grads(dist_run, family: str) -> None:
-    results = dist_run(_forward_parity, 2, family)
+def test_autotp_matches_dense_forward_and_grads(dist_run, family: str, sp: bool) -> None:
+    results = dist_run(_forward_parity, 2, family, sp)
     for r in results:
         assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
         assert r["kinds"] == ["ColumnParallelLinear", "RowParallelLinear"]
@@ -103,6 +107,16 @@ def test_autotp_matches_dense_forward_and_grads(dist_run, family: str) -> None:
         assert sliced["model.layers.0.mlp.gate_proj.weight"] == (32, 32)
         assert sliced["model.layers.0.mlp.down_proj.weight"] == (32, 32)
         assert len(sliced) == 2 * 7
+    partial = results[0]["partial"]
+    if not sp:
+        assert partial == []
+    elif family == "gpt2":  # block norms, the final norm and the row-parallel biases
+        blocks = [f"transformer.h.{i}.{m}" for i in range(2) for m in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_proj")]
+        expected = [f"{b}.{p}" for b in blocks for p in ("weight", "bias") if not b.endswith("c_proj") or p == "bias"]
+        assert partial == sorted([*expected, "transformer.ln_f.weight", "transformer.ln_f.bias"])
+    else:
+        norms = [f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm")]
+        assert partial == sorted([*(f"{n}.weight" for n in norms), "model.norm.weight"])
 
 
 def _indivisible(rank: int, world: int, family: str, overrides: dict[str, Any]) -> str:

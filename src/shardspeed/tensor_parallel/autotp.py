@@ -10,6 +10,8 @@ splits its fused QKV output at ``split_size`` and older/other models keep ``num_
 attributes; those integers are divided by the tensor-parallel size on the modules that own a sliced layer. Heads
 and key-value heads must divide evenly (an error naming the model's numbers otherwise): a head is never split.
 
+With ``sequence_parallel`` the blocks' activations are split along the sequence: autotp_sequence.py.
+
 Not handled (errors, not silent wrongness): models built under ``zero.Init`` (meta parameters: there is no dense
 weight to slice yet), a sliced weight shared with another module (tied), ``vocab`` rules (vocab-parallel embeddings
 come with ``VocabParallelEmbedding``). Hooks registered on a replaced module do not carry over.
@@ -22,6 +24,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardspeed.tensor_parallel.autotp_sequence import (
+    apply_sequence_parallel,
+    attention_twin,
+    plan_sequence_parallel,
+)
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.hf_plans import model_type_of, resolve_plan
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -59,11 +66,6 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel, settings: Tensor
             f"sequence_parallel={tp.sequence_parallel}: build it with TensorParallel.from_topology(topology, "
             "sequence_parallel=settings.sequence_parallel)"
         )
-    if settings.sequence_parallel:
-        raise NotImplementedError(
-            "tensor_parallel.sequence_parallel with AutoTP is not implemented yet (the sequence scatter after the "
-            "embeddings and the gather after the final norm need tensor_parallel/sequence.py); turn it off"
-        )
     _refuse_meta(model)
     layers = linear_layers(model)
     plan = resolve_plan(model, settings)
@@ -82,13 +84,19 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel, settings: Tensor
     check_heads_divisible(model, tp.size)
     _refuse_tied(model, {n: layers[n] for n in sliced})
     owners = _head_count_owners(model, sliced)
+    sequence_plan = plan_sequence_parallel(model, list(sliced)) if settings.sequence_parallel else None
+    gathered = set(sequence_plan.attention) if sequence_plan is not None else set()
+    twin = attention_twin(tp) if gathered else tp
     for name, rule in sliced.items():
-        _replace(model, name, _build(layers[name], rule, tp, name))
+        in_gathered = rule.style == "column" and name.rpartition(".")[0] in gathered
+        _replace(model, name, _build(layers[name], rule, twin if in_gathered else tp, name))
     for owner in owners:
         for attr in HEAD_COUNT_ATTRS:
             value = getattr(owner, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(owner, attr, value // tp.size)
+    if sequence_plan is not None:
+        apply_sequence_parallel(model, tp, sequence_plan)
     return model
 
 
