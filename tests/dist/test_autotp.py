@@ -32,7 +32,8 @@ def build(family: str, **overrides: Any) -> torch.nn.Module:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**fields, **overrides}))
     else:
         fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, attention_dropout=0.0)  # fmt: skip
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+                      attention_dropout=0.0)  # fmt: skip
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
     model.config._attn_implementation = "eager"
     return model.float()
@@ -68,7 +69,9 @@ def _forward_parity(rank: int, world: int, family: str, sp: bool) -> dict[str, A
         worst = max(worst, (p.grad - expected).abs().max().item())
         if spec.partitioned:
             sliced.append((name, tuple(p.shape)))
-    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))})
+    kinds = sorted(
+        {type(m).__name__ for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    )
     return {
         "logits": (out.logits - ref.logits).abs().max().item(),
         "loss": abs(out.loss.item() - ref.loss.item()),
@@ -163,19 +166,19 @@ def _dense_reference(family: str, kind: str, clip: float, steps: int) -> tuple[d
 LR, STEPS = 1e-2, 5
 
 
-def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float) -> dict[str, float]:
+def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, sp: bool) -> dict[str, float]:
     from shardspeed.engine import ShardSpeedEngine
 
     reference, ref_losses = _dense_reference(family, kind, clip, STEPS)
     torch.manual_seed(0)
     model = build(family)
-    topology, tp = _tp(world)
+    topology, tp = _tp(world, sp)
     config = load_config(
         {
             "train_micro_batch_size_per_gpu": BATCH,
             "optimizer": optimizer_config(kind, LR),
             "gradient_clipping": clip,
-            "tensor_parallel": {"autotp_size": world},
+            "tensor_parallel": {"autotp_size": world, "sequence_parallel": sp},
         },
         dp_world_size=topology.data.size,
     )
@@ -188,27 +191,37 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float) -
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    worst = 0.0
+    worst, where = 0.0, ""
     for name, p in engine.module.named_parameters():
         spec = engine.param_specs.of(p, name)
-        worst = max(worst, (p.detach() - spec.slice_global(reference[name], tp.rank, tp.size)).abs().max().item())
-    return {"params": worst, "losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
+        diff = (p.detach() - spec.slice_global(reference[name], tp.rank, tp.size)).abs().max().item()
+        worst, where = max((worst, where), (diff, name))
+    return {"params": worst, "where": where, "losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
 
 
-@pytest.mark.parametrize(("family", "kind", "clip"), [
-        ("gpt2", "sgd", 0.0),
-        ("llama", "adamw", 0.0),
+# GPT-2 runs SGD only: its attention key bias has an analytically zero gradient (softmax ignores a constant added
+# to every key), so the dense and the sliced model hold different ~1e-9 round-off there, which Adam's normalisation
+# blows up to lr-sized steps in either model alike; a real difference, but not one of tensor parallelism.
+@pytest.mark.parametrize(
+    ("family", "kind", "clip", "sp"),
+    [
+        ("gpt2", "sgd", 0.0, False),
+        ("llama", "adamw", 0.0, False),
+        ("gpt2", "sgd", 0.0, True),
+        ("llama", "adamw", 0.0, True),
         pytest.param(
-            "gpt2",
+            "llama",
             "adamw",
             0.05,
+            False,
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="clipping needs the gradient norm summed over the tensor axis (helper 'norm', tp-norm); "
                 "on main the step core's norm is this rank's shards only — remove this mark once tp-norm is merged",
             ),
         ),
-    ])
-def test_engine_five_steps_match_dense_reference(dist_run, family: str, kind: str, clip: float) -> None:
-    for r in dist_run(_engine_parity, 2, family, kind, clip):
+    ],
+)
+def test_engine_five_steps_match_dense_reference(dist_run, family: str, kind: str, clip: float, sp: bool) -> None:
+    for r in dist_run(_engine_parity, 2, family, kind, clip, sp):
         assert r["params"] <= 1e-5 and r["losses"] <= 1e-5, r
