@@ -4,6 +4,7 @@ presets, matched against layer names without processes; a pattern matching nothi
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from shardspeed.config import load_config
@@ -200,3 +201,58 @@ def test_plan_rule_validation() -> None:
     with pytest.raises(PlanError, match="not a regular expression"):
         PlanRule("(", "column")
     assert Plan((), "empty").assign(["a"]) == {}
+
+
+# --- apply_tensor_parallel's refusals: every check runs before any collective, so a fake 2-rank axis suffices ---
+
+
+def _fake_tp(sequence_parallel: bool = False):
+    from shardspeed.tensor_parallel import TensorParallel
+    from shardspeed.topology import AxisGroup
+
+    return TensorParallel(AxisGroup("tensor", None, (0, 1), 0), sequence_parallel=sequence_parallel)
+
+
+def _tiny_gpt2(**overrides) -> nn.Module:
+    fields = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 32, "n_positions": 8, **overrides}
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields))
+
+
+def test_apply_refuses_meta_models() -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = _tiny_gpt2()
+    with pytest.raises(NotImplementedError, match=r"meta device .*zero\.Init"):
+        apply_tensor_parallel(model, _fake_tp(), _tp_settings())
+
+
+def test_apply_refuses_tied_sliced_weights() -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    model = _tiny_gpt2()  # lm_head is tied to wte: slicing it column-wise would cut the embedding too
+    settings = _tp_settings(partition_config={"layer_specs": [{"patterns": ["lm_head"], "gather_output": True}]})
+    with pytest.raises(PlanError, match=r"cannot slice 'lm_head': its weight is shared \(tied\) with transformer\.wte"):
+        apply_tensor_parallel(model, _fake_tp(), settings)
+    assert type(model.lm_head) is nn.Linear  # nothing was replaced
+
+
+def test_strict_mode_names_unmatched_layers() -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    settings = _tp_settings(
+        preset_model="gpt2", partition_config={"strict_mode": True, "layer_specs": [{"patterns": [".*c_fc$"]}]}
+    )
+    with pytest.raises(PlanError, match=r"strict_mode: .* matches these linear layers: lm_head"):
+        apply_tensor_parallel(_tiny_gpt2(), _fake_tp(), settings)
+
+
+def test_sequence_parallel_refusals() -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    with pytest.raises(ValueError, match="sequence_parallel is True but the TensorParallel passed has"):
+        apply_tensor_parallel(_tiny_gpt2(), _fake_tp(), _tp_settings(sequence_parallel=True))
+    model = _tiny_gpt2()  # GPT-2's default dropouts are 0.1
+    with pytest.raises(PlanError, match=r"dropout 'transformer\.h\.0\.attn\.attn_dropout' \(p = 0\.1\)"):
+        apply_tensor_parallel(model, _fake_tp(True), _tp_settings(sequence_parallel=True))
+    assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # checked before anything changed
