@@ -256,3 +256,21 @@ def test_sequence_parallel_refusals() -> None:
     with pytest.raises(PlanError, match=r"dropout 'transformer\.h\.0\.attn\.attn_dropout' \(p = 0\.1\)"):
         apply_tensor_parallel(model, _fake_tp(True), _tp_settings(sequence_parallel=True))
     assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # checked before anything changed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "numbers"),
+    [({"num_key_value_heads": 1}, "4 attention heads and 1 key-value heads"), ({"num_attention_heads": 3,
+      "num_key_value_heads": 3, "hidden_size": 24}, "3 attention heads and 3 key-value heads")],
+)  # fmt: skip
+def test_indivisible_heads_are_an_error_naming_the_numbers(overrides, numbers) -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    fields = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 32, **overrides}  # fmt: skip
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    with pytest.raises(PlanError) as error:
+        apply_tensor_parallel(model, _fake_tp(), _tp_settings())
+    assert f"LlamaForCausalLM (llama) has {numbers}" in str(error.value)
+    assert "divisible by the tensor-parallel size 2" in str(error.value)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
