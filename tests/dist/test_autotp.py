@@ -239,3 +239,60 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, s
 def test_engine_five_steps_match_dense_reference(dist_run, family: str, kind: str, clip: float, sp: bool) -> None:
     for r in dist_run(_engine_parity, 2, family, kind, clip, sp):
         assert r["params"] <= 1e-5 and r["losses"] <= 1e-5, r
+
+
+def _traffic(rank: int, world: int, sp: bool) -> dict[str, tuple[int, int]]:
+    from shardspeed.engine import ShardSpeedEngine
+
+    torch.manual_seed(0)
+    model = build("llama")
+    topology, tp = _tp(world, sp)
+    config = load_config(
+        {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "optimizer": optimizer_config("sgd", LR),
+            "comms_logger": {"enabled": True},
+            "tensor_parallel": {"autotp_size": world, "sequence_parallel": sp},
+        },
+        dp_world_size=topology.data.size,
+    )
+    apply_tensor_parallel(model, tp, config.tensor_parallel)
+    engine = ShardSpeedEngine(model, config, topology)
+    ids = batch()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)  # warm-up: the first backward records arrival order
+    engine.step()
+    engine.comms_log.reset()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    return {k: (t.count, t.elements) for k, t in engine.comms_log.totals.items()}
+
+
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=SLOW), True], ids=["tp", "tp+sp"])
+def test_traffic_per_forward_backward_is_exact(dist_run, sp: bool) -> None:
+    """One forward + backward of the AutoTP'd LLaMA (2 blocks, separate q/k/v and gate/up column layers), counted by
+    the engine's comms log, equals the arithmetic below exactly (elements at their unsharded size)."""
+    got = dist_run(_traffic, 2, sp)[0]
+    a, blocks, hidden = BATCH * SEQ * 32, 2, 32  # A = b·s·h
+    if not sp:
+        expected = {
+            "all_reduce:tp.g.forward": (2 * blocks, 2 * blocks * a),  # o_proj, down_proj
+            "all_reduce:tp.f.backward": (5 * blocks, 5 * blocks * a),  # q, k, v, gate, up: one f each
+        }
+    else:
+        expected = {
+            # Attention: its input is all-gathered once at the module (HF reads the sequence length there); q/k/v
+            # then run without SP, so their input gradients are all-reduced (f) — 3 all-reduces of A where
+            # Megatron's fused-QKV column layer would reduce-scatter once.
+            "all_gather:sp.attention.forward": (blocks, blocks * a),
+            "all_reduce:tp.f.backward": (3 * blocks, 3 * blocks * a),
+            # MLP gate/up: f̄ (all-gather forward, reduce-scatter backward); o_proj/down_proj: ḡ (the mirror image).
+            "all_gather:sp.f.forward": (2 * blocks, 2 * blocks * a),
+            "reduce_scatter:sp.f.backward": (2 * blocks, 2 * blocks * a),
+            "reduce_scatter:sp.g.forward": (2 * blocks, 2 * blocks * a),
+            "all_gather:sp.g.backward": (2 * blocks, 2 * blocks * a),
+            # Outside the blocks: entering (gradient all-gathered) and leaving after the final norm.
+            "all_gather:sp.scatter.backward": (1, a),
+            "all_gather:sp.leave.forward": (1, a),
+            # Partial gradients of the RMSNorm weights: 2 per block + the final norm.
+            "all_reduce:tp.partial_grad": (2 * blocks + 1, (2 * blocks + 1) * hidden),
+        }
+    assert got == expected

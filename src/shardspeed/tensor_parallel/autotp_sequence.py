@@ -14,6 +14,10 @@ things the model's own code does not do; AutoTP adds them from outside, without 
   ``SequenceParallelRMSNorm``, which hold the *same* parameter objects under the same names (state-dict keys do
   not change) and declare ``partial_grad`` specs; the engine sums those gradients over the tensor axis
   (partial_grads.py). Row-parallel biases declare themselves (layers.py).
+Traffic (a test counts it): attention costs one all-gather of ``A = b·s·h`` forward at the module and one
+all-reduce of ``A`` per q/k/v column layer backward (their ``f``) — where Megatron's own fused-QKV layer pays one
+reduce-scatter; the MLP and the row layers are Megatron's (``f̄`` / ``ḡ``); no re-gathers (the gathered inputs are
+saved, as in layers.py).
 Any other replicated parameter inside the blocks would silently get a partial gradient, so it is an error; so is a
 norm class whose arithmetic is not known here (Gemma's ``1 + weight`` RMSNorm, for one).
 Dropout inside the region (GPT-2's residual dropout) would need the model-parallel RNG tracker to draw different
@@ -30,6 +34,7 @@ from torch import nn
 
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel.context import TensorParallel
+from shardspeed.tensor_parallel.mappings import gather_from_sequence_region
 from shardspeed.tensor_parallel.plan import PlanError
 from shardspeed.tensor_parallel.sequence import enter_sequence_parallel, leave_sequence_parallel, partial_grad_specs
 
@@ -194,10 +199,15 @@ def _enter(tp: TensorParallel):
     return _on_hidden_states(lambda x: enter_sequence_parallel(x, tp))
 
 
+ATTENTION_GATHER_TAG = "sp.attention"
+
+
 def _gather(tp: TensorParallel):
     # The gradient reaching the gathered input is whole on every rank (the column layers' f all-reduced it), so the
-    # backward keeps this rank's chunk: consumer_is_tensor_parallel=False.
-    return _on_hidden_states(lambda x: leave_sequence_parallel(x, tp))
+    # backward keeps this rank's chunk (no communication): tensor_parallel_output_grad=False.
+    return _on_hidden_states(
+        lambda x: gather_from_sequence_region(x, tp, 1, tensor_parallel_output_grad=False, tag=ATTENTION_GATHER_TAG)
+    )
 
 
 def _leave(tp: TensorParallel):
