@@ -48,12 +48,19 @@ def _tp(world: int, sp: bool = False) -> tuple[Topology, TensorParallel]:
     return topology, TensorParallel.from_topology(topology, sequence_parallel=sp)
 
 
-def _forward_parity(rank: int, world: int, family: str, sp: bool) -> dict[str, Any]:
+LM_HEAD_RULE = {"patterns": ["lm_head"], "partition_type": "column", "gather_output": True}
+
+
+def _forward_parity(rank: int, world: int, family: str, sp: bool, lm_head: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     dense = build(family)
     model = copy.deepcopy(dense)
     _, tp = _tp(world, sp)
-    apply_tensor_parallel(model, tp, TensorParallelConfig(autotp_size=world, sequence_parallel=sp))
+    section: dict[str, Any] = {"autotp_size": world, "sequence_parallel": sp}
+    if lm_head:  # an untied LM head sliced by columns, its logits all-gathered (HF's "colwise_rep"), then the preset
+        section |= {"preset_model": family, "partition_config": {"layer_specs": [LM_HEAD_RULE]}}
+    settings = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": section}, dp_world_size=1)
+    apply_tensor_parallel(model, tp, settings.tensor_parallel)
     # Without an engine, sum the partial gradients (sequence-parallel norms, row biases) as the engine would.
     register_partial_grad_hooks(model, ParamSpecs.collect(model, tp.rank, tp.size), tp.axis, tp.collectives)
     ids = batch()
@@ -87,16 +94,17 @@ SLOW = pytest.mark.slow  # the rest of the matrix; `make test` keeps one case pe
 
 
 @pytest.mark.parametrize(
-    ("family", "sp"),
+    ("family", "sp", "lm_head"),
     [
-        ("gpt2", True),
-        ("llama", False),
-        pytest.param("gpt2", False, marks=SLOW),
-        pytest.param("llama", True, marks=SLOW),
+        ("gpt2", True, False),
+        ("llama", False, True),
+        pytest.param("gpt2", False, False, marks=SLOW),
+        pytest.param("llama", False, False, marks=SLOW),
+        pytest.param("llama", True, False, marks=SLOW),
     ],
 )
-def test_autotp_matches_dense_forward_and_grads(dist_run, family: str, sp: bool) -> None:
-    results = dist_run(_forward_parity, 2, family, sp)
+def test_autotp_matches_dense_forward_and_grads(dist_run, family: str, sp: bool, lm_head: bool) -> None:
+    results = dist_run(_forward_parity, 2, family, sp, lm_head)
     for r in results:
         assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
         assert r["kinds"] == ["ColumnParallelLinear", "RowParallelLinear"]
@@ -119,7 +127,9 @@ def test_autotp_matches_dense_forward_and_grads(dist_run, family: str, sp: bool)
         assert sliced["model.layers.0.self_attn.o_proj.weight"] == (32, 16)
         assert sliced["model.layers.0.mlp.gate_proj.weight"] == (32, 32)
         assert sliced["model.layers.0.mlp.down_proj.weight"] == (32, 32)
-        assert len(sliced) == 2 * 7
+        assert len(sliced) == 2 * 7 + lm_head
+        if lm_head:
+            assert sliced["lm_head.weight"] == (VOCAB // 2, 32)
     partial = results[0]["partial"]
     if not sp:
         assert partial == []

@@ -274,3 +274,13 @@ def test_indivisible_heads_are_an_error_naming_the_numbers(overrides, numbers) -
     assert f"LlamaForCausalLM (llama) has {numbers}" in str(error.value)
     assert "divisible by the tensor-parallel size 2" in str(error.value)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_autotp_size_must_be_the_tensor_axis() -> None:
+    from shardspeed.tensor_parallel.autotp import apply_tensor_parallel
+
+    with pytest.raises(ValueError, match="autotp_size is 4 but the tensor axis passed has 2 rank"):
+        apply_tensor_parallel(_tiny_gpt2(), _fake_tp(), _tp_settings(autotp_size=4))
+    model = _tiny_gpt2()
+    assert apply_tensor_parallel(model, _fake_tp(), _tp_settings(autotp_size=0)) is model  # off: untouched
+    assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"

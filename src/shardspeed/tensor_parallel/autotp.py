@@ -54,12 +54,17 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def apply_tensor_parallel(model: nn.Module, tp: TensorParallel, settings: TensorParallelConfig | Any) -> nn.Module:
     """Slice ``model`` over ``tp``'s tensor axis in place, as ``settings`` (the typed ``tensor_parallel`` section)
-    plans; returns ``model``. A tensor axis of one rank leaves the model untouched.
+    plans; returns ``model``. A tensor axis of one rank, or ``autotp_size`` 0 / 1, leaves the model untouched.
 
     Every check runs before anything is replaced, and depends only on the model and the settings (alike on every
     rank), so a bad model fails the same way everywhere, before any collective."""
-    if tp.size == 1:
-        return model
+    if settings.autotp_size > 1 and settings.autotp_size != tp.size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size is {settings.autotp_size} but the tensor axis passed has {tp.size} rank(s): "
+            "build the topology with MeshShape(tensor=autotp_size)"
+        )
+    if tp.size == 1 or not settings.enabled:
+        return model  # off (autotp_size 0 or 1): layers the script built itself are left as they are
     if bool(settings.sequence_parallel) != tp.sequence_parallel:
         raise ValueError(
             f"tensor_parallel.sequence_parallel is {settings.sequence_parallel} but the TensorParallel passed has "
