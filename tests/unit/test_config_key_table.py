@@ -166,7 +166,6 @@ _ON_VALUES: dict[str, Any] = {
     "dataloader_drop_last": True,
     "compile": {"deepcompile": True},
     "pipeline": {"stages": 2},
-    "tensor_parallel": {"autotp_size": 2},
     "moe": {"num_experts": 4},
     "use_data_before_expert_parallelism": True,
     "sequence_parallel_size": 2,

@@ -119,6 +119,37 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "aio.thread_count": _acts("offload swapper (AioSettings)"),
     "aio.single_submit": _acts("offload swapper (AioSettings)"),
     "aio.overlap_events": _acts("offload swapper (AioSettings)"),
+    # --- tensor_parallel (AutoTP) ---------------------------------------------------------------------------------
+    "tensor_parallel.autotp_size": _acts(
+        "tensor_parallel/autotp.py: the tensor-parallel degree the model is sliced to"
+    ),
+    "tensor_parallel.preset_model": _acts("tensor_parallel/hf_plans.py: the built-in plan"),
+    "tensor_parallel.sequence_parallel": _acts("tensor_parallel/autotp.py: Megatron sequence parallelism"),
+    "tensor_parallel.partition_config.layer_specs": _acts("tensor_parallel/plan.py: the custom plan's rules"),
+    "tensor_parallel.partition_config.use_default_specs": _acts("tensor_parallel/plan.py: preset rules follow"),
+    "tensor_parallel.partition_config.strict_mode": _acts("tensor_parallel/autotp.py: unmatched linear layers raise"),
+    "tensor_parallel.partition_config.tp_size": _warns("DeepSpeed overwrites it with autotp_size too", 2),
+    "tensor_parallel.partition_config.embedding_partition_dim": _warns(
+        "embeddings stay replicated unless a plan rule names them (no embedding split dim to choose)", 0
+    ),
+    "tensor_parallel.partition_config.lm_head_patterns": _warns(
+        "the LM head stays replicated unless a plan rule names it", ["output"]
+    ),
+    "tensor_parallel.tp_overlap_comm": _warns(_PERF, True),
+    "tensor_parallel.keep_module_on_host": _warns("where DeepSpeed's parser stages loaded checkpoint tensors", True),
+    "tensor_parallel.dtype": _warns("DeepSpeed's training engine ignores it too; fp16/bf16 decide the dtype", "bf16"),
+    "tensor_parallel.tensor_parallel.tp_size": _warns("DeepSpeed's inference TP size; training uses autotp_size", 2),
+    "tensor_parallel.tensor_parallel.tp_grain_size": _warns(
+        "DeepSpeed's inference parser only (not activated in its training path either)", 64
+    ),
+    "tensor_parallel.tensor_parallel.mpu": _refused(
+        "a Python object in a config; pass mpu= to initialize instead", "my_mpu"
+    ),
+    "tensor_parallel.tensor_parallel.tp_group": _refused(
+        "a process group in a config; pass mpu= to initialize instead", "group"
+    ),
+    "tensor_parallel.injection_policy_tuple": _refused("DeepSpeed inference injection policies", ["GPT2Block"]),
+    "tensor_parallel.replace_with_kernel_inject": _refused("DeepSpeed inference kernels", True),
     # --- zero_optimization ----------------------------------------------------------------------------------------
     f"{_Z}.stage": _acts("which model states (zero/__init__.py)"),
     f"{_Z}.overlap_comm": _acts("reducers launch asynchronously or one bucket at a time"),

@@ -109,14 +109,6 @@ def _checkpoint_off(value: Any) -> bool:
     return all(_all_falsy(v) for k, v in value.items() if k != "tag_validation")
 
 
-def _tensor_parallel_off(value: Any) -> bool:
-    """AutoTP is off when ``autotp_size`` is 0 or 1; every other key only matters when it is on."""
-    if not isinstance(value, Mapping):
-        return _empty(value)
-    size = value.get("autotp_size", 0)
-    return size is None or (isinstance(size, int) and not isinstance(size, bool) and size <= 1)
-
-
 def _compile_off(value: Any) -> bool:
     """Every ``compile`` option applies only under ``deepcompile``."""
     if not isinstance(value, Mapping):
@@ -190,7 +182,6 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     "autotuning": KeyRule("the autotuner (profiles, then exits early)", _enabled_false, _ENABLED_OFF),
     # Parallelism other than data parallelism.
     "pipeline": KeyRule("pipeline parallelism", _empty, _REMOVE),
-    "tensor_parallel": KeyRule("AutoTP tensor parallelism", _tensor_parallel_off, 'set "autotp_size" to 0'),
     "expert_parallel": KeyRule("AutoEP expert parallelism", _enabled_false, _ENABLED_OFF),
     "moe": KeyRule("mixture-of-experts layers", _empty, _REMOVE),
     "use_data_before_expert_parallelism": KeyRule("expert/data rank ordering", _false, _SET_FALSE),

@@ -15,6 +15,7 @@ from .batch import BATCH_KEYS
 from .fault_tolerance import FaultToleranceConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
+from .tensor_parallel import TensorParallelConfig
 from .zero import ZeroConfig
 
 
@@ -108,6 +109,10 @@ class ShardSpeedConfig(ConfigModel):
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous NVMe I/O settings, read by NVMe offload (``offload_optimizer.device: "nvme"``).
     DeepSpeed default: the defaults of each key."""
+
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP: slice the model's linear layers over the tensor axis (config/tensor_parallel.py). DeepSpeed
+    default: off (``autotp_size`` 0)."""
 
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
