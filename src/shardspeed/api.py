@@ -15,6 +15,7 @@ from shardspeed.faults.process import failure_board
 from shardspeed.faults.resume import resume_latest
 from shardspeed.faults.startup import configured_timeout, early_fault_config
 from shardspeed.mesh import resolve_mesh
+from shardspeed.tensor_parallel.autotp_initialize import slice_for_autotp
 from shardspeed.topology import Topology
 
 
@@ -64,7 +65,8 @@ def initialize(
     # the construction's collectives ([Note: failure propagation] in faults/board.py).
     with EngineGuard(failure_board(faults), topology.global_rank).call("shardspeed.initialize()"):
         cfg = load_config(config, dp_world_size=topology.dp_world_size)
-        # AutoTP (tensor_parallel.autotp_size): the lead wires apply_tensor_parallel here
+        # AutoTP (tensor_parallel.autotp_size): the model is sliced on this topology before the engine sees it
+        model_parameters = slice_for_autotp(model, topology, cfg.tensor_parallel, optimizer, model_parameters)
         engine = ShardSpeedEngine(
             model,
             cfg,

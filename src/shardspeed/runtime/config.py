@@ -18,12 +18,17 @@ from shardspeed.config.load import read_config_source
 DeepSpeedConfigError = ConfigError
 
 
-def _dp_world_size(mpu: Any) -> int:
+def _dp_world_size(config: dict[str, Any], mpu: Any) -> int:
+    """The data-parallel size the batch keys are resolved for: the mpu's, else the world divided by
+    ``tensor_parallel.autotp_size`` (as ``initialize`` resolves the mesh)."""
     if mpu is not None:
         return int(mpu.get_data_parallel_world_size())
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    from shardspeed.mesh import resolve_mesh
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return resolve_mesh(config, world).data
 
 
 class DeepSpeedConfig:
@@ -33,7 +38,7 @@ class DeepSpeedConfig:
         if mesh_device is not None:
             raise NotImplementedError("DeepSpeedConfig: mesh_device (sequence-parallel meshes) is not implemented yet")
         self._param_dict = read_config_source(config)
-        self.world_size = _dp_world_size(mpu)
+        self.world_size = _dp_world_size(self._param_dict, mpu)
         self.config: ShardSpeedConfig = load_config(self._param_dict, dp_world_size=self.world_size)
         typed = self.config
         self.train_batch_size = typed.train_batch_size
