@@ -235,14 +235,7 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, s
             "adamw",
             0.05,
             False,
-            marks=[
-                SLOW,
-                pytest.mark.xfail(
-                strict=True,
-                reason="clipping needs the gradient norm summed over the tensor axis (helper 'norm', tp-norm); "
-                "on main the step core's norm is this rank's shards only — remove this mark once tp-norm is merged",
-                ),
-            ],
+            marks=SLOW,
         ),
     ],
 )

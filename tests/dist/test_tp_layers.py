@@ -176,11 +176,6 @@ def _engine_vs_dense(rank: int, world: int, sp: bool, stage: int, kind: str, cli
 
 
 SLOW = pytest.mark.slow
-NEEDS_TP_NORM = pytest.mark.xfail(
-    reason="clipping needs the gradient norm summed over the tensor axis (the step core's part of issue 14; "
-    "today each tensor rank clips by its own shard's norm)",
-    strict=False,
-)
 
 
 @pytest.mark.parametrize(
@@ -194,9 +189,9 @@ NEEDS_TP_NORM = pytest.mark.xfail(
         pytest.param(False, 2, "adamw", 0.0, marks=SLOW),
         pytest.param(True, 1, "adamw", 0.0, marks=SLOW),
         pytest.param(True, 3, "adamw", 0.0, marks=SLOW),
-        pytest.param(True, 0, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
-        pytest.param(True, 2, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
-        pytest.param(False, 2, "adamw", 1.0, marks=[SLOW, NEEDS_TP_NORM]),
+        pytest.param(True, 0, "adamw", 1.0, marks=SLOW),
+        pytest.param(True, 2, "adamw", 1.0, marks=SLOW),
+        pytest.param(False, 2, "adamw", 1.0, marks=SLOW),
     ],
 )
 def test_engine_trains_a_tensor_parallel_lm_like_the_dense_one(dist_run, sp: bool, stage: int, kind: str, clip: float):

@@ -247,20 +247,13 @@ def _engine_steps(rank: int, world: int, stage: int, optimizer: str, sequence_pa
     }
 
 
-NORM_OVER_MODEL = importlib.util.find_spec("shardspeed.precision.norm_weights") is not None
-CLIP_NORM_PENDING = pytest.mark.xfail(
-    condition=not NORM_OVER_MODEL,
-    reason="clipping needs the gradient norm summed over the tensor axis (each TP-replicated parameter counted "
-    "once): branch tp-norm (precision/norm_weights.py); passes on a trial merge",
-    strict=True,
-)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize(
     "optimizer",
     [
-        pytest.param("adamw_clip", marks=CLIP_NORM_PENDING),
+        "adamw_clip",
         # AdamW without clipping: parity of everything but the norm today; slow (the default suite keeps
         # adamw_clip, which covers it once the tensor-axis norm lands)
         pytest.param("adamw", marks=pytest.mark.slow),
@@ -275,14 +268,6 @@ def test_tp2_engine_steps_match_the_dense_reference(dist_run, stage: int, optimi
         assert r["param_err"] <= 1e-5 and r["loss_err"] <= 1e-5, r
 
 
-ENGINE_SUMS_PARTIAL_GRADS = importlib.util.find_spec("shardspeed.tensor_parallel.partial_grads") is not None
-
-
-@pytest.mark.skipif(
-    not ENGINE_SUMS_PARTIAL_GRADS,
-    reason="sequence parallelism under the engine needs the tensor-axis sum of partial gradients (layer norms, "
-    "positions, row biases): branch tp-layers (tensor_parallel/partial_grads.py); runs once merged",
-)
 @pytest.mark.parametrize("stage", [0, 3])
 def test_tp2_sequence_parallel_engine_steps_match_the_dense_reference(dist_run, stage: int) -> None:
     for r in dist_run(_engine_steps, 2, stage, "adamw", True):
@@ -291,11 +276,6 @@ def test_tp2_sequence_parallel_engine_steps_match_the_dense_reference(dist_run, 
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-BOX_CHECKPOINTS = importlib.util.find_spec("shardspeed.checkpoint.box_io") is not None
-NEEDS_BOX_CHECKPOINTS = pytest.mark.skipif(
-    not BOX_CHECKPOINTS,
-    reason="N-d (box) checkpoints are branch tp-ckpt's part of issue #14; runs once merged (passes on a trial merge)",
-)
 
 
 def _ckpt_engine(world: int, stage: int) -> tuple[TPGPT, ShardSpeedEngine]:
@@ -336,12 +316,10 @@ def _check_reshard(dist_run, tmp_path: Path, load_world: int, load_stage: int) -
     assert _max_err({n: consolidated[n] for n in saved}, saved) == 0.0
 
 
-@NEEDS_BOX_CHECKPOINTS
 def test_tied_gpt_checkpoint_at_tp2_loads_dense_and_consolidates_without_padding(dist_run, tmp_path: Path) -> None:
     _check_reshard(dist_run, tmp_path, load_world=1, load_stage=3)
 
 
-@NEEDS_BOX_CHECKPOINTS
 @pytest.mark.slow
 def test_tied_gpt_checkpoint_at_tp2_loads_at_tp4(dist_run, tmp_path: Path) -> None:
     _check_reshard(dist_run, tmp_path, load_world=4, load_stage=0)
