@@ -57,7 +57,7 @@ from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
 from shardspeed.zero.grad_sync import CommContext, GradScaling
-from shardspeed.zero.memory import model_state_bytes
+from shardspeed.zero.memory import allocated_model_states, model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
 from shardspeed.zero.stage3.init import has_deferred_tensors, to_device_except_deferred
 from shardspeed.zero.stage3.save import save_16bit_model as _save_16bit_model
@@ -363,17 +363,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         (in-flight gradient buckets of stage 2, gathered units of stage 3)
         is transient and reported apart from the model states.
         """
-        out = {"params": _unique_storage_bytes(self.module.parameters())}
-        for role, tensors in self.states.buffers().items():
-            if role != "params":
-                tensors = tensors if isinstance(tensors, list) else [tensors]
-                out[role] = sum(t.numel() * t.element_size() for t in tensors)
-        opt_state = self.optimizer.state.values() if self.optimizer is not None else ()
-        states = [t for s in opt_state for t in s.values() if isinstance(t, torch.Tensor)]
-        # a streamed (offloaded) optimizer's state lives in its store; what it keeps on the device it reports
-        out["optimizer_states"] = _unique_storage_bytes(states) + getattr(self.optimizer, "resident_state_bytes", 0)
-        out["peak_bucket_bytes"] = self.states.peak_bucket_bytes
-        return out
+        return allocated_model_states(self.module, self.states, self.optimizer)
 
     @property
     def comms_log(self) -> CommsLog:
@@ -392,12 +382,3 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         close_states = getattr(self.states, "close", None)  # stage 3 parameter offload
         if close_states is not None:
             close_states()
-
-
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())

@@ -28,13 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.checkpointing import RNGStatesTracker, get_rng_tracker
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.mappings import gather_from_sequence_region, scatter_to_sequence_region
+from shardspeed.tensor_parallel.random import tensor_parallel_dropout
 
 __all__ = [
     "SequenceParallel",
@@ -105,9 +105,6 @@ class SequenceParallelDropout(nn.Module):
         self.tracker = tracker
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if not (self.tp.sequence_parallel and self.tp.size > 1):
-            return F.dropout(x, self.p, True)
-        with (self.tracker or get_rng_tracker()).fork():
-            return F.dropout(x, self.p, True)
+        split = self.tp.sequence_parallel and self.tp.size > 1
+        tracker = (self.tracker or get_rng_tracker()) if split and self.training and self.p > 0 else self.tracker
+        return tensor_parallel_dropout(x, self.p, self.training, tracker, "split" if split else "replicated")

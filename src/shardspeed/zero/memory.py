@@ -29,13 +29,13 @@ buffer for the largest layer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from shardspeed.config.errors import did_you_mean
-
-if TYPE_CHECKING:
-    import torch
 
 PRECISIONS: tuple[str, ...] = ("mixed", "fp32", "bf16")
 ACCOUNTINGS: tuple[str, ...] = ("paper", "shardspeed")
@@ -335,3 +335,27 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         *(render(line) for line in body),
     ]
     return "\n".join(lines)
+
+
+def allocated_model_states(module: torch.nn.Module, states: Any, optimizer: Any) -> dict[str, int]:
+    """What ``engine.memory_breakdown()`` reports: bytes really allocated per role (see its docstring)."""
+    out = {"params": _unique_storage_bytes(module.parameters())}
+    for role, tensors in states.buffers().items():
+        if role != "params":
+            tensors = tensors if isinstance(tensors, list) else [tensors]
+            out[role] = sum(t.numel() * t.element_size() for t in tensors)
+    opt_state = optimizer.state.values() if optimizer is not None else ()
+    tensors = [t for s in opt_state for t in s.values() if isinstance(t, torch.Tensor)]
+    # a streamed (offloaded) optimizer's state lives in its store; what it keeps on the device it reports
+    out["optimizer_states"] = _unique_storage_bytes(tensors) + getattr(optimizer, "resident_state_bytes", 0)
+    out["peak_bucket_bytes"] = states.peak_bucket_bytes
+    return out
+
+
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
