@@ -94,7 +94,6 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)
         """What each parameter is a piece of ([Note: parameter specs] in params/spec.py)."""
         self._first_batch = FirstBatchCheck(topology.tensor, self.collectives)  # same batch on every tensor rank
-        self._tp_grad_hooks = register_partial_grad_hooks(model, self.param_specs, topology.tensor, self.collectives)
         deferred = has_deferred_tensors(model)
         if deferred and config.zero_optimization.stage != 3:
             raise ValueError(
@@ -128,6 +127,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             pin_mmap_threshold()
         self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype)
         offload_params(config, self.states, topology.data, self.collectives, self.device)
+        # After the stage: zero.Init's materialization makes new parameter objects ([Note: partial gradients])
+        self._tp_grad_hooks = register_partial_grad_hooks(
+            self.module, self.param_specs, topology.tensor, self.collectives
+        )
         # No optimizer anywhere: an evaluation/inference engine (DeepSpeed allows it; see optim/absent.py).
         host_grads = False  # an offload optimizer with host copies of the gradients scales and forgets them itself
         self.optimizer: Any = None

@@ -119,19 +119,23 @@ def _config(stage: int, opt: str, gas: int, extra: dict[str, Any]) -> dict[str, 
     }
 
 
-def _train(rank: int, world: int, kind: str, tp: int, stage: int, sp: bool, opt: str, gas: int) -> tuple[float, float]:
-    """(largest difference from the reference, how far the reference's parameters moved from the start)."""
+def _train(
+    rank: int, world: int, kind: str, tp: int, stage: int, sp: bool, opt: str, gas: int, extra: dict | None = None
+) -> tuple[float, float]:
+    """(largest difference from the reference, how far the reference's parameters moved from the start).
+    ``extra``: more config keys (precision, offload) for the composition tests."""
+    extra = extra or {}
     dp = world // tp
     batches = _batches(kind, dp, gas)
     if kind == "gpt":
         topology = Topology.build(MeshShape(tensor=tp, data=dp))
         torch.manual_seed(0)
         model = TPGPT(GPT_CFG, TensorParallel.from_topology(topology, sequence_parallel=sp))
-        engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(stage, opt, gas, {}))
+        engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(stage, opt, gas, extra))
     else:
         torch.manual_seed(0)
         model = _hf(kind)
-        autotp = {"tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp}}
+        autotp = {"tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp}, **extra}
         engine, *_ = shardspeed.initialize(model=model, config=_config(stage, opt, gas, autotp))
     data_rank = engine.topology.data.rank
     for tokens in batches:
@@ -188,3 +192,33 @@ def test_tp_parity_matrix(dist_run, case: tuple) -> None:
     results = dist_run(_train, world, kind, 2, stage, sp, opt, gas)
     assert max(d for d, _ in results) <= TOL, results
     assert min(moved for _, moved in results) > 100 * TOL, results  # training moved the weights: not vacuous
+
+
+COMPOSED = {
+    # fp32 compositions: exact parity
+    "offload_optimizer": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, TOL),
+    "offload_param": (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "offload_param": {"device": "cpu"},
+            }
+        },
+        TOL,
+    ),
+    # bf16 against the fp32 reference: a loose bound (bf16 rounds weights to ~3 significant digits), which still
+    # catches a wrong scale, a missed reduction or a double-counted norm (each off by the weights' movement or more)
+    "bf16": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, 2e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_tp_composes_with_offload_and_bf16(dist_run, name: str) -> None:
+    """TP=2 × DP=2 on the tied GPT with sequence parallelism, AdamW with clipping, GAS 2, composed with
+    optimizer offload (stage 1), parameter offload (stage 3) or bf16 (stage 2)."""
+    extra, tol = COMPOSED[name]
+    stage = extra["zero_optimization"]["stage"]
+    results = dist_run(_train, 4, "gpt", 2, stage, True, "adamw", 2, extra)
+    assert max(d for d, _ in results) <= tol, results
+    assert min(moved for _, moved in results) > 2 * tol, results

@@ -188,8 +188,16 @@ class SpecProvider(Protocol):
 class ParamSpecs:
     """The registry of one engine: spec per canonical parameter name (and by identity), for this tensor rank."""
 
-    def __init__(self, by_name: dict[str, ParamSpec], by_id: dict[int, ParamSpec], tp_rank: int, tp_size: int):
+    def __init__(
+        self,
+        by_name: dict[str, ParamSpec],
+        by_id: dict[int, tuple[torch.Tensor, ParamSpec]],
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
         self._by_name = by_name
+        # Keyed by id, holding the parameter itself: ZeRO-3's zero.Init replaces meta parameters by new objects,
+        # and a bare id of a dead parameter could be recycled by an unrelated one (meta tensors cost no memory).
         self._by_id = by_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -198,7 +206,7 @@ class ParamSpecs:
     def collect(cls, module: nn.Module, tp_rank: int = 0, tp_size: int = 1) -> ParamSpecs:
         """Specs declared by ``module``'s submodules (``SpecProvider``), checked against the local shapes."""
         by_name: dict[str, ParamSpec] = {}
-        by_id: dict[int, ParamSpec] = {}
+        by_id: dict[int, tuple[torch.Tensor, ParamSpec]] = {}
         canonical: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             canonical.setdefault(id(p), name)
@@ -218,15 +226,16 @@ class ParamSpecs:
                         f"{tp_rank} of {tp_size}"
                     )
                 previous = by_id.get(id(p))
-                if previous is not None and previous != spec:
+                if previous is not None and previous[1] != spec:
                     raise ValueError(f"parameter '{full_name}' is declared twice with different specs")
-                by_id[id(p)] = spec
+                by_id[id(p)] = (p, spec)
                 by_name[canonical.get(id(p), full_name)] = spec
         return cls(by_name, by_id, tp_rank, tp_size)
 
     def of(self, param: torch.Tensor, name: str | None = None) -> ParamSpec:
         """The spec of ``param`` (identity first, then canonical name); undeclared: replicated, its own shape."""
-        spec = self._by_id.get(id(param))
+        entry = self._by_id.get(id(param))
+        spec = entry[1] if entry is not None and entry[0] is param else None
         if spec is None and name is not None:
             spec = self._by_name.get(name)
         return spec if spec is not None else ParamSpec(tuple(param.shape))

@@ -53,9 +53,8 @@ class StepOutcome:
 
 
 def decision_scope(topology: Topology) -> AxisGroup:
-    """The ranks every step decision is agreed over: the world (a topology made from a caller's data group alone,
-    ``Topology.from_data_group``, knows no wider scope than that group)."""
-    return topology.world if topology.world.size >= topology.data.size else topology.data
+    """The ranks every step decision is agreed over: the world (every topology has one, an mpu's too)."""
+    return topology.world
 
 
 class StepCore:

@@ -126,6 +126,7 @@ class ShardSpeedTrainer(Trainer):
             raise RuntimeError("ShardSpeedTrainer: the engine is built by train(); call trainer.train()")
         values = TrainerValues.from_args(args, steps, model_hidden_size(self.model), max_grad_norm=self._max_grad_norm)
         config = fill_auto(self.shardspeed_config, values)
+        refuse_autotp(config)
         optimizer = self.optimizer  # Trainer(optimizers=(opt, sched)) wins, as in the Trainer
         if optimizer is None and "optimizer" not in config:
             optimizer = Trainer.create_optimizer(self)  # the Trainer's optimizer with its weight-decay groups
@@ -219,3 +220,16 @@ class ShardSpeedTrainer(Trainer):
         if self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+
+
+def refuse_autotp(config: dict[str, Any]) -> None:
+    """AutoTP under the Trainer is refused: the Trainer's sampler splits batches by global rank and its batch
+    arithmetic counts every rank as data-parallel, while tensor-parallel ranks must see the same batch."""
+    tp = config.get("tensor_parallel")
+    size = tp.get("autotp_size", 0) if isinstance(tp, dict) else 0
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        raise NotImplementedError(
+            f"ShardSpeedTrainer: tensor_parallel.autotp_size {size} is not supported under the Hugging Face Trainer "
+            "yet (its sampler gives every rank a different batch; tensor-parallel ranks need the same one). Train "
+            "with shardspeed.initialize and the engine's data loader, or set autotp_size to 0"
+        )
