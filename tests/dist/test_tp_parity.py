@@ -195,8 +195,8 @@ def test_tp_parity_matrix(dist_run, case: tuple) -> None:
 
 
 COMPOSED = {
-    # fp32 compositions: exact parity
-    "offload_optimizer": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, TOL),
+    # name: (config keys, optimizer, bound on the difference from the fp32 reference)
+    "offload_optimizer": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "adamw", TOL),
     "offload_param": (
         {
             "zero_optimization": {
@@ -205,20 +205,22 @@ COMPOSED = {
                 "offload_param": {"device": "cpu"},
             }
         },
+        "adamw",
         TOL,
     ),
-    # bf16 against the fp32 reference: a loose bound (bf16 rounds weights to ~3 significant digits), which still
-    # catches a wrong scale, a missed reduction or a double-counted norm (each off by the weights' movement or more)
-    "bf16": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, 2e-3),
+    # bf16 against the fp32 reference: bf16 keeps ~3 significant digits, so the bound is relative to how far SGD
+    # moved the weights (measured: ~6%); a wrong gradient scale or a missed reduction is off by ~50% or more
+    "bf16": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "sgd", None),
 }
 
 
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_tp_composes_with_offload_and_bf16(dist_run, name: str) -> None:
-    """TP=2 × DP=2 on the tied GPT with sequence parallelism, AdamW with clipping, GAS 2, composed with
-    optimizer offload (stage 1), parameter offload (stage 3) or bf16 (stage 2)."""
-    extra, tol = COMPOSED[name]
+    """TP=2 × DP=2 on the tied GPT with sequence parallelism and GAS 2, composed with optimizer offload (stage 1),
+    parameter offload (stage 3) — AdamW with clipping, exact parity — or bf16 (stage 2, SGD, relative bound)."""
+    extra, opt, tol = COMPOSED[name]
     stage = extra["zero_optimization"]["stage"]
-    results = dist_run(_train, 4, "gpt", 2, stage, True, "adamw", 2, extra)
-    assert max(d for d, _ in results) <= tol, results
-    assert min(moved for _, moved in results) > 2 * tol, results
+    results = dist_run(_train, 4, "gpt", 2, stage, True, opt, 2, extra)
+    for diff, moved in results:
+        assert moved > 100 * TOL, results  # training moved the weights: not vacuous
+        assert diff <= (tol if tol is not None else 0.15 * moved), results
