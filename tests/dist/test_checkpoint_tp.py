@@ -186,8 +186,12 @@ def test_tp1_checkpoint_loads_at_tp2(dist_run, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize(("world", "tp", "load_stage"), [(1, 1, 3), (4, 1, 2), (2, 2, 0), (4, 2, 3)])
-def test_tp2_dp2_checkpoint_reshards(dist_run, tmp_path: Path, stage: int, world: int, tp: int, load_stage: int):
+@pytest.mark.parametrize(("world", "tp", "offset"), [(1, 1, 3), (4, 1, 2), (2, 2, 0), (4, 2, 1)])
+def test_tp2_dp2_checkpoint_reshards(dist_run, tmp_path: Path, stage: int, world: int, tp: int, offset: int):
+    """Saved at TP=2 × DP=2 at every stage; loaded at TP=1 × DP=1, TP=1 × DP=4, TP=2 × DP=1 and TP=2 × DP=2, the
+    load stage rotated (``(stage + offset) % 4``) so every target mesh loads at every ZeRO stage and every saved
+    stage is loaded at four different stages."""
+    load_stage = (stage + offset) % 4
     ckpt = str(tmp_path / "ckpt")
     saved = dist_run(_run, 4, 2, stage, 3, ckpt, None, 2)
     loaded = dist_run(_run, world, tp, load_stage, 0, None, ckpt, 2)
