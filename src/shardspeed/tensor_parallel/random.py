@@ -9,10 +9,13 @@
   a sequence shard under sequence parallelism) hold different elements per rank: their dropout draws from the
   tracker's model-parallel stream, seeded ``seed + 2718 + tensor rank``, so the ranks' masks are independent (one
   stream for all would drop the same pattern in every slice).
-The tracker is ``shardspeed.checkpointing``'s ``RNGStatesTracker``, passed down explicitly (the model holds the
-one it was built with; no module-level lookup). Use the *same* tracker as the activation-checkpointing context
-(``CheckpointingContext(tracker=...)``, or the default context's ``get_cuda_rng_tracker()``): a checkpointed
-region snapshots that context's tracker, so its recompute replays exactly the forward's masks.
+The tracker is ``shardspeed.checkpointing``'s ``RNGStatesTracker``, passed down explicitly (the layer holds the one
+it was built with, or its ``TensorParallel`` carries one); a layer given none looks up the default context's at each
+call (DeepSpeed's ``get_cuda_rng_tracker()``). Checkpoints save every such tracker's states (``model_rng_trackers``,
+``checkpoint/rng.py``), so a resume draws the masks the uninterrupted run would. Use the *same* tracker as the
+activation-checkpointing context (``CheckpointingContext(tracker=...)``, or the default context's
+``get_cuda_rng_tracker()``): a checkpointed region snapshots that context's tracker, so its recompute replays
+exactly the forward's masks.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ row-parallel layer reduce-scatters its output: ``layers.py``); the model does th
   ``tensor_parallel_specs()`` instead. The engine sums those gradients over the tensor axis
   (``partial_grads.py``) before ZeRO sees them. The row-parallel bias declares itself.
 Dropout inside the region must draw different masks per tensor rank (each rank holds different tokens):
-``SequenceParallelDropout`` draws from the model-parallel stream of the RNG tracker (``shardspeed.checkpointing``:
-seeded per tensor rank by ``model_parallel_manual_seed``), and from the default stream — identical on every rank,
-as replicated activations need — when sequence parallelism is off.
+``SequenceParallelDropout`` (``TensorParallelDropout(region="sequence")``) draws from the model-parallel stream of
+the RNG tracker (``shardspeed.checkpointing``: seeded per tensor rank by ``model_parallel_manual_seed``), and from the
+default stream — identical on every rank, as replicated activations need — when sequence parallelism is off.
 Without sequence parallelism every function here is the identity and every declaration is an ordinary replicated
 spec, so one model definition serves both.
 """
