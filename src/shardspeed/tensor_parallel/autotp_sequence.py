@@ -182,7 +182,7 @@ def apply_sequence_parallel(model: nn.Module, tp: TensorParallel, plan: Sequence
 def attention_twin(tp: TensorParallel) -> TensorParallel:
     """The context of the column layers inside a gathered attention module: same axis and collectives, no sequence
     parallelism (their input is already whole; their input gradient is all-reduced, ``f``)."""
-    return TensorParallel(tp.axis, tp.collectives, sequence_parallel=False)
+    return TensorParallel(tp.axis, tp.collectives, sequence_parallel=False, tracker=tp.tracker)
 
 
 def _on_hidden_states(fn):
