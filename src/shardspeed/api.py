@@ -77,14 +77,16 @@ def initialize(
             training_data=training_data,
             collate_fn=collate_fn,
         )
+    from shardspeed import checkpointing
+
     if "activation_checkpointing" in cfg.model_fields_set:
         # The config names activation checkpointing: set up shardspeed.checkpointing the way a DeepSpeed user
         # would with deepspeed.checkpointing.configure(mpu, deepspeed_config=...), on this engine's topology.
-        from shardspeed import checkpointing
-
         checkpointing.configure(
             topology=topology, deepspeed_config=cfg.activation_checkpointing, collectives=engine.collectives
         )
+    else:  # a model_parallel_manual_seed before initialize learns its tensor rank now (checkpointing/rng.py)
+        checkpointing.adopt_topology(topology)
     resume_latest(engine, cfg.fault_tolerance)  # fault_tolerance.auto_resume: continue from checkpoint_dir's latest
     engine.preemption.install()  # fault_tolerance.preemption_signals: stop at the next step boundary
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

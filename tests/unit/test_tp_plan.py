@@ -252,10 +252,16 @@ def test_sequence_parallel_refusals() -> None:
 
     with pytest.raises(ValueError, match="sequence_parallel is True but the TensorParallel passed has"):
         apply_tensor_parallel(_tiny_gpt2(), _fake_tp(), _tp_settings(sequence_parallel=True))
-    model = _tiny_gpt2()  # GPT-2's default dropouts are 0.1
-    with pytest.raises(PlanError, match=r"dropout 'transformer\.h\.0\.attn\.attn_dropout' \(p = 0\.1\)"):
-        apply_tensor_parallel(model, _fake_tp(True), _tp_settings(sequence_parallel=True))
-    assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # checked before anything changed
+
+
+def test_sequence_parallel_plan_accepts_dropout_in_the_blocks() -> None:
+    """GPT-2's default dropouts (0.1) inside the blocks get per-rank streams instead of a refusal (autotp_dropout.py);
+    the embedding dropout, outside the region, does not count."""
+    from shardspeed.tensor_parallel.autotp_sequence import plan_sequence_parallel
+
+    sliced = [f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert plan_sequence_parallel(_tiny_gpt2(), sliced).dropout
+    assert not plan_sequence_parallel(_tiny_gpt2(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.5), sliced).dropout
 
 
 @pytest.mark.parametrize(

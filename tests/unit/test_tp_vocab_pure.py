@@ -197,5 +197,5 @@ def test_dropout_regions_pick_their_stream() -> None:
     assert tensor_parallel_dropout(x, 0.5, False, None, "split") is x  # eval: identity, no tracker needed
     with pytest.raises(ValueError, match="needs the model-parallel RNG tracker"):
         tensor_parallel_dropout(x, 0.5, True, None, "split")
-    with pytest.raises(ValueError, match="region must be 'split' or 'replicated', got 'tensor'"):
+    with pytest.raises(ValueError, match="region must be 'split', 'replicated' or 'sequence', got 'tensor'"):
         TensorParallelDropout(0.1, tracker, "tensor")  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from shardspeed.checkpoint.store import CheckpointWriter
 from shardspeed.faults.errors import mark_agreed  # same files, same model: every rank raises alike
 from shardspeed.params.spec import ParamSpec
 from shardspeed.symmetric import check_same_on_all_ranks
+from shardspeed.tensor_parallel.random import model_rng_trackers
 from shardspeed.zero.api import full_shape
 
 if TYPE_CHECKING:
@@ -121,9 +122,8 @@ def save(
         records, scalars = _write_pieces(engine, tmp_dir, exclude_frozen)
     except Exception as error:
         failure, own = failure_of(error), error
-    everything = comm.all_gather_object(
-        {"records": records, "scalars": scalars, "rng": capture_rng(), "failure": failure}, axis
-    )
+    rng = capture_rng(model_rng_trackers(engine.module))  # with the model-parallel streams (checkpoint/rng.py)
+    everything = comm.all_gather_object({"records": records, "scalars": scalars, "rng": rng, "failure": failure}, axis)
     failures = [r["failure"] for r in everything]
     if any(f is not None for f in failures):
         if engine.topology.global_rank == 0:
@@ -356,4 +356,5 @@ def _restore_training_state(engine: ShardSpeedEngine, meta: dict[str, Any], load
         engine.training_dataloader.load_state_dict(meta["data_loader"])
     rng = meta.get("rng") or []
     if rng:
-        restore_rng(rng[engine.topology.global_rank] if engine.topology.global_rank < len(rng) else rng[0])
+        mine = rng[engine.topology.global_rank] if engine.topology.global_rank < len(rng) else rng[0]
+        restore_rng(mine, model_rng_trackers(engine.module))

@@ -19,9 +19,11 @@ Typical use, as in DeepSpeed::
 from __future__ import annotations
 
 from .api import (
+    adopt_topology,
     checkpoint,
     configure,
     default_context,
+    existing_rng_tracker,
     get_cuda_rng_tracker,
     get_rng_tracker,
     is_configured,
@@ -33,7 +35,7 @@ from .api import (
 from .blocks import CheckpointedSequential, checkpoint_sequential, run_blocks
 from .context import CheckpointingContext
 from .function import CheckpointFunction, ProfileStats
-from .rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from .rng import MODEL_PARALLEL_RNG, RNGStatesTracker, seed_model_parallel
 
 CudaRNGStatesTracker = RNGStatesTracker
 """DeepSpeed's name for the tracker class (it tracks the CPU generator on CPU-only hosts)."""
@@ -49,10 +51,12 @@ __all__ = [
     "CudaRNGStatesTracker",
     "ProfileStats",
     "RNGStatesTracker",
+    "adopt_topology",
     "checkpoint",
     "checkpoint_sequential",
     "configure",
     "default_context",
+    "existing_rng_tracker",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
     "is_configured",
@@ -61,5 +65,6 @@ __all__ = [
     "non_reentrant_checkpoint",
     "reset",
     "run_blocks",
+    "seed_model_parallel",
     "set_default_context",
 ]

@@ -17,7 +17,7 @@ from shardspeed.comm.collectives import Collectives
 from shardspeed.topology import Topology
 
 from .context import CheckpointingContext
-from .rng import RNGStatesTracker
+from .rng import RNGStatesTracker, follow_tensor_rank
 from .settings import merged_config, section_from, tensor_axis_from
 
 
@@ -88,8 +88,25 @@ def configure(
         tracker=previous.tracker if previous is not None else None,
         use_reentrant=use_reentrant,
     )
+    follow_tensor_rank(context.tracker, context.tensor_axis.rank)  # seeded before the axis was known
     _DEFAULT.context = context
     return context
+
+
+def adopt_topology(topology: Topology) -> None:
+    """What ``initialize`` does when the config does not configure activation checkpointing: a default context
+    that exists but was never configured takes the engine's tensor axis, so a ``model_parallel_manual_seed`` that
+    ran before it (every tensor rank seeded as rank 0) is re-seeded for this rank ([Note: seeding before the
+    tensor axis is known] in rng.py). Its options stay off and ``is_configured()`` stays False; a configured
+    context is left alone (its user chose its axis)."""
+    context = _DEFAULT.context
+    if context is not None and not context.configured:
+        context.use_tensor_axis(topology.tensor)
+
+
+def existing_rng_tracker() -> RNGStatesTracker | None:
+    """The default context's tracker if a default context exists (never makes one): what checkpoints save."""
+    return _DEFAULT.context.tracker if _DEFAULT.context is not None else None
 
 
 def is_configured() -> bool:

@@ -19,7 +19,7 @@ from shardspeed.topology import AxisGroup
 
 from .function import ProfileStats, RegionSettings, checkpoint_non_reentrant, checkpoint_reentrant
 from .partition import StoragePlan
-from .rng import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker, manual_seed
+from .rng import RNGStatesTracker, follow_tensor_rank, seed_model_parallel
 
 
 def solo_tensor_axis() -> AxisGroup:
@@ -86,12 +86,18 @@ class CheckpointingContext:
     def model_parallel_manual_seed(self, seed: int) -> None:
         """Seed the default device stream with ``seed`` (same on every rank) and the tracker's tensor-parallel
         stream with ``seed + 2718 + tensor rank`` (different per tensor rank). DeepSpeed's
-        ``model_parallel_cuda_manual_seed``; call it after the tensor axis is known (``configure``)."""
+        ``model_parallel_cuda_manual_seed``. Called before the tensor axis is known (the default context before
+        ``configure``), the stream is re-seeded for the real tensor rank once it is ([Note: seeding before the
+        tensor axis is known] in rng.py)."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"model_parallel_manual_seed(seed={seed!r}): expected a non-negative integer")
-        manual_seed(self.tracker.device, seed)
-        self.tracker.reset()
-        self.tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + self.tensor_axis.rank)
+        seed_model_parallel(self.tracker, seed, self.tensor_axis.rank)
+
+    def use_tensor_axis(self, axis: AxisGroup) -> None:
+        """Adopt ``axis`` as this context's tensor axis, re-seeding the model-parallel stream if it was seeded
+        for another tensor rank (``initialize`` on a context nobody configured)."""
+        self.tensor_axis = axis
+        follow_tensor_rank(self.tracker, axis.rank)
 
     def reset(self) -> None:
         """DeepSpeed's ``reset()``: release buffers a forward without backward would leave behind.

@@ -79,7 +79,10 @@ class RNGStatesTracker:
     def __init__(self, device: torch.device | None = None) -> None:
         self._fixed_device = device
         self._states: dict[str, torch.Tensor] = {}
-        self._seeds: set[int] = set()
+        self._seeds: dict[str, int] = {}  # name -> the seed it was added with (a seed is used at most once)
+        self.model_parallel_seeding: tuple[int, int] | None = None
+        """(base seed, tensor rank) of the last ``seed_model_parallel`` ([Note: seeding before the tensor axis is
+        known]); None when the model-parallel stream was not made that way."""
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +93,8 @@ class RNGStatesTracker:
     def reset(self) -> None:
         """Forget every named state (and the seeds used, so they may be added again)."""
         self._states = {}
-        self._seeds = set()
+        self._seeds = {}
+        self.model_parallel_seeding = None
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of the named states (the tensors are cloned: later forks cannot change the copy)."""
@@ -106,7 +110,7 @@ class RNGStatesTracker:
         The device's default stream is left exactly where it was. Reusing a seed or a name is an error, as in
         DeepSpeed: two streams from one seed would draw identical "independent" masks.
         """
-        if seed in self._seeds:
+        if seed in self._seeds.values():
             raise ValueError(f"RNG tracker: seed {seed} is already used by another state; pick a different seed")
         if name in self._states:
             raise ValueError(f"RNG tracker: a state named {name!r} already exists; call reset() first")
@@ -116,7 +120,13 @@ class RNGStatesTracker:
             self._states[name] = get_rng_state(self.device)
         finally:
             set_rng_state(self.device, saved)
-        self._seeds.add(seed)
+        self._seeds[name] = seed
+
+    def replace(self, name: str, seed: int) -> None:
+        """Drop the state ``name`` (and its seed) if present, then ``add(name, seed)``."""
+        self._states.pop(name, None)
+        self._seeds.pop(name, None)
+        self.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -131,6 +141,40 @@ class RNGStatesTracker:
         finally:
             self._states[name] = get_rng_state(self.device)
             set_rng_state(self.device, outside)
+
+
+def seed_model_parallel(tracker: RNGStatesTracker, seed: int, tensor_rank: int) -> None:
+    """DeepSpeed's ``model_parallel_cuda_manual_seed``, the one implementation: seed the default generator of
+    ``tracker``'s device with ``seed`` (alike on every rank) and the tracker's model-parallel stream with
+    ``seed + 2718 + tensor_rank`` (different per tensor rank). The tracker's other states are dropped."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"model-parallel seed {seed!r}: expected a non-negative integer")
+    manual_seed(tracker.device, seed)
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tensor_rank)
+    tracker.model_parallel_seeding = (seed, tensor_rank)
+
+
+def follow_tensor_rank(tracker: RNGStatesTracker, tensor_rank: int) -> bool:
+    """Re-seed the model-parallel stream for ``tensor_rank`` if it was seeded for another one; True if it was.
+
+    [Note: seeding before the tensor axis is known] The natural order in a script is "seed, then initialize":
+    ``model_parallel_manual_seed(seed)`` runs on the default checkpointing context while its tensor axis is still
+    the one-rank placeholder, so every rank seeds its model-parallel stream with ``seed + 2718 + 0`` and dropout in
+    split regions would draw the same mask on every tensor rank. DeepSpeed avoids it by reading the rank from the
+    mpu at seeding time (and failing without one); here the tracker remembers the base seed, and whoever learns the
+    real tensor axis later (``configure()``, ``initialize``) calls this. Only the model-parallel stream is
+    re-seeded: the default stream was seeded alike everywhere and has since been drawn from (model init), and a
+    rank whose tensor rank did not change keeps its stream where it is (a re-``configure`` mid-run must not rewind
+    it).
+    """
+    seeding = tracker.model_parallel_seeding
+    if seeding is None or seeding[1] == tensor_rank:
+        return False
+    seed = seeding[0]
+    tracker.replace(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tensor_rank)
+    tracker.model_parallel_seeding = (seed, tensor_rank)
+    return True
 
 
 def _initialized_cuda_devices(extra: Iterable[torch.device]) -> list[torch.device]:

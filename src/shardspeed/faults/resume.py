@@ -4,9 +4,9 @@ An elastic restart (torchrun ``--max-restarts``, ``shardspeed --max_restarts``) 
 the top; with ``auto_resume`` the engine it builds loads the latest checkpoint before returning, so an unmodified
 loop that counts from ``engine.global_steps`` continues where the last save left off. ``load_checkpoint`` restores
 everything a bit-exact continuation needs: parameters, optimizer and LR-scheduler states, the loss scaler, the
-counters, the engine data loader's position (``training_data=``) and every rank's Python / NumPy / torch RNG
-states (so dropout draws the same masks). A script that iterates its own DataLoader must put that position back
-itself: see README ("Preemption and elastic restarts").
+counters, the engine data loader's position (``training_data=``) and every rank's Python / NumPy / torch RNG states
+and model-parallel RNG trackers (so dropout, tensor-parallel regions included, draws the same masks). A script that
+iterates its own DataLoader must put that position back itself: see README ("Preemption and elastic restarts").
 
 Whether ``latest`` exists is agreed across the whole world first (every rank of every axis — data, tensor, pipe —
 must take the same branch): a rank that sees a checkpoint its peers do not (a directory that is not shared) would

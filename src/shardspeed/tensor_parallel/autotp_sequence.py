@@ -20,8 +20,8 @@ reduce-scatter; the MLP and the row layers are Megatron's (``f̄`` / ``ḡ``); n
 saved, as in layers.py).
 Any other replicated parameter inside the blocks would silently get a partial gradient, so it is an error; so is a
 norm class whose arithmetic is not known here (Gemma's ``1 + weight`` RMSNorm, for one).
-Dropout inside the region (GPT-2's residual dropout) would need the model-parallel RNG tracker to draw different
-masks per rank; AutoTP does not wrap it, so sequence parallelism requires those dropouts at p = 0 (checked).
+Dropout inside the blocks (GPT-2's residual and attention dropout, 0.1 by default) draws a different mask per tensor
+rank from a stream derived per block call ([Note: AutoTP block dropout streams] in autotp_dropout.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardspeed.params.spec import ParamSpec
+from shardspeed.tensor_parallel.autotp_dropout import blocks_have_dropout, install_block_streams
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.mappings import gather_from_sequence_region
 from shardspeed.tensor_parallel.plan import PlanError
@@ -118,6 +119,9 @@ class SequencePlan:
     attention: tuple[str, ...]
     """Attention modules owning sliced column layers: their input is gathered at the module ([Note: AutoTP
     sequence parallelism])."""
+    dropout: bool = False
+    """Something inside the blocks drops out: each block call gets a per-tensor-rank stream ([Note: AutoTP block
+    dropout streams])."""
 
 
 def plan_sequence_parallel(model: nn.Module, sliced: list[str]) -> SequencePlan:
@@ -142,11 +146,6 @@ def plan_sequence_parallel(model: nn.Module, sliced: list[str]) -> SequencePlan:
             norms.append(name)
             _sequence_norm(module, name, None)  # refuses unknown norm classes now, before anything changes
             continue
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise PlanError(
-                f"sequence parallelism: dropout '{name}' (p = {module.p}) inside the blocks would draw the same mask "
-                "on every tensor rank's different tokens; set it to 0 or turn sequence_parallel off"
-            )
         own = [n for n, _ in module.named_parameters(recurse=False)]
         if own and not any(name.startswith(f"{n}.") for n in norms):
             raise PlanError(
@@ -157,7 +156,8 @@ def plan_sequence_parallel(model: nn.Module, sliced: list[str]) -> SequencePlan:
     attention = sorted(
         {s.rpartition(".")[0] for s in sliced if _is_attention(model.get_submodule(s.rpartition(".")[0]))}
     )
-    return SequencePlan(blocks_name, final_name, (*norms, final_name), tuple(attention))
+    dropout = blocks_have_dropout(model, blocks)
+    return SequencePlan(blocks_name, final_name, (*norms, final_name), tuple(attention), dropout)
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -175,13 +175,14 @@ def apply_sequence_parallel(model: nn.Module, tp: TensorParallel, plan: Sequence
         blocks[0].register_forward_pre_hook(_enter(tp), with_kwargs=True),
         model.get_submodule(plan.final_norm).register_forward_hook(_leave(tp)),
         *(model.get_submodule(n).register_forward_pre_hook(_gather(tp), with_kwargs=True) for n in plan.attention),
+        *(install_block_streams(blocks, tp) if plan.dropout else []),
     ]
 
 
 def attention_twin(tp: TensorParallel) -> TensorParallel:
     """The context of the column layers inside a gathered attention module: same axis and collectives, no sequence
     parallelism (their input is already whole; their input gradient is all-reduced, ``f``)."""
-    return TensorParallel(tp.axis, tp.collectives, sequence_parallel=False)
+    return TensorParallel(tp.axis, tp.collectives, sequence_parallel=False, tracker=tp.tracker)
 
 
 def _on_hidden_states(fn):

@@ -17,23 +17,34 @@ from shardspeed.comm import Collectives
 from shardspeed.topology import AxisGroup
 
 if TYPE_CHECKING:
+    from shardspeed.checkpointing.rng import RNGStatesTracker
     from shardspeed.topology import Topology
 
 
 class TensorParallel:
     """The tensor axis of one model replica. ``sequence_parallel``: activations between tensor-parallel regions
-    are split along the sequence dim (Megatron-SP) instead of replicated."""
+    are split along the sequence dim (Megatron-SP) instead of replicated. ``tracker``: the RNG tracker whose
+    model-parallel stream the layers' dropout in split regions draws from when they were given none (None: the
+    ``shardspeed.checkpointing`` default context's); the engine finds it here to save it in checkpoints."""
 
     def __init__(
-        self, axis: AxisGroup, collectives: Collectives | None = None, *, sequence_parallel: bool = False
+        self,
+        axis: AxisGroup,
+        collectives: Collectives | None = None,
+        *,
+        sequence_parallel: bool = False,
+        tracker: RNGStatesTracker | None = None,
     ) -> None:
         self.axis = axis
         self.collectives = collectives or Collectives()
         self.sequence_parallel = sequence_parallel
+        self.tracker = tracker
 
     @classmethod
-    def from_topology(cls, topology: Topology, *, sequence_parallel: bool = False) -> TensorParallel:
-        return cls(topology.tensor, sequence_parallel=sequence_parallel)
+    def from_topology(
+        cls, topology: Topology, *, sequence_parallel: bool = False, tracker: RNGStatesTracker | None = None
+    ) -> TensorParallel:
+        return cls(topology.tensor, sequence_parallel=sequence_parallel, tracker=tracker)
 
     @property
     def rank(self) -> int:

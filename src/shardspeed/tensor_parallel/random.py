@@ -9,10 +9,13 @@
   a sequence shard under sequence parallelism) hold different elements per rank: their dropout draws from the
   tracker's model-parallel stream, seeded ``seed + 2718 + tensor rank``, so the ranks' masks are independent (one
   stream for all would drop the same pattern in every slice).
-The tracker is ``shardspeed.checkpointing``'s ``RNGStatesTracker``, passed down explicitly (the model holds the
-one it was built with; no module-level lookup). Use the *same* tracker as the activation-checkpointing context
-(``CheckpointingContext(tracker=...)``, or the default context's ``get_cuda_rng_tracker()``): a checkpointed
-region snapshots that context's tracker, so its recompute replays exactly the forward's masks.
+The tracker is ``shardspeed.checkpointing``'s ``RNGStatesTracker``, passed down explicitly (the layer holds the one
+it was built with, or its ``TensorParallel`` carries one); a layer given none looks up the default context's at each
+call (DeepSpeed's ``get_cuda_rng_tracker()``). Checkpoints save every such tracker's states (``model_rng_trackers``,
+``checkpoint/rng.py``), so a resume draws the masks the uninterrupted run would. Use the *same* tracker as the
+activation-checkpointing context (``CheckpointingContext(tracker=...)``, or the default context's
+``get_cuda_rng_tracker()``): a checkpointed region snapshots that context's tracker, so its recompute replays
+exactly the forward's masks.
 """
 
 from __future__ import annotations
@@ -23,21 +26,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardspeed.checkpointing.rng import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker, manual_seed
-from shardspeed.tensor_parallel.context import TensorParallel
+from shardspeed.checkpointing.api import get_rng_tracker
+from shardspeed.checkpointing.rng import MODEL_PARALLEL_RNG, RNGStatesTracker, seed_model_parallel
+from shardspeed.tensor_parallel.context import TensorParallel, tensor_parallel_contexts
 
 Region = Literal["split", "replicated"]
+ModuleRegion = Literal["split", "replicated", "sequence"]
+"""A ``TensorParallelDropout``'s region; ``"sequence"``: the residual stream, split iff ``tp.sequence_parallel``
+(at TP > 1), replicated otherwise ([Note: sequence-parallel regions] in sequence.py)."""
 
 
 def model_parallel_seed(tracker: RNGStatesTracker, tp: TensorParallel, seed: int) -> None:
     """Seed the default generator of ``tracker``'s device with ``seed`` (alike on every rank) and the tracker's
     model-parallel stream with ``seed + 2718 + tp.rank`` — DeepSpeed's ``model_parallel_cuda_manual_seed`` with
     the tensor rank taken from ``tp`` (the topology passed down), not from a global."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"model_parallel_seed(seed={seed!r}): expected a non-negative integer")
-    manual_seed(tracker.device, seed)
-    tracker.reset()
-    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp.rank)
+    seed_model_parallel(tracker, seed, tp.rank)
 
 
 def tensor_parallel_dropout(
@@ -62,20 +65,64 @@ def tensor_parallel_dropout(
 
 class TensorParallelDropout(nn.Module):
     """``nn.Dropout`` for a tensor-parallel model: ``region="split"`` (activations that differ per tensor rank)
-    draws from ``tracker``'s model-parallel stream, ``"replicated"`` from the default generator."""
+    draws from the model-parallel stream of a tracker, ``"replicated"`` from the default generator, ``"sequence"``
+    (the residual stream) is split iff ``tp.sequence_parallel`` at TP > 1 and needs ``tp``.
 
-    def __init__(self, p: float, tracker: RNGStatesTracker | None, region: Region) -> None:
+    The tracker: ``tracker`` if given, else ``tp.tracker`` if ``tp`` carries one, else ``shardspeed.checkpointing``'s
+    default context's, looked up at each call (so a later ``model_parallel_manual_seed`` is seen).
+    """
+
+    def __init__(
+        self, p: float, tracker: RNGStatesTracker | None, region: ModuleRegion, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability must lie in [0, 1], got {p}")
-        if region not in ("split", "replicated"):
-            raise ValueError(f"TensorParallelDropout: region must be 'split' or 'replicated', got {region!r}")
+        if region not in ("split", "replicated", "sequence"):
+            raise ValueError(
+                f"TensorParallelDropout: region must be 'split', 'replicated' or 'sequence', got {region!r}"
+            )
+        if region == "sequence" and tp is None:
+            raise ValueError("TensorParallelDropout(region='sequence') needs tp= (whether sequence parallelism is on)")
         self.p = p
         self.tracker = tracker
-        self.region: Region = region
+        self.region: ModuleRegion = region
+        self.tp = tp
+
+    def _stream(self) -> Region:
+        if self.region != "sequence":
+            return self.region
+        assert self.tp is not None  # checked at construction
+        return "split" if self.tp.sequence_parallel and self.tp.size > 1 else "replicated"
+
+    def stream_tracker(self) -> RNGStatesTracker:
+        """The tracker split regions draw from (see the class docstring)."""
+        if self.tracker is not None:
+            return self.tracker
+        if self.tp is not None and self.tp.tracker is not None:
+            return self.tp.tracker
+        return get_rng_tracker()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tensor_parallel_dropout(x, self.p, self.training, self.tracker, self.region)
+        region = self._stream()
+        drawing = region == "split" and self.training and self.p > 0
+        tracker = self.stream_tracker() if drawing else self.tracker
+        return tensor_parallel_dropout(x, self.p, self.training, tracker, region)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, region={self.region}"
+
+
+def model_rng_trackers(module: nn.Module) -> list[RNGStatesTracker]:
+    """Every distinct tracker ``module``'s layers were given explicitly — held by a ``TensorParallelDropout`` or
+    carried by a ``TensorParallel`` — in module order: the model-parallel streams a checkpoint must save besides
+    the default context's (``checkpoint/rng.py``)."""
+    seen: dict[int, RNGStatesTracker] = {}
+    for tp in tensor_parallel_contexts(module):
+        if tp.tracker is not None:
+            seen.setdefault(id(tp.tracker), tp.tracker)
+    for sub in module.modules():
+        tracker = getattr(sub, "tracker", None)
+        if isinstance(sub, TensorParallelDropout) and tracker is not None:
+            seen.setdefault(id(tracker), tracker)
+    return list(seen.values())

@@ -16,9 +16,9 @@ row-parallel layer reduce-scatters its output: ``layers.py``); the model does th
   ``tensor_parallel_specs()`` instead. The engine sums those gradients over the tensor axis
   (``partial_grads.py``) before ZeRO sees them. The row-parallel bias declares itself.
 Dropout inside the region must draw different masks per tensor rank (each rank holds different tokens):
-``SequenceParallelDropout`` draws from the model-parallel stream of the RNG tracker (``shardspeed.checkpointing``:
-seeded per tensor rank by ``model_parallel_manual_seed``), and from the default stream — identical on every rank,
-as replicated activations need — when sequence parallelism is off.
+``SequenceParallelDropout`` (``TensorParallelDropout(region="sequence")``) draws from the model-parallel stream of
+the RNG tracker (``shardspeed.checkpointing``: seeded per tensor rank by ``model_parallel_manual_seed``), and from the
+default stream — identical on every rank, as replicated activations need — when sequence parallelism is off.
 Without sequence parallelism every function here is the identity and every declaration is an ordinary replicated
 spec, so one model definition serves both.
 """
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed.checkpointing import RNGStatesTracker, get_rng_tracker
+from shardspeed.checkpointing import RNGStatesTracker
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel.context import TensorParallel
 from shardspeed.tensor_parallel.mappings import gather_from_sequence_region, scatter_to_sequence_region
-from shardspeed.tensor_parallel.random import tensor_parallel_dropout
+from shardspeed.tensor_parallel.random import TensorParallelDropout
 
 __all__ = [
     "SequenceParallel",
@@ -91,20 +91,13 @@ class SequenceParallel(nn.Module):
         return partial_grad_specs(self.module, "module", self.tp)
 
 
-class SequenceParallelDropout(nn.Module):
-    """Dropout on the residual stream of a block ([Note: sequence-parallel regions]). Under sequence parallelism
-    each tensor rank holds different tokens, so the mask is drawn inside ``tracker.fork()`` (the model-parallel
-    stream, seeded per tensor rank); otherwise the activations are replicated and the mask comes from the default
-    stream, the same on every rank. ``tracker``: None for ``shardspeed.checkpointing``'s default context's (looked
-    up at each call, so a later ``model_parallel_manual_seed`` is seen)."""
+class SequenceParallelDropout(TensorParallelDropout):
+    """Dropout on the residual stream of a block ([Note: sequence-parallel regions]): ``TensorParallelDropout``
+    with ``region="sequence"``. Under sequence parallelism each tensor rank holds different tokens, so the mask is
+    drawn inside ``tracker.fork()`` (the model-parallel stream, seeded per tensor rank); otherwise the activations
+    are replicated and the mask comes from the default stream, the same on every rank. ``tracker``: None for
+    ``tp.tracker``, else the default context's (looked up at each call, so a later ``model_parallel_manual_seed``
+    is seen)."""
 
     def __init__(self, p: float, tp: TensorParallel, tracker: RNGStatesTracker | None = None) -> None:
-        super().__init__()
-        self.p = p
-        self.tp = tp
-        self.tracker = tracker
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        split = self.tp.sequence_parallel and self.tp.size > 1
-        tracker = (self.tracker or get_rng_tracker()) if split and self.training and self.p > 0 else self.tracker
-        return tensor_parallel_dropout(x, self.p, self.training, tracker, "split" if split else "replicated")
+        super().__init__(p, tracker, "sequence", tp)
