@@ -58,6 +58,9 @@ from shardspeed.zero.stage3.rng_schedule import RngSchedule, has_reset
 from shardspeed.zero.stage3.unit import ParamUnit
 
 BuildUnit = Callable[[int, list[torch.nn.Parameter], torch.Tensor], ParamUnit]
+SyncReplicas = Callable[[list[tuple[str, torch.Tensor, torch.Tensor]]], None]
+"""Called with (name, the tensor the specs know, its materialized value) for a unit's parameters (the meta original)
+or one module's buffers, before the data-axis broadcast: see [Note: replicas under zero.Init] (tensor_parallel)."""
 
 _HOW_TO_FIX = (
     "Tensors created in __init__ under zero.Init live on the meta device and have no values: write them in the "
@@ -109,9 +112,10 @@ def materialize_units(
     device: torch.device,
     build_unit: BuildUnit,
     ctx: CommContext,
+    sync_replicas: SyncReplicas | None = None,
 ) -> list[ParamUnit]:
     """Materialize, initialize and shard every unit; returns the units (sharded) in plan order. Collective."""
-    return _Materializer(module, plan, ordered_names, device, build_unit, ctx).run()
+    return _Materializer(module, plan, ordered_names, device, build_unit, ctx, sync_replicas).run()
 
 
 class _Materializer:
@@ -123,9 +127,10 @@ class _Materializer:
         device: torch.device,
         build_unit: BuildUnit,
         ctx: CommContext,
+        sync_replicas: SyncReplicas | None,
     ) -> None:
         self.plan, self.ordered_names, self.device = plan, ordered_names, device
-        self.build_unit, self.ctx = build_unit, ctx
+        self.build_unit, self.ctx, self.sync_replicas = build_unit, ctx, sync_replicas
         self.by_id: dict[int, _Param] = {}  # id(original) and id(materialized parameter) → its facts
         self.by_name: dict[str, _Param] = {}
         in_tree = {id(m) for m in root.modules()}
@@ -262,6 +267,8 @@ class _Materializer:
             unwritten_possible = info.recorded is None or self.replay.maybe_uninitialized(info.recorded)
             if unwritten_possible and p.is_floating_point() and _has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
+        if self.sync_replicas is not None:  # parameters that had data were broadcast by the engine already
+            self.sync_replicas([(i.name, i.original, p) for i, p in zip(infos, params) if i.original.is_meta])
         target = infos[0].dtype
         if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
             flat = flat.to(target)
@@ -318,6 +325,7 @@ class _Materializer:
 
     @torch.no_grad()
     def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
+        finished: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for attr, (allocated, version) in fresh.items():
             now = entry.module._buffers[attr]
             if now is None:
@@ -331,6 +339,10 @@ class _Materializer:
                 raise UninitializedTensorError(self._uninitialized("buffer", name, entry.module))
             if now.device != self.device:
                 now = entry.module._buffers[attr] = now.to(self.device)
+            finished.append((f"{entry.path}.{attr}" if entry.path else attr, allocated, now))
+        if self.sync_replicas is not None and finished:
+            self.sync_replicas(finished)
+        for _, _, now in finished:
             self.ctx.collectives.broadcast(now, self.ctx.axis, 0, tag="init")
 
     def _uninitialized(self, kind: str, name: str, module: torch.nn.Module) -> str:
