@@ -101,3 +101,33 @@ def test_replicated_parameters_agree_across_tensor_ranks_under_zero_init(dist_ru
         assert r["replicated"] and r["sliced"], r
         assert max(r["replicated"].values()) == 0.0, r["replicated"]
         assert max(r["sliced"].values()) == 0.0, r["sliced"]
+
+
+def _autotp_under_init(rank: int, world: int, which: str) -> str:
+    """GPT-2 with ``tensor_parallel.autotp_size`` 2, built under zero.Init on every rank or on rank 1 only."""
+    from test_tp_parity import _hf
+
+    torch.manual_seed(0)
+    if which == "all" or rank == 1:
+        with zero.Init():
+            model = _hf("gpt2")
+    else:
+        model = _hf("gpt2")
+    config = _config(3, "sgd", 1, {"tensor_parallel": {"autotp_size": 2}})
+    try:
+        shardspeed.initialize(model=model, config=config)
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_autotp_under_zero_init_refused_alike(dist_run, which: str) -> None:
+    """Bug 3: AutoTP cannot slice meta parameters; the refusal is the same NotImplementedError on every rank, also
+    when only some ranks built the model under zero.Init (the others would otherwise wait in a collective)."""
+    pytest.importorskip("transformers")
+    messages = dist_run(_autotp_under_init, 2, which)
+    assert len(set(messages)) == 1, messages
+    message = messages[0]
+    assert message.startswith("NotImplementedError") and "zero.Init" in message and "AutoTP" in message, message
+    assert ("rank(s) 0, 1:" if which == "all" else "rank(s) 1:") in message, message
