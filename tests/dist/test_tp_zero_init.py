@@ -103,6 +103,37 @@ def test_replicated_parameters_agree_across_tensor_ranks_under_zero_init(dist_ru
         assert max(r["sliced"].values()) == 0.0, r["sliced"]
 
 
+class _WithBuffer(torch.nn.Module):
+    """No TP layers: everything replicated over the tensor axis, including a random buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("noise", torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sum() + self.noise.sum()
+
+
+def _buffer_seeded_apart(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    topology = Topology.build(MeshShape(tensor=2, data=world // 2))
+    torch.manual_seed(100 + rank)
+    with zero.Init():
+        model = _WithBuffer()
+    engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(3, "sgd", 1, {}))
+    state = {n: t.clone() for n, t in engine.module_state_dict().items()}
+    return engine.collectives.all_gather_object(state, engine.topology.tensor)
+
+
+def test_replicated_buffers_agree_across_tensor_ranks_under_zero_init(dist_run) -> None:
+    """Bug 2, buffers: a random buffer (and undeclared parameters) built under zero.Init with different seeds is
+    tensor rank 0's on every tensor rank."""
+    for everyone in dist_run(_buffer_seeded_apart, 2):
+        assert set(everyone[0]) == {"linear.weight", "linear.bias", "noise"}
+        for name, value in everyone[0].items():
+            assert torch.equal(value, everyone[1][name]), name
+
+
 def _autotp_under_init(rank: int, world: int, which: str) -> str:
     """GPT-2 with ``tensor_parallel.autotp_size`` 2, built under zero.Init on every rank or on rank 1 only."""
     from test_tp_parity import _hf
