@@ -152,7 +152,7 @@ def _autotp_under_init(rank: int, world: int, which: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("which", ["all", "one"])
+@pytest.mark.parametrize("which", [pytest.param("all", marks=pytest.mark.slow), "one"])
 def test_autotp_under_zero_init_refused_alike(dist_run, which: str) -> None:
     """Bug 3: AutoTP cannot slice meta parameters; the refusal is the same NotImplementedError on every rank, also
     when only some ranks built the model under zero.Init (the others would otherwise wait in a collective)."""
