@@ -31,13 +31,20 @@ from shardspeed.topology import Topology
 
 
 def slice_for_autotp(
-    model: nn.Module, topology: Topology, settings: Any, optimizer: Any, model_parameters: Iterable[Any] | None
+    model: nn.Module,
+    topology: Topology,
+    settings: Any,
+    optimizer: Any,
+    model_parameters: Iterable[Any] | None,
+    collectives: Collectives | None = None,
 ) -> Iterable[Any] | None:
     """Apply AutoTP (``tensor_parallel.autotp_size`` > 1) to ``model`` in place; returns ``model_parameters``
-    with replaced parameters swapped for the sliced ones (a client optimizer's groups are updated in place)."""
+    with replaced parameters swapped for the sliced ones (a client optimizer's groups are updated in place).
+    ``collectives``: for the meta-device agreement (initialize passes one on its failure board); collective over the
+    world when AutoTP is on."""
     if not settings.enabled or topology.tensor.size == 1:
         return model_parameters
-    _refuse_meta_agreed(model, topology)
+    _refuse_meta_agreed(model, topology, collectives or Collectives())
     before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     tp = TensorParallel.from_topology(topology, sequence_parallel=bool(settings.sequence_parallel))
     apply_tensor_parallel(model, tp, settings)
@@ -67,11 +74,11 @@ def slice_for_autotp(
     return [swap.get(id(p), p) if isinstance(p, torch.Tensor) else p for p in items]
 
 
-def _refuse_meta_agreed(model: nn.Module, topology: Topology) -> None:
+def _refuse_meta_agreed(model: nn.Module, topology: Topology, collectives: Collectives) -> None:
     """A model on the meta device (zero.Init) on any rank: the same ``NotImplementedError`` on every rank, naming
     the ranks. Collective over the world."""
     mine = meta_refusal(model)
-    everyone = Collectives().all_gather_object(mine, topology.world) if topology.world.size > 1 else [mine]
+    everyone = collectives.all_gather_object(mine, topology.world) if topology.world.size > 1 else [mine]
     refusing = [(topology.world.ranks[i], why) for i, why in enumerate(everyone) if why is not None]
     if refusing:
         ranks = ", ".join(str(rank) for rank, _ in refusing)
