@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm import Collectives
 from shardspeed.config import load_config
 from shardspeed.distributed import init_distributed
 from shardspeed.engine import ShardSpeedEngine
@@ -63,10 +64,14 @@ def initialize(
     topology = Topology.from_mpu(mpu) if mpu is not None else Topology.build(shape)
     # Construction is guarded too: a rank that fails building its engine must not leave the others waiting in
     # the construction's collectives ([Note: failure propagation] in faults/board.py).
-    with EngineGuard(failure_board(faults), topology.global_rank).call("shardspeed.initialize()"):
+    board = failure_board(faults)
+    with EngineGuard(board, topology.global_rank).call("shardspeed.initialize()"):
         cfg = load_config(config, dp_world_size=topology.dp_world_size)
         # AutoTP (tensor_parallel.autotp_size): the model is sliced on this topology before the engine sees it
-        model_parameters = slice_for_autotp(model, topology, cfg.tensor_parallel, optimizer, model_parameters)
+        # (its one agreement, whether any rank's model is on the meta device, waits interruptibly on the board)
+        model_parameters = slice_for_autotp(
+            model, topology, cfg.tensor_parallel, optimizer, model_parameters, Collectives(board=board)
+        )
         engine = ShardSpeedEngine(
             model,
             cfg,

@@ -48,7 +48,7 @@ from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_el
 from shardspeed.schedulers import build_scheduler
 from shardspeed.tensor_parallel import bind_collectives, register_partial_grad_hooks
 from shardspeed.tensor_parallel.batch_check import FirstBatchCheck
-from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, collect_specs_agreed
+from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, collect_specs_agreed, tensor_replica_sync
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
@@ -125,7 +125,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             from shardspeed.offload.malloc import pin_mmap_threshold
 
             pin_mmap_threshold()
-        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype)
+        sync = tensor_replica_sync(self.param_specs, topology, self.collectives)  # zero.Init with a tensor axis
+        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype, sync)
         offload_params(config, self.states, topology.data, self.collectives, self.device)
         # After the stage: zero.Init's materialization makes new parameter objects ([Note: partial gradients])
         self._tp_grad_hooks = register_partial_grad_hooks(

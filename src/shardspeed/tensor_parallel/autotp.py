@@ -131,14 +131,24 @@ def _first_int(obj: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _refuse_meta(model: nn.Module) -> None:
+def meta_refusal(model: nn.Module) -> str | None:
+    """Why AutoTP cannot slice ``model`` because of meta parameters (built under zero.Init), or None. Pure: the
+    caller agrees it over the world (``autotp_initialize``) so every rank raises it, not only the ranks that built
+    the model under zero.Init."""
     meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise NotImplementedError(
-            f"AutoTP needs the model's dense weights to slice, but {len(meta)} parameter(s) are on the meta device "
-            f"(built under zero.Init?), e.g. '{meta[0]}': build the model normally, then slice it (AutoTP under "
-            "zero.Init is not supported yet)"
-        )
+    if not meta:
+        return None
+    return (
+        f"AutoTP needs the model's dense weights to slice, but {len(meta)} parameter(s) are on the meta device "
+        f"(built under zero.Init), e.g. '{meta[0]}': build the model without zero.Init (or zero.Init(enabled=False)) "
+        "and let tensor_parallel.autotp_size slice it; AutoTP under zero.Init is not supported yet"
+    )
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    refusal = meta_refusal(model)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
 
 
 def _refuse_tied(model: nn.Module, sliced: dict[str, nn.Module]) -> None:

@@ -7,10 +7,24 @@ a model that differs between tensor ranks go on into mismatched collectives (a h
 So the fingerprint is of *global* shapes (``engine.param_specs``) and is compared over ``topology.world``. The spec
 collection itself can fail on one rank only (a local shape its spec does not give); its error travels in the
 gathered fingerprint, so that rank's error is raised on every rank instead of leaving the others in the gather.
+
+[Note: replicas under zero.Init] A model built under ``zero.Init`` has no values when the engine starts, so
+``broadcast_initial_state`` skips its meta tensors and stage 3 materializes them unit by unit, broadcasting each
+unit over the *data* axis only. The tensor axis is covered by ``tensor_replica_sync``: materialization calls it on
+each unit's freshly initialized, still whole parameters (and each module's new buffers) *before* the data-axis
+broadcast, and it broadcasts the tensor-replicated ones (per ``engine.param_specs``: undeclared, or declared
+unpartitioned) from tensor rank 0 over the tensor axis. Bounded: one unit is whole at a time, as without TP. So
+every replica ends up as global rank 0's (tensor rank 0 of data rank 0), exactly as for a normally built model.
+Partitioned parameters keep their own slice. What "the model" is when ranks were seeded differently: TP layers
+draw the *global* init from the generator and keep their slice, so slices from different seeds come from
+different global draws — the result is consistent (replicas equal, training well defined) but is no single seed's
+model. DeepSpeed and Megatron require the same seed on every tensor rank for the model to equal a dense one;
+so does shardspeed for dense parity — the broadcast only guarantees that replicas can never diverge.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +36,9 @@ from shardspeed.params import ParamSpecs
 from shardspeed.symmetric import raise_if_different
 from shardspeed.topology import Topology
 
-__all__ = ["broadcast_initial_state", "collect_specs_agreed", "global_fingerprint"]
+__all__ = ["broadcast_initial_state", "collect_specs_agreed", "global_fingerprint", "tensor_replica_sync"]
+
+ReplicaEntries = list[tuple[str, torch.Tensor, torch.Tensor]]
 
 
 def global_fingerprint(module: nn.Module, specs: ParamSpecs) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -78,3 +94,21 @@ def broadcast_initial_state(module: nn.Module, specs: ParamSpecs, topology: Topo
         if specs.of(tensor, name).partitioned:
             continue
         collectives.broadcast(tensor.data, topology.tensor, 0, tag="init.tensor")
+
+
+def tensor_replica_sync(
+    specs: ParamSpecs, topology: Topology, collectives: Collectives
+) -> Callable[[ReplicaEntries], None] | None:
+    """What zero.Init's materialization calls on each unit's (name, tensor the specs know, value) before sharding
+    it: tensor-replicated values broadcast from tensor rank 0 over the tensor axis ([Note: replicas under
+    zero.Init]). None without a tensor axis. Every rank decides from the agreed specs, so the calls match."""
+    if topology.tensor.size == 1:
+        return None
+
+    @torch.no_grad()
+    def sync(entries: ReplicaEntries) -> None:
+        for name, known, value in entries:
+            if not specs.of(known, name).partitioned:
+                collectives.broadcast(value, topology.tensor, 0, tag="init.tensor")
+
+    return sync

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shardspeed.config import ZeroConfig
@@ -12,6 +14,9 @@ from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.states import ModelStates
 
+if TYPE_CHECKING:
+    from shardspeed.zero.stage3.materialize import SyncReplicas
+
 
 def build_model_states(
     zero: ZeroConfig,
@@ -20,10 +25,12 @@ def build_model_states(
     ctx: CommContext,
     device: torch.device,
     master_dtype: torch.dtype = torch.float32,
+    sync_replicas: SyncReplicas | None = None,
 ) -> ModelStates:
     """``master_dtype``: what the optimizer steps and gradients accumulate in (fp32, or bf16 with
     ``bf16_master_weights_and_grads``; [Note: low-precision masters] in config/precision.py). A master copy is
-    kept only where it differs from the parameters' dtype."""
+    kept only where it differs from the parameters' dtype. ``sync_replicas``: stage 3 under zero.Init only
+    (materialize.py)."""
     from shardspeed.zero.partitioned import PartitionedStates
     from shardspeed.zero.replicated import ReplicatedStates
     from shardspeed.zero.stage3.states import Stage3States
@@ -53,6 +60,7 @@ def build_model_states(
             model_persistence_threshold=zero.model_persistence_threshold,
             guard_placeholders=zero.override_module_apply,
             master_dtype=master_dtype,
+            sync_replicas=sync_replicas,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
     # by both sizes.

@@ -53,11 +53,15 @@ from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.layout import padded_size
 from shardspeed.zero.stage3.init import RECORDED, InitFn, RecordedValue, creation_record
 from shardspeed.zero.stage3.init_replay import ReplaySession, recorded_of
+from shardspeed.zero.stage3.materialize_walk import has_nan, init_fn_of, post_order
 from shardspeed.zero.stage3.plan import UnitPlan
 from shardspeed.zero.stage3.rng_schedule import RngSchedule, has_reset
 from shardspeed.zero.stage3.unit import ParamUnit
 
 BuildUnit = Callable[[int, list[torch.nn.Parameter], torch.Tensor], ParamUnit]
+SyncReplicas = Callable[[list[tuple[str, torch.Tensor, torch.Tensor]]], None]
+"""Called with (name, the tensor the specs know, its materialized value) for a unit's parameters (the meta original)
+or one module's buffers, before the data-axis broadcast: see [Note: replicas under zero.Init] (tensor_parallel)."""
 
 _HOW_TO_FIX = (
     "Tensors created in __init__ under zero.Init live on the meta device and have no values: write them in the "
@@ -109,9 +113,10 @@ def materialize_units(
     device: torch.device,
     build_unit: BuildUnit,
     ctx: CommContext,
+    sync_replicas: SyncReplicas | None = None,
 ) -> list[ParamUnit]:
     """Materialize, initialize and shard every unit; returns the units (sharded) in plan order. Collective."""
-    return _Materializer(module, plan, ordered_names, device, build_unit, ctx).run()
+    return _Materializer(module, plan, ordered_names, device, build_unit, ctx, sync_replicas).run()
 
 
 class _Materializer:
@@ -123,9 +128,10 @@ class _Materializer:
         device: torch.device,
         build_unit: BuildUnit,
         ctx: CommContext,
+        sync_replicas: SyncReplicas | None,
     ) -> None:
         self.plan, self.ordered_names, self.device = plan, ordered_names, device
-        self.build_unit, self.ctx = build_unit, ctx
+        self.build_unit, self.ctx, self.sync_replicas = build_unit, ctx, sync_replicas
         self.by_id: dict[int, _Param] = {}  # id(original) and id(materialized parameter) → its facts
         self.by_name: dict[str, _Param] = {}
         in_tree = {id(m) for m in root.modules()}
@@ -153,12 +159,12 @@ class _Materializer:
 
         self.modules: list[_Module] = []
         self.init_fns: dict[int, InitFn | None] = {}  # id(module) → its init_fn (records die with the meta tensors)
-        for path, m in _post_order(root):
+        for path, m in post_order(root):
             direct = [(a, p) for a, p in m._parameters.items() if p is not None]
             metas = any(p.is_meta for _, p in direct) or any(b is not None and b.is_meta for b in m._buffers.values())
             if not metas:
                 continue
-            entry = _Module(path, m, _init_fn_of(m))
+            entry = _Module(path, m, init_fn_of(m))
             entry.replayed = all(
                 recorded_of([(m, attr)]) is not None
                 for attr, t in [*m._parameters.items(), *m._buffers.items()]
@@ -260,8 +266,10 @@ class _Materializer:
         for info, p in zip(infos, params):
             assert p is not None
             unwritten_possible = info.recorded is None or self.replay.maybe_uninitialized(info.recorded)
-            if unwritten_possible and p.is_floating_point() and _has_nan(p):
+            if unwritten_possible and p.is_floating_point() and has_nan(p):
                 raise UninitializedTensorError(self._uninitialized("parameter", info.name, info.creator))
+        if self.sync_replicas is not None:  # parameters that had data were broadcast by the engine already
+            self.sync_replicas([(i.name, i.original, p) for i, p in zip(infos, params) if i.original.is_meta])
         target = infos[0].dtype
         if flat.dtype != target:  # created in fp32, trained in bf16: initialize as created, then cast
             flat = flat.to(target)
@@ -318,12 +326,13 @@ class _Materializer:
 
     @torch.no_grad()
     def _finish_buffers(self, entry: _Module, fresh: dict[str, tuple[torch.Tensor, int]]) -> None:
+        finished: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for attr, (allocated, version) in fresh.items():
             now = entry.module._buffers[attr]
             if now is None:
                 continue
             if now is allocated:
-                unwritten = _has_nan(now) if now.is_floating_point() else now._version == version
+                unwritten = has_nan(now) if now.is_floating_point() else now._version == version
             else:
                 unwritten = now.is_meta
             if unwritten:
@@ -331,6 +340,10 @@ class _Materializer:
                 raise UninitializedTensorError(self._uninitialized("buffer", name, entry.module))
             if now.device != self.device:
                 now = entry.module._buffers[attr] = now.to(self.device)
+            finished.append((f"{entry.path}.{attr}" if entry.path else attr, allocated, now))
+        if self.sync_replicas is not None and finished:
+            self.sync_replicas(finished)
+        for _, _, now in finished:
             self.ctx.collectives.broadcast(now, self.ctx.axis, 0, tag="init")
 
     def _uninitialized(self, kind: str, name: str, module: torch.nn.Module) -> str:
@@ -368,35 +381,3 @@ class _Materializer:
                 yield
         finally:
             module._buffers.update(saved_buffers)
-
-
-def _post_order(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Modules children-first (each once, at its first position), with their paths."""
-    out: list[tuple[str, torch.nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(m: torch.nn.Module, path: str) -> None:
-        if id(m) in seen:
-            return
-        seen.add(id(m))
-        for name, child in m.named_children():
-            visit(child, f"{path}.{name}" if path else name)
-        out.append((path, m))
-
-    visit(root, "")
-    return out
-
-
-def _has_nan(tensor: torch.Tensor) -> bool:
-    """Whether any element is NaN, without a tensor-sized temporary in the common case: a NaN makes the sum NaN
-    (the exact check only runs then, so +inf and -inf summing to NaN is no false alarm)."""
-    return bool(torch.isnan(tensor.sum())) and bool(torch.isnan(tensor).any())
-
-
-def _init_fn_of(module: torch.nn.Module) -> InitFn | None:
-    """The init_fn of the zero.Init context that created this module's tensors (the first one that has one)."""
-    for tensor in [*module._parameters.values(), *module._buffers.values()]:
-        record = creation_record(tensor) if tensor is not None else None
-        if record is not None and record.settings.init_fn is not None:
-            return record.settings.init_fn
-    return None

@@ -32,7 +32,7 @@ from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
 from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
 from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
-from shardspeed.zero.stage3.materialize import materialize_units
+from shardspeed.zero.stage3.materialize import SyncReplicas, materialize_units
 from shardspeed.zero.stage3.param_offload import ParamOffloader
 from shardspeed.zero.stage3.placeholder import explain as explain_placeholder
 from shardspeed.zero.stage3.plan import PERSISTENT, plan_units
@@ -62,10 +62,12 @@ class Stage3States:
         model_persistence_threshold: int | None = None,
         guard_placeholders: bool = True,
         master_dtype: torch.dtype = torch.float32,
+        sync_replicas: SyncReplicas | None = None,
     ) -> None:
         """``leaves``: module paths gathered whole as one unit each (leaves.py). ``model_persistence_threshold``:
         cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
-        partitioned parameter was written in place (apply_guard.py; ``override_module_apply``)."""
+        partitioned parameter was written in place (apply_guard.py; ``override_module_apply``). ``sync_replicas``: under
+        zero.Init, makes tensor-replicated values equal before each unit is sharded (materialize.py)."""
         self.ctx = ctx
         self.norm_scope = NormScope()  # bind_norm: [Note: norm counted once]
         plan = plan_units(module, persistence_threshold, leaves, model_persistence_threshold)
@@ -99,7 +101,7 @@ class Stage3States:
 
         if deferred:  # materialize, initialize and shard one unit at a time (materialize.py)
             assert device is not None
-            self.units = materialize_units(module, plan, ordered, device, build_unit, ctx)
+            self.units = materialize_units(module, plan, ordered, device, build_unit, ctx, sync_replicas)
         else:
             named = dict(module.named_parameters())
             self.units = [build_unit(i, [named[n] for n in names], None) for i, names in enumerate(ordered)]
