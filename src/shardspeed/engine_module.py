@@ -7,10 +7,13 @@ DeepSpeed's engine.
 - ``state_dict()``: stages 0-2 hold whole parameters and use nn.Module's (keys ``module.<name>``, as DeepSpeed).
   Under ZeRO-3 parameters are empty placeholders between uses, which DeepSpeed's engine returns as they are; here
   the state dict is gathered unit by unit instead (collective: every rank calls it), and ``keep_vars=True``, which
-  would hand out placeholders, is refused.
+  would hand out placeholders, is refused. Under tensor parallelism each partitioned tensor is also assembled over
+  the tensor axis, so the state dict is the dense model's ([Note: full weights under tensor parallelism]);
+  ``keep_vars=True`` is refused there too (the parameters are slices).
 - ``load_state_dict()``: writes through the stage (param_access.py): fp32 masters, shards, optimizer-held values,
-  then the model's parameters; never into a placeholder. Key/shape problems are agreed across ranks first, so a bad
-  state dict is the same error everywhere instead of a hang in the propagation's all-gather.
+  then the model's parameters; never into a placeholder. It takes the dense state dict ``state_dict()`` gives:
+  under tensor parallelism each rank keeps its ``ParamSpec.slice_global``. Key/shape problems are agreed across
+  ranks first, so a bad state dict is the same error everywhere instead of a hang in the propagation's all-gather.
 - ``_apply`` (``to()``, ``cuda()``, ``half()``, ``float()``…): after initialize the stage's buffers, masters and
   optimizer tensors are bound to the parameters' device and dtype, so a real move or cast is refused with the tensor
   it would have changed; a no-op (same device and dtype, as DeepSpeed scripts often do) is allowed.
