@@ -142,9 +142,30 @@ def _load_dense(rank: int, world: int, kind: str, stage: int) -> tuple[float, fl
     return weights, (_out(kind, engine, tokens) - _out(kind, dense, tokens)).abs().max().item()
 
 
-@pytest.mark.parametrize("case", [("gpt", 2, 0), ("gpt", 4, 3), pytest.param(("gpt2", 2, 3), marks=SLOW)], ids=lambda c: f"{c[0]}-world{c[1]}-z{c[2]}")
+LOAD_CASES = [("gpt", 2, 0), ("gpt", 4, 3), pytest.param(("gpt2", 2, 3), marks=SLOW)]
+
+
+@pytest.mark.parametrize("case", LOAD_CASES, ids=lambda c: f"{c[0]}-world{c[1]}-z{c[2]}")
 def test_load_state_dict_takes_a_dense_state_dict(dist_run, case: tuple) -> None:
     kind, world, stage = case
     for weights, outputs in dist_run(_load_dense, world, kind, stage):
         assert weights == 0.0
         assert outputs <= 1e-5
+
+
+def _save_into_a_file(rank: int, world: int, blocker: str) -> str:
+    engine = _engine("gpt", world, 0)
+    try:
+        engine.save_16bit_model(blocker)  # a file where the directory should be: rank 0's write fails
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_failed_save_is_an_error_on_every_tensor_rank(dist_run, tmp_path) -> None:
+    """Rank 0 is in tensor rank 0's data group only: the outcome is agreed over the world, so tensor rank 1 raises
+    too instead of returning True for a file that was never written."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    results = dist_run(_save_into_a_file, 2, str(blocker))
+    assert all("save_16bit_model" in r and "failed" in r for r in results), results
