@@ -7,10 +7,13 @@ DeepSpeed's engine.
 - ``state_dict()``: stages 0-2 hold whole parameters and use nn.Module's (keys ``module.<name>``, as DeepSpeed).
   Under ZeRO-3 parameters are empty placeholders between uses, which DeepSpeed's engine returns as they are; here
   the state dict is gathered unit by unit instead (collective: every rank calls it), and ``keep_vars=True``, which
-  would hand out placeholders, is refused.
+  would hand out placeholders, is refused. Under tensor parallelism each partitioned tensor is also assembled over
+  the tensor axis, so the state dict is the dense model's ([Note: full weights under tensor parallelism]);
+  ``keep_vars=True`` is refused there too (the parameters are slices).
 - ``load_state_dict()``: writes through the stage (param_access.py): fp32 masters, shards, optimizer-held values,
-  then the model's parameters; never into a placeholder. Key/shape problems are agreed across ranks first, so a bad
-  state dict is the same error everywhere instead of a hang in the propagation's all-gather.
+  then the model's parameters; never into a placeholder. It takes the dense state dict ``state_dict()`` gives:
+  under tensor parallelism each rank keeps its ``ParamSpec.slice_global``. Key/shape problems are agreed across
+  ranks first, so a bad state dict is the same error everywhere instead of a hang in the propagation's all-gather.
 - ``_apply`` (``to()``, ``cuda()``, ``half()``, ``float()``…): after initialize the stage's buffers, masters and
   optimizer tensors are bound to the parameters' device and dtype, so a real move or cast is refused with the tensor
   it would have changed; a no-op (same device and dtype, as DeepSpeed scripts often do) is allowed.
@@ -29,6 +32,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.faults.guard import guarded
 from shardspeed.param_access import canonical_names, full_shapes, write_values
+from shardspeed.tensor_parallel.full_weights import global_shapes, globalize, local_values, tensor_split
 
 PREFIX = "module."
 
@@ -59,7 +63,8 @@ class EngineModule(torch.nn.Module):
 
     # --- state dict -----------------------------------------------------------------------------------------------
     def _partitioned(self) -> bool:
-        return self.config.zero_optimization.stage == 3
+        """Whether the module's own state dict is not the dense model's: ZeRO-3 placeholders, or tensor slices."""
+        return self.config.zero_optimization.stage == 3 or tensor_split(self)
 
     @guarded("engine.state_dict()")
     def state_dict(  # type: ignore[override]
@@ -73,8 +78,9 @@ class EngineModule(torch.nn.Module):
         if keep_vars:
             raise mark_agreed(
                 ValueError(
-                    "engine.state_dict(keep_vars=True) under ZeRO-3: the parameters are empty placeholders between "
-                    "uses; call it without keep_vars for the gathered values, or use shardspeed.zero.GatheredParameters"
+                    "engine.state_dict(keep_vars=True) under ZeRO-3 or tensor parallelism: the parameters are empty "
+                    "placeholders or tensor slices; call it without keep_vars for the full values, or use "
+                    "shardspeed.zero.GatheredParameters"
                 )
             )
         out = destination if destination is not None else OrderedDict()
@@ -90,24 +96,32 @@ class EngineModule(torch.nn.Module):
         keep_vars: bool = False,
         exclude_frozen_parameters: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """DeepSpeed's module_state_dict: the model's full state dict (no ``module.`` prefix). Under ZeRO-3
-        parameters are gathered unit by unit (every rank must call this)."""
+        """DeepSpeed's module_state_dict: the model's full state dict (no ``module.`` prefix), as the dense model
+        holds it. Under ZeRO-3 parameters are gathered unit by unit and under tensor parallelism each partitioned
+        tensor is assembled over the tensor axis ([Note: full weights under tensor parallelism]): every rank must
+        call this."""
         full_state_dict = getattr(self.states, "full_state_dict", None)
-        if full_state_dict is not None:
-            if keep_vars:
-                raise mark_agreed(
-                    ValueError("module_state_dict(keep_vars=True) under ZeRO-3: parameters are placeholders")
-                )
-            state = full_state_dict(self.module)
-            out = destination if destination is not None else OrderedDict()
-            for name, value in state.items():
-                out[prefix + name] = value
-        else:
+        split = tensor_split(self)
+        if full_state_dict is None and not split:
             out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if exclude_frozen_parameters:
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                if not p.requires_grad:
+            if exclude_frozen_parameters:
+                for name in _frozen_names(self.module):
                     out.pop(prefix + name, None)
+            return out
+        if keep_vars:
+            raise mark_agreed(
+                ValueError(
+                    "module_state_dict(keep_vars=True) under ZeRO-3 or tensor parallelism: parameters are "
+                    "placeholders or tensor slices; call it without keep_vars for the full values"
+                )
+            )
+        state = full_state_dict(self.module) if full_state_dict is not None else self.module.state_dict()
+        if exclude_frozen_parameters:  # before gathering: frozen-ness is the same on every tensor rank
+            for name in _frozen_names(self.module):
+                state.pop(name, None)
+        out = destination if destination is not None else OrderedDict()
+        for name, value in globalize(self, state) if split else state.items():
+            out[prefix + name] = value
         return out
 
     @guarded("engine.load_state_dict()")
@@ -115,7 +129,8 @@ class EngineModule(torch.nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
         """nn.Module's load_state_dict for the engine (keys ``module.<name>``), written through the stage into
-        masters, shards and optimizer-held values. Every rank must call it with the same state dict."""
+        masters, shards and optimizer-held values. Every rank must call it with the same state dict: the dense
+        model's (under tensor parallelism each rank keeps its slices)."""
         if assign:
             raise mark_agreed(
                 ValueError(
@@ -157,11 +172,12 @@ def load_module_values(
     extra_unexpected: list[str] | None = None,
     key_prefix: str = "",
 ) -> tuple[list[str], list[str]]:
-    """Load a module state dict (the model's own names) into the engine at any stage. Returns (missing,
-    unexpected) keys with ``key_prefix``. Problems are agreed across data-parallel ranks before anything is written,
-    so every rank raises the same error (or none does and all enter the propagation's collectives)."""
+    """Load a module state dict (the model's own names, dense shapes) into the engine at any stage. Returns
+    (missing, unexpected) keys with ``key_prefix``. Problems are agreed across all ranks before anything is written,
+    so every rank raises the same error (or none does and all enter the propagation's collectives). Under tensor
+    parallelism partitioned tensors are checked against their global shapes and each rank keeps its slices."""
     module = engine.module
-    shapes = full_shapes(module)
+    shapes = global_shapes(engine, full_shapes(module))
     missing = sorted(set(shapes) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(shapes))
     problems = [
@@ -175,7 +191,8 @@ def load_module_values(
     if strict and (missing_all or unexpected_all):
         problems.insert(0, f"missing keys {missing_all[:10]}, unexpected keys {unexpected_all[:10]}")
     error = "; ".join(problems) if problems else None
-    everyone = engine.collectives.all_gather_object((error, sorted(state_dict)), engine.topology.data)
+    # over the world: tensor ranks write different slices but must agree to write at all
+    everyone = engine.collectives.all_gather_object((error, sorted(state_dict)), engine.topology.world)
     for rank, (other_error, keys) in enumerate(everyone):
         if other_error is not None:
             where = f"{type(module).__name__} (rank {rank})"
@@ -183,11 +200,12 @@ def load_module_values(
         if keys != everyone[0][1]:
             raise mark_agreed(
                 RuntimeError(
-                    "load_state_dict: data-parallel ranks were given state dicts with different keys; every rank "
+                    "load_state_dict: ranks were given state dicts with different keys; every rank "
                     "must load the same state dict"
                 )
             )
     canonical = canonical_names(module)
+    state_dict = local_values(engine, {n: v for n, v in state_dict.items() if n in shapes})
     values: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if name in state_dict:
@@ -198,6 +216,10 @@ def load_module_values(
                 buf.copy_(state_dict[name])
         write_values(engine, values)
     return missing_all, unexpected_all
+
+
+def _frozen_names(module: torch.nn.Module) -> list[str]:
+    return [name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
 def apply_custom_load(engine: Any, src: dict[str, torch.Tensor], custom_load_fn: Callable[..., Any]) -> None:

@@ -21,6 +21,7 @@ from shardspeed.checkpoint import (
 )
 from shardspeed.config.load import load_config
 from shardspeed.engine import ShardSpeedEngine
+from shardspeed.params.assemble import place_box
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -116,11 +117,8 @@ def _global(results: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
             spec: ParamSpec = held["spec"]
             for key in ("param", "exp_avg", "exp_avg_sq"):
                 full = out.setdefault(name, {}).setdefault(key, torch.full(spec.global_shape, float("nan")))
-                for box in spec.boxes(snap["tp"], snap["tp_size"]):
-                    local, target = held[key], full
-                    for d, (lo, go, size) in enumerate(zip(box.local_offset, box.global_offset, box.shape)):
-                        local, target = local.narrow(d, lo, size), target.narrow(d, go, size)
-                    target.copy_(local)
+                for box in spec.boxes(snap["tp"], snap["tp_size"]):  # NaN-filled: an uncovered element shows
+                    place_box(held[key], box, full)
     return out
 
 

@@ -84,26 +84,10 @@ def _reference(kind: str, opt: str, batches: list[torch.Tensor], gas: int) -> di
 
 
 def _global(engine: Any) -> dict[str, torch.Tensor]:
-    """The engine's parameters as dense tensors: ZeRO-3 gathered over the data axis, tensor slices placed."""
-    local = {n: t.float() for n, t in engine.module_state_dict().items()}
-    names = [n for n, _ in engine.module.named_parameters()]
-    tensor = engine.topology.tensor
-    everyone = engine.collectives.all_gather_object({n: local[n] for n in names}, tensor)
-    out = {}
-    for name in names:
-        spec = engine.param_specs.by_name(name)
-        if spec is None or not spec.partitioned:
-            out[name] = local[name]
-            continue
-        full = torch.zeros(spec.global_shape)
-        for rank, pieces in enumerate(everyone):
-            for box in spec.boxes(rank, tensor.size):
-                src, dst = pieces[name], full
-                for d, (lo, go, n) in enumerate(zip(box.local_offset, box.global_offset, box.shape, strict=True)):
-                    src, dst = src.narrow(d, lo, n), dst.narrow(d, go, n)
-                dst.copy_(src)
-        out[name] = full
-    return out
+    """The engine's parameters as dense tensors (``module_state_dict()``: ZeRO-3 gathered over the data axis,
+    tensor slices assembled over the tensor axis)."""
+    full = engine.module_state_dict()
+    return {n: full[n].float() for n, _ in engine.module.named_parameters()}
 
 
 def _config(stage: int, opt: str, gas: int, extra: dict[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,10 @@ from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardspeed.tensor_parallel.embedding import VocabParallelEmbedding
 from shardspeed.topology import MeshShape, Topology
+from shardspeed.zero import GatheredParameters
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_gpt import GPTConfig, TPGPT, gather_global, solo_tp  # noqa: E402
+from tp_gpt import GPTConfig, TPGPT, solo_tp  # noqa: E402
 
 V, H, B, S = 37, 8, 3, 5  # 37 rows: 19 per rank at TP=2 (one padding row), 10 per rank at TP=4 (three)
 IGNORE = -100
@@ -235,10 +236,11 @@ def _engine_steps(rank: int, world: int, stage: int, optimizer: str, sequence_pa
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    local = engine.module_state_dict()
-    final = gather_global(model, {n: local[n] for n, _ in model.named_parameters()})
+    full = engine.module_state_dict()  # the dense model's tensors: no padding
+    final = {n: full[n] for n, _ in model.named_parameters()}
     ref, ref_losses = _reference(optimizer, start)
-    padding = local["wte.weight"][model.wte.vocab_real_end - model.wte.vocab_start :]
+    with GatheredParameters([model.wte.weight]):  # this rank's slice, padding rows included
+        padding = model.wte.weight.detach()[model.wte.vocab_real_end - model.wte.vocab_start :].clone()
     return {
         "padding_rows": (padding.shape[0], padding.abs().max().item() if padding.numel() else 0.0),
         "param_err": _max_err(final, ref),
@@ -286,8 +288,8 @@ def _ckpt_engine(world: int, stage: int) -> tuple[TPGPT, ShardSpeedEngine]:
 
 
 def _global_params(model: TPGPT, engine: ShardSpeedEngine) -> dict[str, torch.Tensor]:
-    local = engine.module_state_dict()
-    return gather_global(model, {n: local[n] for n, _ in model.named_parameters()})
+    full = engine.module_state_dict()  # dense tensors (assembled over the tensor axis)
+    return {n: full[n] for n, _ in model.named_parameters()}
 
 
 def _save_trained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:

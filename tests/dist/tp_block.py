@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.params import ParamSpecs
+from shardspeed.params.assemble import assemble_global
 from shardspeed.params.spec import ParamSpec
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -180,13 +181,5 @@ def gather_global(model: nn.Module, tensors: dict[str, torch.Tensor], tp: Tensor
             continue
         pieces: list[torch.Tensor | None] = [None] * tp.size
         dist.all_gather_object(pieces, local.detach().clone(), group=tp.axis.group)
-        full = torch.zeros(spec.global_shape, dtype=local.dtype)
-        for r, piece in enumerate(pieces):
-            for box in spec.boxes(r, tp.size):
-                src, dst = piece, full
-                for d, n in enumerate(box.shape):
-                    src = src.narrow(d, box.local_offset[d], n)
-                    dst = dst.narrow(d, box.global_offset[d], n)
-                dst.copy_(src)
-        out[name] = full
+        out[name] = assemble_global(spec, pieces)
     return out

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.checkpointing.rng import RNGStatesTracker
+from shardspeed.params.assemble import assemble_global
 from shardspeed.params.spec import ParamSpec, ParamSpecs
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -195,17 +196,9 @@ def gather_global(model: TPGPT, local: dict[str, torch.Tensor]) -> dict[str, tor
     pieces = tp.collectives.all_gather_object({n: t.cpu() for n, t in local.items()}, tp.axis) if tp.size > 1 else [
         {n: t.cpu() for n, t in local.items()}
     ]
-    out = {}
-    for name in local:
-        # Undeclared parameters are replicated with the local tensor's shape (not the parameter's: under ZeRO-3
-        # the parameter is an empty placeholder between uses).
-        spec = specs.by_name(name) or ParamSpec(tuple(local[name].shape))
-        full = torch.zeros(spec.global_shape, dtype=local[name].dtype)
-        for rank, rank_pieces in enumerate(pieces):
-            for box in spec.boxes(rank, tp.size):
-                src, dst = rank_pieces[name], full
-                for d, (lo, go, n) in enumerate(zip(box.local_offset, box.global_offset, box.shape, strict=True)):
-                    src, dst = src.narrow(d, lo, n), dst.narrow(d, go, n)
-                dst.copy_(src)
-        out[name] = full
-    return out
+    # Undeclared parameters are replicated with the local tensor's shape (not the parameter's: under ZeRO-3 the
+    # parameter is an empty placeholder between uses).
+    return {
+        name: assemble_global(specs.by_name(name) or ParamSpec(tuple(t.shape)), [p[name] for p in pieces])
+        for name, t in local.items()
+    }

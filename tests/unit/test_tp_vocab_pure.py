@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.checkpointing import CheckpointingContext, RNGStatesTracker
+from shardspeed.params.assemble import place_box
 from shardspeed.params.spec import ParamSpec, ParamSpecs
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.cross_entropy import local_vocab_slice, vocab_parallel_cross_entropy
@@ -68,7 +69,7 @@ def test_padded_spec_keeps_the_real_global_shape_and_leaves_padding_outside_the_
         assert torch.equal(local[real_end - start :], torch.zeros(end - real_end, 3))  # zero padding rows
         for box in spec.boxes(rank, size):
             assert box.local_offset == (0, 0) and box.global_offset == (start, 0)
-            rebuilt[start : start + box.shape[0]] = local[: box.shape[0]]
+            place_box(local, box, rebuilt)
             covered += box.numel
     assert covered == full.numel() and torch.equal(rebuilt, full)  # every real element in exactly one box
 

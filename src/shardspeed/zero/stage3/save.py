@@ -12,7 +12,10 @@ Tied parameters (one tensor under several names) are written under every name, l
 ``model.load_state_dict(safetensors.torch.load_file(path))`` works as is; the ``__metadata__`` entry
 ``shardspeed.tied`` lists each group of names that share one tensor.
 
-Other stages hold whole parameters: rank 0 streams ``module.state_dict()``. Under stage 3 with
+Other stages hold whole parameters: rank 0 streams ``module.state_dict()``. Under tensor parallelism every
+partitioned tensor is assembled over the tensor axis just before it is written (one parameter at a time; every rank
+takes part, rank 0 writes), with its global shape in the header and vocabulary padding dropped, so the file is the
+dense model's state dict ([Note: full weights under tensor parallelism]). Under stage 3 with
 ``stage3_gather_16bit_weights_on_model_save`` false nothing is written and False is returned, as in DeepSpeed.
 """
 
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from shardspeed.checkpoint.safetensors_file import SAFETENSORS_DTYPE_CODES, SafetensorsStreamWriter
+from shardspeed.tensor_parallel.full_weights import gather_global, specs_by_state_name, tensor_split
 from shardspeed.zero.stage3.unit import UnitState
 
 
@@ -95,7 +99,18 @@ def save_16bit_model(
             "save_16bit_model: non-tensor entries not saved (safetensors holds tensors): %s", ", ".join(skipped)
         )
     units = engine.states.units if zero.stage == 3 else []
-    plan = _write_plan(state, units)
+    split = specs_by_state_name(engine) if tensor_split(engine) else {}
+    plan = [
+        (unit, [(n, t, torch.Size(split[n][1].global_shape) if n in split else shape) for n, t, shape in entries])
+        for unit, entries in _write_plan(state, units)
+    ]
+    # tied names of a partitioned parameter: gathered once, kept only until its last name is written
+    pending: dict[str, int] = {}
+    for _, entries in plan:
+        for n, _, _ in entries:
+            if n in split:
+                pending[split[n][0]] = pending.get(split[n][0], 0) + 1
+    gathered: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     stream: _AtomicStream | None = None
     if writer_rank:
@@ -109,7 +124,13 @@ def save_16bit_model(
         was_sharded = unit is not None and unit.state is UnitState.SHARDED
         if unit is not None:
             unit.ensure_unsharded()
-        for _, tensor, _ in entries:
+        for name, tensor, _ in entries:
+            if name in split:  # collective over the tensor axis: every rank, writer or not
+                canonical, spec = split[name]
+                if canonical not in gathered:
+                    gathered[canonical] = gather_global(engine, spec, tensor)
+                pending[canonical] -= 1
+                tensor = gathered[canonical] if pending[canonical] else gathered.pop(canonical)
             if stream is not None and error is None:
                 try:
                     stream.write(tensor)
@@ -165,9 +186,10 @@ def _metadata(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _agree(engine: Any, error: BaseException | None, path: Path) -> None:
-    """Every rank learns whether rank 0 wrote the file (one scalar all-reduce), so all raise or all return."""
+    """Every rank learns whether rank 0 wrote the file (one scalar all-reduce over the world: rank 0 is in only one
+    tensor rank's data group), so all raise or all return."""
     flag = torch.tensor([1.0 if error is not None else 0.0], device=engine.device)
-    engine.collectives.all_reduce(flag, engine.topology.data, tag="save_16bit_model")
+    engine.collectives.all_reduce(flag, engine.topology.world, tag="save_16bit_model")
     if error is not None:
         raise RuntimeError(f"save_16bit_model: writing {path} failed: {error}") from error
     if flag.item() > 0:
