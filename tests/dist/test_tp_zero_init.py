@@ -74,7 +74,7 @@ def _seeded_apart(rank: int, world: int) -> dict[str, dict[str, float]]:
     topology = Topology.build(MeshShape(tensor=2, data=world // 2))
     model = _build(topology, 100 + rank, sp=False, under_init=True)
     engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(3, "sgd", 1, {}))
-    local = {n: t.float() for n, t in engine.module_state_dict().items()}
+    full = {n: t.float() for n, t in engine.module_state_dict().items()}  # the dense model's tensors
     tensor = engine.topology.tensor
 
     def normal(seed: int) -> tuple[dict[str, torch.Tensor], ParamSpecs]:
@@ -86,9 +86,10 @@ def _seeded_apart(rank: int, world: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"replicated": {}, "sliced": {}}
     for name, p in slice_source.items():
         if specs.of(p, name).partitioned:
-            out["sliced"][name] = (local[name] - p.detach()).abs().max().item()
+            mine = specs.of(p, name).slice_global(full[name], tensor.rank, tensor.size)  # this rank's slice
+            out["sliced"][name] = (mine - p.detach()).abs().max().item()
         else:
-            out["replicated"][name] = (local[name] - replica_source[name].detach()).abs().max().item()
+            out["replicated"][name] = (full[name] - replica_source[name].detach()).abs().max().item()
     return out
 
 
