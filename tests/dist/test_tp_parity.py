@@ -128,6 +128,8 @@ def _train(
             loss = _loss(kind, engine, tokens[row : row + MICRO])
             engine.backward(loss)
             engine.step()
+        norm = engine.get_global_grad_norm()
+        assert opt != "adamw" or norm > CLIP, f"clipping must act: norm {norm} <= {CLIP}"
     got = _global(engine)
     # rows are laid out micro-step-major ((m · dp + r) · MICRO), so the reference's GAS chunks hold exactly what
     # the engine's ranks saw together in each micro-step
