@@ -150,16 +150,7 @@ class Topology:
         axes: dict[str, AxisGroup] = {}
         for scope, scope_axes in SCOPES.items():
             groups = scope_groups(shape, scope_axes)
-            own = next(g for g in groups if rank in g)
-            if len(own) == 1:
-                pg = None
-            elif len(own) == world_size:
-                pg = dist.group.WORLD
-            else:
-                # new_group is collective over the whole world: every rank creates every group, same order.
-                created = [dist.new_group(list(g)) for g in groups]
-                pg = created[groups.index(own)]
-            axes[scope] = AxisGroup(scope, pg, own, own.index(rank))
+            axes[scope] = _own_group(scope, groups, rank, world_size)
         assert all(axes[a].rank == mine[a] for a in AXES)
         return cls(shape, rank, axes)
 
@@ -197,15 +188,7 @@ class Topology:
         for r, rec in enumerate(records):
             by_data.setdefault(rec.coords[1], []).append(r)
         model_groups = [tuple(members) for _, members in sorted(by_data.items())]
-        own = next(g for g in model_groups if rank in g)
-        if len(own) == 1:
-            model_pg = None
-        elif len(own) == world_size:
-            model_pg = dist.group.WORLD
-        else:
-            created = [dist.new_group(list(g)) for g in model_groups]
-            model_pg = created[model_groups.index(own)]
-        axes["model"] = AxisGroup("model", model_pg, own, own.index(rank))
+        axes["model"] = _own_group("model", model_groups, rank, world_size)
         world = tuple(range(world_size))
         axes["world"] = AxisGroup("world", dist.group.WORLD if world_size > 1 else None, world, rank)
         return cls(shape, rank, axes, layout)
@@ -342,3 +325,18 @@ def _mpu_record(mpu: Any) -> Any:
         return MpuRecord(tuple(coords), tuple(ranks))  # type: ignore[arg-type]
     except Exception as exc:
         return f"reading its mpu failed: {type(exc).__name__}: {exc}"
+
+
+def _own_group(name: str, groups: list[tuple[int, ...]], rank: int, world_size: int) -> AxisGroup:
+    """This rank's member of ``groups`` (a partition of the world, listed in the same order on every rank) as an
+    AxisGroup: no process group for a group of one, the default group for the whole world, else a new group —
+    ``new_group`` is collective over the world, so every rank creates every group, in the same order."""
+    own = next(g for g in groups if rank in g)
+    if len(own) == 1:
+        pg = None
+    elif len(own) == world_size:
+        pg = dist.group.WORLD
+    else:
+        created = [dist.new_group(list(g)) for g in groups]
+        pg = created[groups.index(own)]
+    return AxisGroup(name, pg, own, own.index(rank))

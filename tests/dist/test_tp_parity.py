@@ -12,6 +12,7 @@ The default suite keeps a representative subset; the whole matrix is ``slow``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -70,8 +71,12 @@ def _dense(kind: str) -> torch.nn.Module:
     return TPGPT(GPT_CFG, solo_tp()) if kind == "gpt" else _hf(kind)
 
 
-def _reference(kind: str, opt: str, batches: list[torch.Tensor], gas: int) -> dict[str, torch.Tensor]:
+def _reference(
+    kind: str, opt: str, batches: list[torch.Tensor], gas: int, frozen: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     model = _dense(kind)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     optimizer = torch_optimizer(opt, model.parameters(), LR[opt])
     for tokens in batches:
         optimizer.zero_grad()
@@ -108,14 +113,23 @@ def _train(
 ) -> tuple[float, float]:
     """(largest difference from the reference, how far the reference's parameters moved from the start).
     ``extra``: more config keys (precision, offload) for the composition tests."""
-    extra = extra or {}
+    extra = dict(extra or {})
+    frozen: tuple[str, ...] = extra.pop("_freeze", ())  # parameters with requires_grad=False (LoRA-style)
+    checkpointed = extra.pop("_checkpoint_blocks", False)  # every block recomputed in backward
     dp = world // tp
     batches = _batches(kind, dp, gas)
     if kind == "gpt":
         topology = Topology.build(MeshShape(tensor=tp, data=dp))
         torch.manual_seed(0)
         model = TPGPT(GPT_CFG, TensorParallel.from_topology(topology, sequence_parallel=sp))
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
         engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(stage, opt, gas, extra))
+        if checkpointed:
+            from shardspeed import checkpointing
+
+            for block in model.blocks:  # an instance attribute: nn.Module.__call__ runs it as the forward
+                block.forward = functools.partial(checkpointing.checkpoint, block.forward)
     else:
         torch.manual_seed(0)
         model = _hf(kind)
@@ -133,7 +147,7 @@ def _train(
     got = _global(engine)
     # rows are laid out micro-step-major ((m · dp + r) · MICRO), so the reference's GAS chunks hold exactly what
     # the engine's ranks saw together in each micro-step
-    expected = _reference(kind, opt, batches, gas)
+    expected = _reference(kind, opt, batches, gas, frozen)
     start = {n: p.detach() for n, p in _dense(kind).named_parameters()}
     assert set(got) == set(expected)
     diff = max((got[n] - expected[n]).abs().max().item() for n in expected)
@@ -194,6 +208,18 @@ COMPOSED = {
         "adamw",
         TOL,
     ),
+    # frozen parameters (a tensor-split one, a replicated one with a partial gradient under SP, the positions) and
+    # every block recomputed in backward (activation checkpointing), at ZeRO-3: exact parity
+    "frozen_checkpointed": (
+        {
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "activation_checkpointing": {"partition_activations": False},
+            "_freeze": ("wpe.weight", "blocks.0.ln1.weight", "blocks.0.attn.qkv.weight"),
+            "_checkpoint_blocks": True,
+        },
+        "adamw",
+        TOL,
+    ),
     # bf16 against the fp32 reference: bf16 keeps ~3 significant digits, so the bound is relative to how far SGD
     # moved the weights (measured: ~6%); a wrong gradient scale or a missed reduction is off by ~50% or more
     "bf16": ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "sgd", None),
@@ -203,7 +229,8 @@ COMPOSED = {
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_tp_composes_with_offload_and_bf16(dist_run, name: str) -> None:
     """TP=2 × DP=2 on the tied GPT with sequence parallelism and GAS 2, composed with optimizer offload (stage 1),
-    parameter offload (stage 3) — AdamW with clipping, exact parity — or bf16 (stage 2, SGD, relative bound)."""
+    parameter offload (stage 3), frozen parameters + activation checkpointing (stage 3) — AdamW with clipping,
+    exact parity — or bf16 (stage 2, SGD, relative bound)."""
     extra, opt, tol = COMPOSED[name]
     stage = extra["zero_optimization"]["stage"]
     results = dist_run(_train, 4, "gpt", 2, stage, True, opt, 2, extra)
