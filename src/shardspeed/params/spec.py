@@ -185,8 +185,22 @@ class SpecProvider(Protocol):
     def tensor_parallel_specs(self) -> dict[str, ParamSpec]: ...
 
 
+@runtime_checkable
+class TiedCopyProvider(Protocol):
+    """A pipeline module whose stages hold copies of one weight (``TiedLayerSpec``): the names, on this rank, of
+    the parameters that are a copy of a weight another pipeline stage *owns*. A copy is left out of the gradient
+    norm (the owner counts it) and out of checkpoints (the owner writes it) ([Note: tied copies])."""
+
+    def tied_copy_names(self) -> frozenset[str]: ...
+
+
 class ParamSpecs:
-    """The registry of one engine: spec per canonical parameter name (and by identity), for this tensor rank."""
+    """The registry of one engine: spec per canonical parameter name (and by identity), for this tensor rank.
+
+    [Note: tied copies] Under pipeline parallelism a weight tied across stages (an embedding and the LM head) is
+    one model parameter held by several stages; its gradients are summed over those stages, so every copy holds
+    the same gradient and, after the step, the same value. Sums over the model (the norm) and checkpoints must see
+    it once: the lowest stage holding it owns it, the others' names are ``tied_copies``."""
 
     def __init__(
         self,
@@ -194,6 +208,7 @@ class ParamSpecs:
         by_id: dict[int, tuple[torch.Tensor, ParamSpec]],
         tp_rank: int,
         tp_size: int,
+        tied_copies: frozenset[str] = frozenset(),
     ) -> None:
         self._by_name = by_name
         # Keyed by id, holding the parameter itself: ZeRO-3's zero.Init replaces meta parameters by new objects,
@@ -201,6 +216,8 @@ class ParamSpecs:
         self._by_id = by_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.tied_copies = tied_copies
+        """Names of this rank's parameters that copy a weight another pipeline stage owns ([Note: tied copies])."""
 
     @classmethod
     def collect(cls, module: nn.Module, tp_rank: int = 0, tp_size: int = 1) -> ParamSpecs:
@@ -230,7 +247,8 @@ class ParamSpecs:
                     raise ValueError(f"parameter '{full_name}' is declared twice with different specs")
                 by_id[id(p)] = (p, spec)
                 by_name[canonical.get(id(p), full_name)] = spec
-        return cls(by_name, by_id, tp_rank, tp_size)
+        tied = module.tied_copy_names() if isinstance(module, TiedCopyProvider) else frozenset()
+        return cls(by_name, by_id, tp_rank, tp_size, frozenset(tied))
 
     def of(self, param: torch.Tensor, name: str | None = None) -> ParamSpec:
         """The spec of ``param`` (identity first, then canonical name); undeclared: replicated, its own shape."""

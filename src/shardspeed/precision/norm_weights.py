@@ -35,10 +35,13 @@ __all__ = ["NormScope", "counted_runs", "counted_views", "counted_weights", "exc
 
 def excluded_names(specs: ParamSpecs, names: Iterable[str]) -> frozenset[str]:
     """The parameters among ``names`` this rank holds but does not count in the norm: on tensor ranks other than 0,
-    every parameter that is not partitioned over the tensor axis (declared replicated, or undeclared)."""
+    every parameter that is not partitioned over the tensor axis (declared replicated, or undeclared); on every
+    rank, the copies of pipeline-tied weights another stage owns ([Note: tied copies] in params/spec.py)."""
+    names = list(names)
+    tied = frozenset(n for n in names if n in specs.tied_copies)
     if specs.tp_rank == 0:
-        return frozenset()
-    return frozenset(n for n in names if not _partitioned(specs, n))
+        return tied
+    return tied | frozenset(n for n in names if not _partitioned(specs, n))
 
 
 def counted_weights(specs: ParamSpecs, names: Sequence[str]) -> list[float]:

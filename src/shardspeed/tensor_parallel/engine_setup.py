@@ -4,7 +4,8 @@ agreed over the whole world, and the initial broadcast over the data *and* tenso
 [Note: structure check over the world] Ranks of one tensor group hold different local shapes (uneven slices:
 ceil chunks), so comparing local shapes would fail on a correct model; comparing over the data axis alone would let
 a model that differs between tensor ranks go on into mismatched collectives (a hang, or silently mixed tensors).
-So the fingerprint is of *global* shapes (``engine.param_specs``) and is compared over ``topology.world``. The spec
+So the fingerprint is of *global* shapes (``engine.param_specs``) and is compared over ``topology.world`` (among
+the ranks of each pipeline stage: stages hold different layers). The spec
 collection itself can fail on one rank only (a local shape its spec does not give); its error travels in the
 gathered fingerprint, so that rank's error is raised on every rank instead of leaving the others in the gather.
 
@@ -34,7 +35,7 @@ from shardspeed.comm import Collectives
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.params import ParamSpecs
 from shardspeed.symmetric import raise_if_different
-from shardspeed.topology import Topology
+from shardspeed.topology import AxisGroup, Topology
 
 __all__ = ["broadcast_initial_state", "collect_specs_agreed", "global_fingerprint", "tensor_replica_sync"]
 
@@ -64,13 +65,19 @@ def collect_specs_agreed(model: nn.Module, topology: Topology, collectives: Coll
             raise
         mine = f"{type(exc).__name__}: {exc}"
     if topology.world.size > 1:
-        everyone = collectives.all_gather_object(mine, topology.world)
-        for index, other in enumerate(everyone):
+        # Pipeline stages hold different layers: each stage's fingerprint is compared among the ranks of that
+        # stage only, but the gather is world-wide so every rank raises the same error.
+        everyone = collectives.all_gather_object((topology.pipe.rank, mine), topology.world)
+        for index, (_, other) in enumerate(everyone):
             if isinstance(other, str):
                 raise mark_agreed(
                     ValueError(f"model structure on rank {topology.world.ranks[index]} (its parameter specs): {other}")
                 )
-        raise_if_different(everyone, topology.world, what="model structure")
+        for stage in sorted({s for s, _ in everyone}):
+            members = [i for i, (s, _) in enumerate(everyone) if s == stage]
+            what = "model structure" if topology.pipe.size == 1 else f"model structure of pipeline stage {stage}"
+            axis = AxisGroup(topology.world.name, None, tuple(topology.world.ranks[i] for i in members), 0)
+            raise_if_different([everyone[i][1] for i in members], axis, what=what)
     assert specs is not None
     return specs
 
