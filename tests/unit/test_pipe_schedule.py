@@ -111,7 +111,8 @@ def test_interleaved_order_is_megatrons() -> None:
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
 def test_step_layout_and_counts(name: str) -> None:
-    """Every step is [sends…, receives…, load?, one compute]; a training stage runs 2·m·v compute steps and
+    """Every step is [sends…, receives…, load?, one compute], its receives all for that compute (the built-in
+    orders never receive early); a training stage runs 2·m·v compute steps and
     ends with one step of its trailing sends and ReduceTiedGrads, ReduceGrads, OptimizerStep (each once, in that
     order, nowhere else); every buffer is below num_pipe_buffers()."""
     for p, m, v in _grid(name):
@@ -125,6 +126,8 @@ def test_step_layout_and_counts(name: str) -> None:
                 kinds = [0 if isinstance(i, SENDS) else 1 if isinstance(i, RECVS) else 2 for i in step]
                 assert kinds == sorted(kinds) and isinstance(step[-1], COMPUTE), step
                 assert sum(isinstance(i, COMPUTE) for i in step) == 1
+                compute = (step[-1].micro_batch, step[-1].chunk)
+                assert all((i.micro_batch, i.chunk) == compute for i in step if isinstance(i, RECVS))  # none early
             buffers = sched.num_pipe_buffers()
             assert all(0 <= i.buffer < buffers for i in _flat(sched) if not isinstance(i, STEP_END))
 

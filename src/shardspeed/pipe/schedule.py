@@ -17,7 +17,8 @@ before a consuming compute the plan receives every message the peer sends on tha
 needed one, in the peer's send order (it knows the peer's order: compute orders are pure functions of
 (m, p, s, v)). An early receive blocks no longer than the needed one would — the peer sent it first — so this adds
 no deadlock; it only fills a buffer slot a little sooner. Without interleaving each link carries one kind in
-micro-batch order and no early receive happens.
+micro-batch order, and Megatron's interleaved order consumes in send order too, so the built-in schedules never
+receive early (tested); the rule keeps any other consistent compute order (a subclass) FIFO-correct.
 
 Step layout: ``[sends of the previous compute…, receives…, LoadMicroBatch?, compute]``; a training schedule's last
 step is ``[trailing sends…, ReduceTiedGrads, ReduceGrads, OptimizerStep]``.
