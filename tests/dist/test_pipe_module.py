@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from harness import error_of
 from torch import nn
 
 from shardspeed.comm.collectives import Collectives
@@ -230,3 +231,29 @@ def test_pipe2_by_data_or_tensor2_tie_groups(dist_run, tensor: bool) -> None:
     assert [r["probe"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # the groups reduce over exactly those ranks
     # seed_layers=False: each rank drew its own weights; construction synced each tie group from its owner stage
     assert [r["equal_to"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+class Fragile(Block):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        if not self.fc.weight.is_meta:
+            raise ValueError("out of memory (simulated)")
+
+
+def _bad_builds(rank: int, world: int) -> list[str]:
+    fragile = [*_layers()[:5], LayerSpec(Fragile, DIM), *_layers()[6:]]  # layer 5: on stage 1 only
+    uneven = [*_layers(), *([LayerSpec(Block, DIM)] * rank)]  # rank 1's list is longer: another partition
+    return [
+        error_of(lambda: PipelineModule(fragile, num_stages=2)),
+        error_of(lambda: PipelineModule(uneven, num_stages=2, partition_method="uniform")),
+    ]
+
+
+def test_a_failed_build_or_a_differing_partition_is_one_error_everywhere(dist_run) -> None:
+    first, last = dist_run(_bad_builds, 2)
+    assert first == last  # the same error on every rank, none left waiting in new_group
+    assert first[0] == (
+        "ValueError: pipeline stage 1 (rank 1) failed to build its layers: ValueError: out of memory (simulated)"
+    )
+    assert first[1].startswith("ValueError: the pipeline partition differs between ranks")
+    assert "rank 0 has parts/ties ([0, 4, 8]" in first[1] and "rank 1 ([0, 5, 9]" in first[1]

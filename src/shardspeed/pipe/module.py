@@ -84,9 +84,14 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self._tied_attrs: dict[str, list[str]] = {}
         # Per local chunk: (global layer index, the callable forward runs, what it is matched by).
-        self._chunks: list[list[tuple[int, Layer, Any]]] = [self._build_chunk(c) for c in range(virtual_stages)]
-
+        self._chunks: list[list[tuple[int, Layer, Any]]] = []
+        failure: Exception | None = None
+        try:
+            self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
+        except Exception as exc:  # agreed below: the other stages must not wait in new_group for this one
+            failure = exc
         stages = tie_stages(specs, self.parts, self.num_stages)
+        _agree_construction(self.topology, (self.parts, stages), failure)
         axes = tie_groups(stages, self.topology)  # world-collective: every rank, same order
         self._tied: list[TiedWeight] = [
             TiedWeight(
@@ -243,6 +248,40 @@ def _run(funcs: list[tuple[int, Layer, Any]], x: Any) -> Any:
 def _run_unpacked(funcs: list[tuple[int, Layer, Any]], *inputs: Any) -> Any:
     """A checkpointed range takes the tuple's members as arguments; a single one is passed on unwrapped."""
     return _run(funcs, inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _agree_construction(topology: Topology, plan: Any, failure: Exception | None) -> None:
+    """[Note: agreed construction] Building a layer happens on its stage only, so a layer that fails to build
+    raises on one stage while the others go on to the world-collective tie-group creation and wait there forever.
+    One all-gather over the world first: a build failure anywhere is the same error on every rank (naming the
+    stage, rank and error), and a partition that differs between ranks (a spec whose size is not deterministic) is
+    refused before any tie group pairs the wrong layers."""
+    world = topology.world
+    if world.size == 1:
+        if failure is not None:
+            raise failure
+        return
+    from shardspeed.comm.collectives import Collectives
+    from shardspeed.faults.errors import mark_agreed
+
+    mine = (topology.pipe.rank, plan, None if failure is None else (type(failure).__name__, str(failure)))
+    everyone: list[Any] = Collectives().all_gather_object(mine, world)
+    for index, (stage, _, error) in enumerate(everyone):
+        if error is not None:
+            kind = {"TypeError": TypeError, "ValueError": ValueError}.get(error[0], RuntimeError)
+            agreed = kind(
+                f"pipeline stage {stage} (rank {world.ranks[index]}) failed to build its layers: {error[0]}: {error[1]}"
+            )
+            raise mark_agreed(agreed) from failure
+    plans = [p for _, p, _ in everyone]
+    if any(p != plans[0] for p in plans):
+        index = next(i for i, p in enumerate(plans) if p != plans[0])
+        raise mark_agreed(
+            ValueError(
+                f"the pipeline partition differs between ranks (layer specs must build alike everywhere): rank "
+                f"{world.ranks[0]} has parts/ties {plans[0]}, rank {world.ranks[index]} {plans[index]}"
+            )
+        )
 
 
 def _staged_for(tensor: torch.Tensor, group: Any) -> torch.Tensor:
