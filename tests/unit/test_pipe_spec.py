@@ -188,3 +188,11 @@ def test_bad_layers_and_chunks() -> None:
     module = PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1)
     with pytest.raises(ValueError, match=r"chunk 1 out of range: this module has 1 chunk\(s\) per rank"):
         module(torch.zeros(1, 2), chunk=1)
+
+
+def test_a_layer_replaced_after_construction_is_the_one_that_runs() -> None:
+    module = PipelineModule([LayerSpec(nn.Linear, 2, 2), Scale()], num_stages=1, partition_method="uniform")
+    setattr(module, "0", nn.Identity())  # as AutoTP swaps a layer for its parallel version
+    setattr(module, "1", Scale())
+    x = torch.randn(3, 2)
+    assert torch.equal(module(x), 2 * x)
