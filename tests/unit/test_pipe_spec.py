@@ -196,3 +196,22 @@ def test_a_layer_replaced_after_construction_is_the_one_that_runs() -> None:
     setattr(module, "1", Scale())
     x = torch.randn(3, 2)
     assert torch.equal(module(x), 2 * x)
+
+
+def test_built_under_zero_init_equals_a_plain_build() -> None:
+    """Counting parameters builds every layer on meta inside ``zero.Init`` too; the recorded initialization (and so
+    the materialized stage-3 model) must still be bitwise the plain build's."""
+    import shardspeed
+
+    plain = PipelineModule(_layers(), num_stages=1, seed_layers=True)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    with shardspeed.zero.Init(config_dict_or_path=config):
+        lazy = PipelineModule(_layers(), num_stages=1, seed_layers=True)
+    engine, *_ = shardspeed.initialize(model=lazy, model_parameters=lazy.parameters(), config=config)
+    materialized = engine.state_dict()
+    assert all(torch.equal(materialized[f"module.{name}"], value) for name, value in plain.state_dict().items())
+    engine.destroy()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.checkpointing import checkpoint as default_checkpoint
+from shardspeed.log import logger
 from shardspeed.pipe.partition import chunk_bounds, owner_of, partition_layers
 from shardspeed.pipe.spec import LayerSpec, TiedLayerSpec, layer_class_name
 from shardspeed.pipe.tied import TiedWeight, tie_groups, tie_stages
@@ -104,6 +105,7 @@ class PipelineModule(nn.Module):
             for key in sorted(axes)
         ]
         self._sync_at_construction()
+        self._warn_untied_parameters()
 
     # --- building ----------------------------------------------------------------------------------------------
     def _build_chunk(self, chunk: int) -> list[_Entry]:
@@ -192,8 +194,15 @@ class PipelineModule(nn.Module):
         return list(self._tied)
 
     def tied_copy_names(self) -> frozenset[str]:
-        """Parameter names here that copy a weight another stage owns (``params.TiedCopyProvider``)."""
-        return frozenset(n for tie in self._tied if tie.owner != self.stage_id for n in tie.names)
+        """Parameter names here that copy a weight another stage owns (``params.TiedCopyProvider``): every
+        parameter of a tied module whose owner is another stage, its untied ones too — the owner's are the model's
+        (counted in the norm, written to checkpoints), as DeepSpeed marks the whole module ``ds_pipe_replicated``."""
+        return frozenset(
+            f"tied_modules.{tie.key}.{name}"
+            for tie in self._tied
+            if tie.owner != self.stage_id
+            for name, _ in self.tied_modules[tie.key].named_parameters()
+        )
 
     def sync_tied_weights(self, collectives: Any) -> None:
         """Broadcast each tied weight from its owner stage over its tie group (collective over the tie groups)."""
@@ -220,6 +229,28 @@ class PipelineModule(nn.Module):
                     plain.broadcast(staged, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
                     if staged is not param.data:
                         param.data.copy_(staged)
+
+    def _warn_untied_parameters(self) -> None:
+        """A tied module held by several stages whose trainable parameters are not all in ``tied_weight_attr``:
+        those are per-stage copies nobody keeps equal (as in DeepSpeed; Megatron's position embeddings beside the
+        tied word embeddings get no gradient on the head's stage, so they stay equal). Said once, by the owner."""
+        for tie in self._tied:
+            if tie.owner != self.stage_id or len(tie.stages) == 1:
+                continue
+            tied = set(tie.names)
+            loose = [
+                f"tied_modules.{tie.key}.{n}"
+                for n, p in self.tied_modules[tie.key].named_parameters()
+                if p.requires_grad and f"tied_modules.{tie.key}.{n}" not in tied
+            ]
+            if loose and self.topology.data.rank == 0 and self.topology.tensor.rank == 0:
+                logger.warning(
+                    "tied key '%s' is held by stages %s but %s are not in its tied_weight_attr: each stage's copy "
+                    "of those trains on its own (the owner's is checkpointed and counted in the norm)",
+                    tie.key,
+                    list(tie.stages),
+                    loose,
+                )
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------------------
     def partitions(self) -> list[int]:
