@@ -84,14 +84,14 @@ class PipelineModule(nn.Module):
         self._local_start, self._local_stop = chunk_bounds(self.parts, self.num_stages, self.stage_id, 0)
 
         self.tied_modules = nn.ModuleDict()
-        self._tied_attrs: dict[str, list[str]] = {}
+        self._tied_attrs: dict[str, list[str]] = {}  # key → its tied parameters' names within the module
         self._chunks: list[list[_Entry]] = []
+        stages = tie_stages(specs, self.parts, self.num_stages)  # pure: raises alike on every rank
         failure: Exception | None = None
         try:
             self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
         except Exception as exc:  # agreed below: the other stages must not wait in new_group for this one
             failure = exc
-        stages = tie_stages(specs, self.parts, self.num_stages)
         _agree_construction(self.topology, (self.parts, stages), failure)
         axes = tie_groups(stages, self.topology)  # world-collective: every rank, same order
         self._tied: list[TiedWeight] = [
@@ -119,13 +119,7 @@ class PipelineModule(nn.Module):
                 raise TypeError(f"layer {idx} is a PipelineModule: nested pipeline modules are not supported")
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = layer.build()
-                    self._tied_attrs[layer.key] = list(layer.tied_weight_attr)
-                elif self._tied_attrs[layer.key] != list(layer.tied_weight_attr):
-                    raise ValueError(
-                        f"tied key '{layer.key}': layer {idx} ties {layer.tied_weight_attr}, an earlier occurrence "
-                        f"ties {self._tied_attrs[layer.key]}"
-                    )
+                    self.tied_modules[layer.key], self._tied_attrs[layer.key] = _checked_tied(layer, idx)
                 funcs.append(_Entry(idx, f"tied_modules.{layer.key}", layer.forward_fn))
             elif isinstance(layer, LayerSpec):
                 self.add_module(str(idx), layer.build())
@@ -275,6 +269,26 @@ class PipelineModule(nn.Module):
     def chunk_layers(self, chunk: int = 0) -> list[int]:
         """Global indices of the layers in local chunk ``chunk``."""
         return [entry.index for entry in self._chunks[chunk]]
+
+
+def _checked_tied(spec: TiedLayerSpec, idx: int) -> tuple[nn.Module, list[str]]:
+    """The key's module, built, and the parameter names of its ``tied_weight_attr``: each attribute is a dotted
+    path (DeepSpeed resolves it with getattr, so a property returning a parameter works: Megatron-DeepSpeed's
+    ``word_embeddings_weight``) that must reach one of the module's parameters; its name is the parameter's own."""
+    module = spec.build()
+    by_id = {id(p): name for name, p in module.named_parameters()}
+    names: list[str] = []
+    for attr in spec.tied_weight_attr:
+        target: Any = module
+        for part in attr.split("."):
+            target = getattr(target, part, None)
+        if not isinstance(target, nn.Parameter) or id(target) not in by_id:
+            raise ValueError(
+                f"tied key '{spec.key}' (layer {idx}, {spec.typename.__name__}): tied_weight_attr '{attr}' reaches "
+                f"no parameter of the module (its parameters: {sorted(by_id.values())})"
+            )
+        names.append(by_id[id(target)])
+    return module, names
 
 
 @dataclass(frozen=True)
