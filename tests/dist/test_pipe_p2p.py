@@ -47,8 +47,10 @@ def _send_recv_mixed(rank: int, world: int) -> Any:
         for step in range(3):
             channel.send(_message(step), 1, "act")
         channel.wait_sends()
+        assert log.algorithmic_elements() == 3 * (6 + 6 + 4 + 1 + 3) + 64  # a message counts where it is sent
         return _counts(log), channel.stats.messages
     got = [channel.recv(0, "act") for _ in range(3)]
+    assert log.algorithmic_elements() == 0
     return _counts(log), [[(t.dtype, tuple(t.shape), t.requires_grad, t.detach().tolist()) for t in m] for m in got]
 
 
@@ -127,6 +129,10 @@ def _shape_change(rank: int, world: int) -> Any:
         channel.reset_shapes()
         channel.send((torch.ones(4, 8),), 1, "act")
         channel.wait_sends()
+        try:
+            channel.send((torch.ones(1),), 0, "act")
+        except ValueError as exc:
+            error += f" | {exc}"
         return error, _counts(log)["send:pipe.act.meta"][0]
     first = channel.recv(0, "act")[0]
     channel.reset_shapes()
@@ -139,6 +145,7 @@ def test_shape_change_is_an_error_and_reset_renegotiates(dist_run) -> None:
     assert "PipeChannel.send to rank 1 on stream 'act': tensor 0 is now float32[4, 8]" in error
     assert "negotiated float32[2, 8]" in error
     assert "dynamic_shape=True" in error and "reset_activation_shape()" in error
+    assert "peer 0 is not another rank of this world of 2" in error
     assert headers == 2
     assert received == ((2, 8), (4, 8), 32.0)
 
