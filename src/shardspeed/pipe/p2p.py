@@ -17,6 +17,12 @@ shares an NCCL batch with the header it depends on (one coalesced request: the r
 the header before its whole batch, which would contain data the sender has not yet been able to send, completes).
 Once negotiated, a call is one round.
 
+What the channel cannot change: under NCCL a rank's batches run in posting order on one stream and a send (beyond
+what NCCL buffers) completes only when its receive is posted, so a lone ``send`` still holds back that rank's later
+receives until the peer receives it. A schedule whose correctness relies on sends completing alone (the simulator's
+model, and gloo's) may deadlock there with large messages; ``tests/unit/test_pipe_p2p_rounds.py`` models these
+semantics on threads.
+
 Partitioned messages (``partition``: the tensor axis; DeepSpeed's ``pipe_partitioned`` / ``grad_partitioned``): the
 tensor ranks of a stage hold the same activation, so each sends only its 1/T slice of every float tensor to the same
 tensor rank of the peer stage, and the receivers all-gather the slices over the tensor axis: p2p bytes drop to 1/T,
