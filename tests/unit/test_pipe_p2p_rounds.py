@@ -99,9 +99,15 @@ class _FakeCollectives:
         return types.SimpleNamespace(sends=batch, recvs=batch, wait=batch.wait)
 
 
-def _run(world: int, body: Callable[[PipeChannel, int], Any], monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list:
+def _run(
+    world: int,
+    body: Callable[[PipeChannel, int], Any],
+    monkeypatch: pytest.MonkeyPatch,
+    timeout_s: float = 5.0,
+    **kwargs: Any,
+) -> list:
     """``body(channel, rank)`` on one thread per rank; results by rank (an exception is re-raised)."""
-    fabric = _Fabric(timeout_s=2.0)
+    fabric = _Fabric(timeout_s)
     local = threading.local()
     fake_dist = types.SimpleNamespace(get_rank=lambda: local.rank, get_world_size=lambda: world)
     monkeypatch.setattr(p2p_module, "dist", fake_dist)
@@ -119,7 +125,7 @@ def _run(world: int, body: Callable[[PipeChannel, int], Any], monkeypatch: pytes
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10.0)
+        t.join(2 * timeout_s)
     for result in results:
         if isinstance(result, BaseException):
             raise result
@@ -186,4 +192,4 @@ def test_the_fabric_sees_separately_posted_sends_deadlock(monkeypatch: pytest.Mo
     """The control: both stages ``send`` then ``recv`` — under in-order coalesced batches each receive waits behind
     its own send, which waits for the peer's receive (with NCCL, for messages it does not buffer)."""
     with pytest.raises(TimeoutError, match="deadlock"):
-        _run(2, _send_then_recv, monkeypatch)
+        _run(2, _send_then_recv, monkeypatch, timeout_s=0.5)
