@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from safetensors.torch import load_file
+
 from shardspeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.config.load import load_config
 from shardspeed.engine import ShardSpeedEngine
@@ -90,7 +92,12 @@ def _engine(world: int, pp: int, zero: int, extra: int | None = None) -> ShardSp
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
         "gradient_clipping": 0.5,
-        "zero_optimization": {"stage": zero, "reduce_bucket_size": 16, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": zero,
+            "reduce_bucket_size": 16,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
         "steps_per_print": 1000,
     }
     return ShardSpeedEngine(model, load_config(config, dp_world_size=dp), topology)
@@ -266,3 +273,55 @@ def test_strict_load_of_a_whole_checkpoint_into_part_of_the_model_names_the_rest
     dist_run(_run, 2, 2, 0, 1, ckpt, None, 0)
     (message,) = dist_run(_load_partial, 1, ckpt)
     assert "missing [], unexpected ['2.lin.bias', '2.lin.weight', '3.lin.bias', '3.lin.weight']" in message
+
+
+# --- the whole model's weights from a pipelined engine ------------------------------------------------------------
+def _whole_weights(rank: int, world: int, zero: int, out: str) -> dict[str, Any]:
+    engine = _engine(world, 2, zero)
+    _train(engine, 1)
+    snapshot = _snapshot(engine)
+    state = {name: value.clone() for name, value in engine.module_state_dict().items()}  # buffers: live tensors
+    engine_keys = sorted(engine.state_dict())
+    assert engine.save_16bit_model(out)
+    # the whole model loads back into every stage: each keeps its own layers, nothing is unexpected
+    moved = {f"module.{name}": value + 1.0 for name, value in state.items()}
+    result = engine.load_state_dict(moved)
+    loaded = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    try:
+        engine.load_state_dict({**moved, "module.9.lin.weight": torch.zeros(D, D)})
+        strict_error = "loaded"
+    except RuntimeError as error:
+        strict_error = str(error)
+    return {
+        "stage": engine.topology.pipe.rank,
+        "dp": engine.topology.dp_rank,
+        "snapshot": snapshot,
+        "state": state,
+        "engine_keys": engine_keys,
+        "incompatible": (list(result.missing_keys), list(result.unexpected_keys)),
+        "loaded": loaded,
+        "strict_error": strict_error,
+    }
+
+
+@pytest.mark.parametrize(("world", "zero"), [(2, 3), (4, 1)])
+def test_module_state_dict_and_16bit_save_give_the_whole_model(dist_run, tmp_path: Path, world: int, zero: int):
+    results = dist_run(_whole_weights, world, zero, str(tmp_path / "weights"))
+    whole = _whole(results)
+    names = set(whole)
+    written = load_file(str(tmp_path / "weights" / "pytorch_model.safetensors"))
+    assert set(written) == names
+    for result in results:
+        assert set(result["state"]) == names  # every rank holds the whole model
+        assert result["engine_keys"] == sorted(f"module.{n}" for n in names)
+        assert result["incompatible"] == ([], [])
+        assert "unexpected keys ['module.9.lin.weight']" in result["strict_error"]
+        for name, values in whole.items():
+            value = values.get("param", values.get("buffer"))
+            torch.testing.assert_close(result["state"][name], value, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(written[name], value, rtol=0, atol=0, msg=name)
+        for name, value in result["loaded"].items():  # this stage's parameters took the loaded values
+            torch.testing.assert_close(value, whole[name]["param"] + 1.0, rtol=0, atol=0, msg=name)
+    # a one-process model holding every layer loads the file as it is
+    flat = _stage_model(1, 0)
+    flat.load_state_dict(written, strict=True)

@@ -14,7 +14,12 @@ whichever stage wrote it. Four things assumed that every rank holds the whole mo
   (``merge_rank_maps``), so the metadata describes the whole model;
 - a strict load checks that *this rank's* names are all in the checkpoint, and that every checkpoint name is held
   by *some* rank (``names_held_anywhere``, one all-gather over the world, only with a pipe axis): a name another
-  stage holds is not unexpected.
+  stage holds is not unexpected; ``engine.load_state_dict`` likewise.
+``module_state_dict`` / ``state_dict`` / ``save_16bit_model`` give the whole model: each stage's dense state dict
+(ZeRO-3 gathered, tensor slices assembled) is completed with the other stages' over the pipe axis
+(``add_other_stages``), so every rank holds the whole model and global rank 0 writes one file. DeepSpeed writes one
+file per layer from each stage instead (``layer_XX-model_states.pt``); one file loads into any pipeline degree, or
+none, without a converter.
 Nothing here runs without a pipe axis, so DP/TP checkpoints are written and checked exactly as before.
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from shardspeed.engine import ShardSpeedEngine
@@ -63,3 +70,27 @@ def names_held_anywhere(engine: ShardSpeedEngine, mine: set[str]) -> set[str] | 
         return None
     everyone = engine.collectives.all_gather_object(sorted(mine), engine.topology.world)
     return {name for names in everyone for name in names}
+
+
+def add_other_stages(engine: ShardSpeedEngine, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (this stage's dense state dict) completed in place with every other stage's entries, so each rank
+    holds the whole model's state dict (collective over the pipe axis; every rank calls it). A name several stages
+    hold (a tied weight) keeps this stage's tensor, which equals the owner's. Other stages' tensors arrive through
+    one ``all_gather_object`` (host copies, names sharing a tensor still share one) and are moved to this rank's
+    device; the whole model is then in memory on every rank, as ``module_state_dict`` is without a pipe axis."""
+    host: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().to("cpu")
+        host[name] = copies[id(tensor)]
+    device = next((t.device for t in state.values()), torch.device("cpu"))
+    everyone = engine.collectives.all_gather_object(host, engine.topology.pipe)
+    for stage, theirs in enumerate(everyone):
+        if stage == engine.topology.pipe.rank:
+            continue
+        moved: dict[int, torch.Tensor] = {}
+        for name, tensor in theirs.items():
+            if name not in state:
+                state[name] = moved.setdefault(id(tensor), tensor.to(device))
+    return state
