@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from safetensors.torch import load_file
+from torch import nn
 
 from shardspeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.config.load import load_config
@@ -137,7 +136,7 @@ def _run(rank: int, world: int, pp: int, zero: int, before: int, save: str | Non
     if load is not None:
         path, _ = engine.load_checkpoint(load)
         assert path is not None
-    losses = _train(engine, before)
+    _train(engine, before)
     if save is not None:
         engine.save_checkpoint(save)
     snapshot = _snapshot(engine)
@@ -382,3 +381,71 @@ def test_pipeline_module_checkpoint_loads_at_pp1(dist_run, tmp_path: Path, zero:
     _assert_same(owner, flat["snapshot"])
     index = json.loads((tmp_path / "ckpt" / "global_step2" / "index.json").read_text())["tensors"]
     assert _writers(index["param/tied_modules.embed.weight"]) == {0}
+
+
+# --- tensor × pipe --------------------------------------------------------------------------------------------------
+class TPBlock(nn.Module):
+    """A column- then row-parallel pair (global init sliced: the same global weights at any TP)."""
+
+    def __init__(self, index: int, tp: Any) -> None:
+        super().__init__()
+        from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        torch.manual_seed(100 + index)
+        self.up = ColumnParallelLinear(D, 2 * D, tp)
+        self.down = RowParallelLinear(2 * D, D, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class TPStage(Stage):
+    def __init__(self, layers: list[int], copies: frozenset[str], tp: Any) -> None:
+        nn.Module.__init__(self)
+        self.tied_modules = nn.ModuleDict({"embed": TiedEmbed()})
+        self.held = layers
+        for index in layers:
+            self.add_module(str(index), TPBlock(index, tp))
+        self._copies = copies
+
+
+def _tp_run(rank: int, world: int, pp: int, tp: int, zero: int, steps: int, save: str | None, load: str | None):
+    from shardspeed.tensor_parallel import TensorParallel
+
+    dp = world // (pp * tp)
+    topology = Topology.build(MeshShape(pipe=pp, data=dp, tensor=tp))
+    stage, per = topology.pipe.rank, LAYERS // pp
+    copies = frozenset({TIED}) if stage > 0 else frozenset()
+    model = TPStage(list(range(stage * per, (stage + 1) * per)), copies, TensorParallel.from_topology(topology))
+    config = {
+        "train_batch_size": MICRO * dp,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": 16, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+    }
+    engine = ShardSpeedEngine(model, load_config(config, dp_world_size=dp), topology)
+    if load is not None:
+        engine.load_checkpoint(load)
+    _train(engine, steps)
+    if save is not None:
+        engine.save_checkpoint(save)
+    return {name: value.clone() for name, value in engine.module_state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_tp2_pp2_checkpoint_loads_at_tp1_pp1_and_back(dist_run, tmp_path: Path, zero: int) -> None:
+    first, second = str(tmp_path / "tp2pp2"), str(tmp_path / "flat")
+    saved = dist_run(_tp_run, 4, 2, 2, zero, 2, first, None)  # TP=2 × PP=2
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(first)  # the global tensors, every stage's
+    for state in saved:  # module_state_dict: the whole dense model on every rank
+        assert set(state) == set(consolidated)
+        for name, value in consolidated.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    (flat,) = dist_run(_tp_run, 1, 1, 1, (zero + 1) % 4, 0, second, first)  # TP=1 × PP=1 loads and saves
+    back = dist_run(_tp_run, 4, 2, 2, (zero + 2) % 4, 0, None, second)  # and TP=2 × PP=2 again
+    for state in [flat, *back]:
+        assert state.keys() == saved[0].keys()
+        for name, value in saved[0].items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
