@@ -144,6 +144,5 @@ def test_pipeline_step_matches_gradient_accumulation(dist_run, stage: int, varia
     5 interleaved pipeline steps equal 5 plain accumulation steps."""
     tolerance = 1e-5
     for r in dist_run(_parity, 2, stage, variant):
-        print("FIG", stage, variant, r)
         assert r["moved"] > 1e-3  # training really changed the parameters
         assert r["diff"] <= tolerance, r
