@@ -92,6 +92,4 @@ class StageData:
             # are cast here, since no engine(x) call sits between the user's batch and the model's first layer.
             if self.compute_dtype != torch.float32:
                 inputs = cast_floats(inputs, self.compute_dtype)
-        return (inputs if self.reads_inputs else None), (
-            to_device(labels, self.device) if self.reads_labels else None
-        )
+        return (inputs if self.reads_inputs else None), (to_device(labels, self.device) if self.reads_labels else None)
