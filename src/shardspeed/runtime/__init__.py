@@ -18,6 +18,6 @@ _SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"shardspeed.runtime.{name}")
-    if name == "pipe":  # deepspeed.runtime.pipe: the same refusal as shardspeed.pipe
+    if name == "pipe":  # deepspeed.runtime.pipe (PipelineModule, LayerSpec, the topologies): shardspeed.pipe
         return importlib.import_module("shardspeed.pipe")
     raise AttributeError(f"module 'shardspeed.runtime' has no attribute '{name}'")
