@@ -11,10 +11,9 @@ and each stage holds only its layers. Hold mode (``pipeline.zero_hold: "step"``,
 backward runs the reducer with ``communicate=False`` (gradients accumulate locally, in fp32), then
 ``ReduceTiedGrads`` sums the tied weights' local gradients over the stages holding them (``states.held_grad``),
 and ``ReduceGrads`` reduces everything held over the data axis once (``states.reduce_held``), exactly as a final
-boundary backward would. Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m× traffic): each
-backward communicates, the last one is final; tied weights are refused at construction (their sum over stages
-needs the unreduced local gradients). ``StepHold`` adapts the states: ZeRO 0/1 without the states' own hold API
-hold in their full fp32 buffer and reduce it with one empty boundary pass.
+boundary backward would (zero/hold.py). Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m×
+traffic): each backward communicates, the last one is final; tied weights are refused at construction (their sum
+over stages needs the unreduced local gradients).
 
 [Note: pipeline loss] The returned loss is DeepSpeed's ``agg_train_loss``: the last stage's mean over the batch's
 micro-batches, averaged over the data axis, broadcast over the pipe axis, so every stage returns the same value.
@@ -41,38 +40,28 @@ PIPELINE_ONLY = "Only train_batch() is accessible in pipeline mode."
 
 
 class StepHold:
-    """The step-scoped hold of one stage's ``ModelStates`` ([Note: the step-scoped hold])."""
+    """The step-scoped hold of one stage's ``ModelStates`` ([Note: step-scoped hold] in zero/hold.py)."""
 
     def __init__(self, states: Any, zero_stage: int) -> None:
-        self.states = states
-        self.native = all(hasattr(states, m) for m in ("begin_hold", "held_grad", "reduce_held", "abort_hold"))
-        if not self.native and zero_stage > 1:
+        if not all(hasattr(states, m) for m in ("begin_hold", "held_grad", "reduce_held", "abort_hold")):
             raise NotImplementedError(
                 f"zero_optimization.stage {zero_stage} under pipeline parallelism needs the stage's step-scoped "
-                "gradient hold (ModelStates.begin_hold/held_grad/reduce_held), which this build does not have"
+                "gradient hold (ModelStates.begin_hold/held_grad/reduce_held/abort_hold), which it does not have"
             )
+        self.states = states
 
     def begin(self) -> None:
-        if self.native:
-            self.states.begin_hold()
+        self.states.begin_hold()
 
     def held_grad(self, name: str) -> torch.Tensor:
-        if self.native:
-            return self.states.held_grad(name)
-        reducer = self.states.reducer  # ZeRO 0/1: the full fp32 buffer holds the local sum
-        return reducer.grad_sync.buffer.views[reducer.names.index(name)]
+        return self.states.held_grad(name)
 
     def reduce(self) -> None:
-        if self.native:
-            self.states.reduce_held()
-        else:  # one boundary pass without autograd: every bucket is reduced as a final backward would
-            self.states.reducer.before_backward(True, final=True)
-            self.states.reducer.after_backward()
-        self.states.mark_grads_clean()
+        self.states.reduce_held()
+        self.states.mark_grads_clean()  # the engine itself wrote the gradients ([Note: gradient markers])
 
     def abort(self) -> None:
-        if self.native:
-            self.states.abort_hold()
+        self.states.abort_hold()
 
 
 def aggregate_loss(

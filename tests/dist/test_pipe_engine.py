@@ -1,0 +1,233 @@
+"""The pipeline engine end to end: ``initialize(model=PipelineModule(...))`` → ``train_batch`` / ``eval_batch``.
+
+Parity: the tiny GPT of ``pipe_models.py`` (tied embedding/head across the first and last stage) trained by the
+pipeline engine equals plain torch on the whole global batch in one process (fp32, 5 steps, ≤ 1e-5), for each
+schedule, ZeRO 0 and 1, AdamW with clipping and SGD, PP=2 and PP=2 × DP=2. Then DeepSpeed's API around it: the
+loss broadcast to every stage, only the first/last stages reading data, forward/backward/step refused, the live
+activation count under 1F1B, eval_batch, and the configuration errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from parity import optimizer_config, torch_optimizer
+from pipe_models import (
+    gpt_layers,
+    gpt_loss_fn,
+    make_batches,
+    rank_iterator,
+    reference_model,
+    reference_train,
+)
+
+import shardspeed
+from shardspeed.topology import MeshShape, Topology
+
+M, MB, STEPS = 4, 2, 5
+MODEL = {"vocab": 32, "dim": 16, "n_blocks": 2, "seq": 6}
+LR = {"adamw": 3e-3, "sgd": 0.05}
+
+
+def _config(zero: int, kind: str, clip: float, schedule: str = "1f1b", **pipeline: Any) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": M,
+        "optimizer": optimizer_config(kind, LR[kind]),
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": zero},
+        "pipeline": {"schedule": schedule, **pipeline},
+        "steps_per_print": 1000,
+    }
+
+
+def _engine(
+    world: int,
+    pp: int,
+    config: dict,
+    *,
+    tied: bool = True,
+    virtual_stages: int = 1,
+    n_blocks: int | None = None,
+) -> Any:
+    from shardspeed.pipe import PipelineModule
+
+    topology = Topology.build(MeshShape(pipe=pp, data=world // pp))
+    model = {**MODEL, "n_blocks": n_blocks or MODEL["n_blocks"]}
+    module = PipelineModule(
+        gpt_layers(**model, tied=tied),
+        topology=topology,
+        loss_fn=gpt_loss_fn,
+        seed_layers=True,
+        partition_method="uniform",
+        virtual_stages=virtual_stages,
+    )
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    return engine
+
+
+def _train_parity(rank: int, world: int, pp: int, zero: int, kind: str, schedule: str, v: int) -> dict:
+    clip = 0.05 if kind == "adamw" else 0.0
+    engine = _engine(world, pp, _config(zero, kind, clip, schedule), virtual_stages=v)
+    dp = world // pp
+    batches = make_batches(STEPS, M, MB, dp, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    it = rank_iterator(batches, M, engine.topology.data.rank, dp)
+    losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
+
+    ref = reference_model(**MODEL)
+    ref_losses = reference_train(
+        ref, batches, torch_optimizer(kind, ref.parameters(), LR[kind]), micro_batches=M, clip=clip
+    )
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in engine.module.named_parameters()]
+    diff = max(float((p.detach() - ref_params[n].detach()).abs().max()) for n, p in engine.module.named_parameters())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "diff": diff,
+        "names": names,
+        "steps": engine.global_steps,
+        "samples": engine.global_samples,
+        "stats": engine.pipe_stats,
+        "norm": engine.get_global_grad_norm(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("zero", "kind", "schedule", "v"),
+    [
+        (0, "adamw", "1f1b", 1),
+        (1, "sgd", "1f1b", 1),
+        (1, "adamw", "gpipe", 1),
+        (0, "sgd", "interleaved", 2),
+    ],
+)
+def test_pp2_parity_with_single_process_reference(dist_run, zero: int, kind: str, schedule: str, v: int) -> None:
+    results = dist_run(_train_parity, 2, 2, zero, kind, schedule, v)
+    first, last = results
+    assert "tied_modules.embed.weight" in first["names"] and "tied_modules.embed.weight" in last["names"]
+    for r in results:
+        assert r["diff"] <= 1e-5, r["diff"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5)
+        assert r["steps"] == STEPS and r["samples"] == STEPS * M * MB
+    assert first["losses"] == last["losses"]  # broadcast from the last stage, bit for bit
+    assert first["losses"][-1] < first["losses"][0]
+
+
+def test_pp2_dp2_zero1_parity(dist_run) -> None:
+    results = dist_run(_train_parity, 4, 2, 1, "adamw", "1f1b", 1)
+    for r in results:
+        assert r["diff"] <= 1e-5, r["diff"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5)
+        assert r["samples"] == STEPS * M * MB * 2
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+class CountingIterator:
+    def __init__(self, items: list) -> None:
+        self.items, self.reads = iter(items), 0
+
+    def __iter__(self) -> CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self.reads += 1
+        return next(self.items)
+
+
+def _data_and_buffers(rank: int, world: int) -> dict:
+    engine = _engine(world, world, _config(0, "sgd", 0.0), tied=False, n_blocks=2)
+    batches = make_batches(2, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    it = CountingIterator(list(rank_iterator(batches, M, 0, 1)))
+    for _ in range(2):
+        loss = engine.train_batch(it)
+    stats = engine.pipe_stats
+    return {
+        "reads": it.reads,
+        "first": engine.is_first_stage(),
+        "last": engine.is_last_stage(),
+        "loss": float(loss),
+        "peak": stats.peak_buffers,
+        "forwards": stats.forwards,
+        "backwards": stats.backwards,
+        "messages": stats.messages,
+    }
+
+
+def test_only_first_and_last_stage_read_data_and_1f1b_bounds_live_activations(dist_run) -> None:
+    results = dist_run(_data_and_buffers, 4)
+    assert [r["reads"] for r in results] == [2 * M, 0, 0, 2 * M]
+    assert [(r["first"], r["last"]) for r in results] == [(True, False), (False, False), (False, False), (False, True)]
+    assert len({r["loss"] for r in results}) == 1
+    for s, r in enumerate(results):
+        assert r["forwards"] == r["backwards"] == M
+        assert r["peak"] <= 4  # 1F1B: at most p micro-batches' activations held
+        assert r["peak"] == min(4 - s, M)
+    assert results[0]["messages"] > 0
+
+
+def _api(rank: int, world: int) -> dict:
+    from shardspeed.pipe.engine import PipelineEngine, PipelineError
+
+    engine = _engine(world, world, _config(0, "sgd", 0.0))
+    assert isinstance(engine, PipelineEngine)
+    errors = []
+    for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(torch.zeros(())), engine.step):
+        with pytest.raises(PipelineError, match=r"Only train_batch\(\) is accessible in pipeline mode"):
+            call()
+        errors.append(True)
+    batches = make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    ref = reference_model(**MODEL)
+    with torch.no_grad():
+        ref_loss = sum(float(ref.loss(t, lab)) for t, lab in zip(*(x.chunk(M) for x in batches[0]))) / M
+    loss = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))))
+    value, logits = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), return_logits=True)
+    per_micro = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), reduce_output=None)
+    no_bcast = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), bcast_loss=False)
+    return {
+        "errors": len(errors),
+        "loss": float(loss),
+        "ref": ref_loss,
+        "value": float(value),
+        "logits": None if logits is None else tuple(logits.shape),
+        "per_micro": per_micro.tolist(),
+        "no_bcast": None if no_bcast is None else float(no_bcast),
+        "steps": engine.global_steps,
+    }
+
+
+def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -> None:
+    first, last = dist_run(_api, 2)
+    for r in (first, last):
+        assert r["errors"] == 3
+        assert r["loss"] == pytest.approx(r["ref"], abs=1e-6)
+        assert r["value"] == r["loss"]
+        assert len(r["per_micro"]) == M and sum(r["per_micro"]) / M == pytest.approx(r["loss"], abs=1e-6)
+        assert r["steps"] == 0  # eval_batch does not step
+    assert first["logits"] is None and last["logits"] == (MB, MODEL["seq"], MODEL["vocab"])
+    assert first["no_bcast"] is None and last["no_bcast"] == pytest.approx(last["loss"], abs=1e-6)
+
+
+def _config_error(rank: int, world: int, pipeline: dict, v: int) -> str:
+    config = _config(1, "sgd", 0.0, **pipeline)
+    try:
+        _engine(world, world, config, virtual_stages=v)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "v", "expected"),
+    [
+        ({"schedule": "interleaved"}, 1, "needs a PipelineModule with virtual_stages >= 2"),
+        ({"schedule": "1f1b"}, 2, 'virtual_stages=2 (interleaved model chunks) but pipeline.schedule is "1f1b"'),
+        ({"zero_hold": "micro_batch"}, 1, 'zero_hold "micro_batch" cannot train weights tied across'),
+        ({"stages": 4}, 1, "pipeline.stages is 4 but the PipelineModule has 2 stages"),
+    ],
+)
+def test_configuration_errors_on_every_rank(dist_run, pipeline: dict, v: int, expected: str) -> None:
+    messages = dist_run(_config_error, 2, pipeline, v)
+    assert all(expected in m for m in messages), messages
