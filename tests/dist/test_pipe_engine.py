@@ -9,6 +9,7 @@ activation count under 1F1B, eval_batch, and the configuration errors.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -51,6 +52,8 @@ def _engine(
     tied: bool = True,
     virtual_stages: int = 1,
     n_blocks: int | None = None,
+    loss_fn: Any = gpt_loss_fn,
+    training_data: Any = None,
 ) -> Any:
     from shardspeed.pipe import PipelineModule
 
@@ -59,12 +62,12 @@ def _engine(
     module = PipelineModule(
         gpt_layers(**model, tied=tied),
         topology=topology,
-        loss_fn=gpt_loss_fn,
+        loss_fn=loss_fn,
         seed_layers=True,
         partition_method="uniform",
         virtual_stages=virtual_stages,
     )
-    engine, *_ = shardspeed.initialize(model=module, config=config)
+    engine, *_ = shardspeed.initialize(model=module, config=config, training_data=training_data)
     return engine
 
 
@@ -172,7 +175,8 @@ def test_only_first_and_last_stage_read_data_and_1f1b_bounds_live_activations(di
 def _api(rank: int, world: int) -> dict:
     from shardspeed.pipe.engine import PipelineEngine, PipelineError
 
-    engine = _engine(world, world, _config(0, "sgd", 0.0))
+    dataset = list(zip(*(x.unbind(0) for x in make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])[0])))
+    engine = _engine(world, world, _config(0, "sgd", 0.0), training_data=dataset)
     assert isinstance(engine, PipelineEngine)
     errors = []
     for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(torch.zeros(())), engine.step):
@@ -187,6 +191,15 @@ def _api(rank: int, world: int) -> dict:
     value, logits = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), return_logits=True)
     per_micro = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), reduce_output=None)
     no_bcast = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))), bcast_loss=False)
+    # Another micro-batch size: the activation shapes negotiated so far no longer hold until they are reset.
+    steps_after_eval = engine.global_steps
+    smaller = [(t[:1], lab[:1]) for t, lab in rank_iterator(batches, M, 0, 1)]
+    engine.reset_activation_shape()
+    with torch.no_grad():
+        ref_small = sum(float(ref.loss(t, lab)) for t, lab in smaller) / M
+    small = engine.eval_batch(iter(smaller))
+    engine.reset_activation_shape()
+    trained = engine.train_batch()  # no iterator: the engine's training data (initialize(training_data=...))
     return {
         "errors": len(errors),
         "loss": float(loss),
@@ -195,7 +208,11 @@ def _api(rank: int, world: int) -> dict:
         "logits": None if logits is None else tuple(logits.shape),
         "per_micro": per_micro.tolist(),
         "no_bcast": None if no_bcast is None else float(no_bcast),
-        "steps": engine.global_steps,
+        "steps": steps_after_eval,
+        "small": float(small),
+        "ref_small": ref_small,
+        "trained": float(trained),
+        "steps_after_train": engine.global_steps,
     }
 
 
@@ -207,6 +224,8 @@ def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -
         assert r["value"] == r["loss"]
         assert len(r["per_micro"]) == M and sum(r["per_micro"]) / M == pytest.approx(r["loss"], abs=1e-6)
         assert r["steps"] == 0  # eval_batch does not step
+        assert r["small"] == pytest.approx(r["ref_small"], abs=1e-6)  # renegotiated shapes
+        assert r["steps_after_train"] == 1 and r["trained"] == first["trained"]
     assert first["logits"] is None and last["logits"] == (MB, MODEL["seq"], MODEL["vocab"])
     assert first["no_bcast"] is None and last["no_bcast"] == pytest.approx(last["loss"], abs=1e-6)
 
@@ -236,3 +255,45 @@ def test_configuration_errors_on_every_rank(dist_run) -> None:
     for messages in dist_run(_config_errors, 2):
         for message, (_, _, expected) in zip(messages, CONFIG_ERRORS, strict=True):
             assert expected in message, message
+
+
+def _no_data(rank: int, world: int) -> str:
+    engine = _engine(world, world, _config(0, "sgd", 0.0))
+    try:
+        engine.train_batch()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_train_batch_without_data_is_a_clear_error(dist_run) -> None:
+    for message in dist_run(_no_data, 2):
+        assert "train_batch() has no data: pass data_iter" in message
+
+
+def _failing(rank: int, world: int) -> tuple[str, str, float]:
+    calls = [0]
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("loss exploded at micro-batch 2")
+        return gpt_loss_fn(logits, labels)
+
+    config = {**_config(1, "adamw", 0.05), "fault_tolerance": {"watch_interval_s": 0.1}}
+    engine = _engine(world, world, config, loss_fn=loss_fn)
+    batches = make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    start = time.monotonic()
+    try:
+        engine.train_batch(rank_iterator(batches, M, 0, 1))
+    except Exception as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return "none", "", 0.0
+
+
+def test_failure_inside_a_micro_batch_reaches_every_stage(dist_run) -> None:
+    """The last stage's loss raises mid-batch; the first stage, waiting for a gradient, raises too (no hang)."""
+    (first_type, first_msg, first_s), (last_type, last_msg, last_s) = dist_run(_failing, 2)
+    assert last_type == "RuntimeError" and "loss exploded at micro-batch 2" in last_msg
+    assert first_type == "PeerFailedError" and "loss exploded at micro-batch 2" in first_msg, first_msg
+    assert max(first_s, last_s) < 10.0
