@@ -17,7 +17,8 @@ before a consuming compute the plan receives every message the peer sends on tha
 needed one, in the peer's send order (it knows the peer's order: compute orders are pure functions of
 (m, p, s, v)). An early receive blocks no longer than the needed one would — the peer sent it first — so this adds
 no deadlock; it only fills a buffer slot a little sooner. Without interleaving each link carries one kind in
-micro-batch order and no early receive happens.
+micro-batch order, and Megatron's interleaved order consumes in send order too, so the built-in schedules never
+receive early (tested); the rule keeps any other consistent compute order (a subclass) FIFO-correct.
 
 Step layout: ``[sends of the previous compute…, receives…, LoadMicroBatch?, compute]``; a training schedule's last
 step is ``[trailing sends…, ReduceTiedGrads, ReduceGrads, OptimizerStep]``.
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import abc
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -98,6 +99,9 @@ class PipeSchedule(abc.ABC):
                 raise ValueError(f"{type(self).__name__}: {name} must be an integer >= {least}, got {value!r}")
         if not isinstance(stage_id, int) or not 0 <= stage_id < stages:
             raise ValueError(f"{type(self).__name__}: stage_id {stage_id!r} is not in [0, {stages})")
+        if chunks > 1 and stages < 2:
+            # A chunk would send to itself: interleaving exists to fill the bubble between stages.
+            raise ValueError(f"{type(self).__name__}: chunks={chunks} virtual stages need at least 2 pipeline stages")
         self.micro_batches = micro_batches
         self.stages = stages
         self.stage_id = stage_id
@@ -135,8 +139,9 @@ class PipeSchedule(abc.ABC):
 
     def _plan(self) -> _Plan:
         if self._cached_plan is None:
-            orders = [self.compute_order(s) for s in range(self.stages)]
-            self._cached_plan = _plan_stage(orders, self.stage_id, self.stages, self.chunks, train=self.train)
+            self._cached_plan = _plan_stage(
+                self.compute_order, self.stage_id, self.stages, self.chunks, train=self.train
+            )
         return self._cached_plan
 
 
@@ -185,8 +190,6 @@ class InterleavedSchedule(PipeSchedule):
         super().__init__(micro_batches, stages, stage_id, chunks)
         if chunks < 2:
             raise ValueError(f"InterleavedSchedule needs chunks >= 2 virtual stages per rank, got chunks={chunks}")
-        if stages < 2:
-            raise ValueError(f"InterleavedSchedule needs at least 2 pipeline stages, got stages={stages}")
         if micro_batches % stages:
             raise ValueError(
                 f"InterleavedSchedule: micro_batches={micro_batches} is not divisible by stages={stages} "
@@ -294,23 +297,27 @@ def _outgoing(order: list[ComputeOp], stage: int, stages: int, chunks: int) -> d
     return out
 
 
-def _plan_stage(orders: list[list[ComputeOp]], stage: int, stages: int, chunks: int, *, train: bool) -> _Plan:
-    """Place receives, sends, loads and slots around ``orders[stage]`` ([Note: where communication goes])."""
+def _plan_stage(
+    order_of: Callable[[int], list[ComputeOp]], stage: int, stages: int, chunks: int, *, train: bool
+) -> _Plan:
+    """Place receives, sends, loads and slots around ``order_of(stage)`` ([Note: where communication goes])."""
     last_virtual = stages * chunks - 1
-    incoming = {
-        peer: msgs
-        for peer in range(stages)
-        if (msgs := _outgoing(orders[peer], peer, stages, chunks).get(stage)) is not None
-    }
+    incoming: dict[int, list[_Msg]] = {}
+    for peer in {(stage - 1) % stages, (stage + 1) % stages} - {stage}:  # the only stages that send to this one
+        if (msgs := _outgoing(order_of(peer), peer, stages, chunks).get(stage)) is not None:
+            incoming[peer] = msgs
+    position = {peer: {msg: i for i, msg in enumerate(msgs)} for peer, msgs in incoming.items()}
     received = dict.fromkeys(incoming, 0)
     slots = _Slots()
     steps: list[tuple[PipeInstruction, ...]] = []
     pending: list[PipeInstruction] = []
 
     def receive_through(peer: int, needed: _Msg) -> list[PipeInstruction]:
-        link = incoming.get(peer, [])
-        if needed not in link[received.get(peer, 0) :]:
+        link, at = incoming.get(peer, []), position.get(peer, {}).get(needed)
+        if at is None:
             raise AssertionError(f"stage {stage}: stage {peer} never sends {needed} (compute orders disagree)")
+        if at < received[peer]:
+            return []  # received early, in the peer's send order, before an earlier consumer's message
         instructions: list[PipeInstruction] = []
         while True:
             msg = link[received[peer]]
@@ -321,7 +328,7 @@ def _plan_stage(orders: list[list[ComputeOp]], stage: int, stages: int, chunks: 
             if msg == needed:
                 return instructions
 
-    for op in orders[stage]:
+    for op in order_of(stage):
         step, pending = pending, []
         key = (op.micro_batch, op.chunk)
         virtual = op.chunk * stages + stage

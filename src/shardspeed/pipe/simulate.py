@@ -3,8 +3,9 @@
 ``simulate`` runs every stage's instruction stream with the semantics of ``instructions.py``: a send is posted at
 the sender's clock and arrives ``p2p_cost`` later; a receive blocks until the head of its link's queue arrived;
 forwards and backwards cost ``forward_cost`` / ``backward_cost`` divided by the chunks (a chunk is 1/v of the
-stage's layers); loads and step-level instructions cost nothing. Times are exact ``Fraction``s, so the bubble can
-be compared with its closed form exactly.
+stage's layers); loads and step-level instructions cost nothing. Times are exact (integer ticks of the costs'
+common denominator inside, ``Fraction``s in the result), so the bubble can be compared with its closed form
+exactly.
 
 Each stage runs until it blocks; the round-robin repeats until every stage is done or none can move (a deadlock).
 The result does not depend on that order: a stage's clock only ever takes the max of its own time and a message's
@@ -132,15 +133,15 @@ class _Stage:
         self.steps = 1 + max((i for i, _ in self.program), default=-1)
         self.buffers = schedule.num_pipe_buffers()
         self.pc = 0
-        self.clock = Fraction(0)
-        self.busy = Fraction(0)
+        self.clock = 0  # in integer ticks of 1/scale (see simulate): exact and fast
+        self.busy = 0
         self.slots: dict[int, _Slot] = {}
         self.peak = 0
         self.forwarded: set[tuple[int, int]] = set()
         self.backwarded: set[tuple[int, int]] = set()
         self.loaded: set[tuple[int, int]] = set()
         self.step_end: list[type] = []
-        self.timeline: list[TimeSlice] = []
+        self.timeline: list[tuple[int, int, PipeInstruction]] = []
 
     @property
     def done(self) -> bool:
@@ -157,10 +158,14 @@ def simulate(
     """Run all stages of one pipeline (``schedules[s]`` is stage s's); see the module docstring."""
     first = _check_shape(schedules)
     p, v, m = first.stages, first.chunks, first.micro_batches
-    costs = {ForwardPass: Fraction(forward_cost) / v, BackwardPass: Fraction(backward_cost) / v}
-    latency = Fraction(p2p_cost)
+    exact = {ForwardPass: Fraction(forward_cost) / v, BackwardPass: Fraction(backward_cost) / v}
+    scale = math.lcm(*(c.denominator for c in (*exact.values(), Fraction(p2p_cost))))
+    costs = {kind: int(c * scale) for kind, c in exact.items()}
+    latency = int(Fraction(p2p_cost) * scale)
+    if min(*costs.values(), latency) < 0:
+        raise ValueError(f"costs must be >= 0, got {forward_cost=}, {backward_cost=}, {p2p_cost=}")
     stages = [_Stage(s) for s in schedules]
-    links: dict[tuple[int, int], deque[tuple[tuple[str, int, int], Fraction]]] = {}
+    links: dict[tuple[int, int], deque[tuple[tuple[str, int, int], int]]] = {}
     while True:
         progressed = False
         for st in stages:
@@ -180,16 +185,20 @@ def simulate(
                 f"link stage {a} -> stage {b}: {len(queue)} message(s) never received, first {queue[0][0]}"
             )
     makespan = max(st.clock for st in stages)
+
+    def time(ticks: int) -> Fraction:
+        return Fraction(ticks, scale)
+
     return SimResult(
         stages=p,
         micro_batches=m,
         chunks=v,
-        makespan=makespan,
-        busy=tuple(st.busy for st in stages),
-        idle=tuple(makespan - st.busy for st in stages),
+        makespan=time(makespan),
+        busy=tuple(time(st.busy) for st in stages),
+        idle=tuple(time(makespan - st.busy) for st in stages),
         peak_buffers=tuple(st.peak for st in stages),
         steps=tuple(st.steps for st in stages),
-        timeline=tuple(tuple(st.timeline) for st in stages),
+        timeline=tuple(tuple(TimeSlice(time(a), time(b), ins) for a, b, ins in st.timeline) for st in stages),
     )
 
 
@@ -206,7 +215,7 @@ def _check_shape(schedules: Sequence[PipeSchedule]) -> PipeSchedule:
     return first
 
 
-def _execute(st: _Stage, p: int, v: int, m: int, costs: dict, latency: Fraction, links: dict) -> bool:
+def _execute(st: _Stage, p: int, v: int, m: int, costs: dict, latency: int, links: dict) -> bool:
     """Run the stage's current instruction; False when it must wait (a receive whose message has not been sent)."""
     _, ins = st.program[st.pc]
     train = type(st.schedule).train
@@ -315,8 +324,8 @@ def _release(st: _Stage, buffer: int) -> None:
     del st.slots[buffer]
 
 
-def _compute(st: _Stage, ins: PipeInstruction, cost: Fraction) -> None:
-    st.timeline.append(TimeSlice(st.clock, st.clock + cost, ins))
+def _compute(st: _Stage, ins: PipeInstruction, cost: int) -> None:
+    st.timeline.append((st.clock, st.clock + cost, ins))
     st.clock += cost
     st.busy += cost
 
