@@ -6,13 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+from harness import error_of
 from torch import nn
 
 from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.log import CommsLog
-from shardspeed.pipe import LayerSpec, PipeDataParallelTopology, PipelineModule, TiedLayerSpec
+from shardspeed.pipe import (
+    LayerSpec,
+    PipeDataParallelTopology,
+    PipelineModule,
+    PipeModelDataParallelTopology,
+    TiedLayerSpec,
+)
 from shardspeed.topology import MeshShape, Topology
 
 VOCAB, DIM = 11, 6
@@ -190,9 +198,10 @@ def test_interleaved_chunks_forward(dist_run) -> None:
     assert "chunk 2 out of range" in first["chunk_error"]
 
 
-def _pipe_by_data(rank: int, world: int) -> dict[str, Any]:
+def _pipe_by_data(rank: int, world: int, tensor: bool) -> dict[str, Any]:
     torch.manual_seed(100 + rank)  # forked ranks share the parent's RNG: make every rank draw its own weights
-    module = PipelineModule(_layers(), topology=PipeDataParallelTopology(num_pp=2, num_dp=2), seed_layers=False)
+    grid = PipeModelDataParallelTopology(2, 2, 1) if tensor else PipeDataParallelTopology(num_pp=2, num_dp=2)
+    module = PipelineModule(_layers(), topology=grid, seed_layers=False)
     tie = module.tied_weights()[0]
     probe = torch.tensor([float(rank)])
     dist.all_reduce(probe, group=tie.axis.group)
@@ -202,7 +211,7 @@ def _pipe_by_data(rank: int, world: int) -> dict[str, Any]:
     return {
         "shape": module.topology.shape,
         "stage": module.stage_id,
-        "data": module.topology.data.rank,
+        "replica": (module.topology.data.rank, module.topology.tensor.rank),
         "tie_ranks": tie.axis.ranks,
         "tie_rank": tie.axis.rank,
         "probe": probe.item(),
@@ -210,12 +219,41 @@ def _pipe_by_data(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_pipe2_by_data2_tie_groups(dist_run) -> None:
-    results = dist_run(_pipe_by_data, 4)
-    assert all(r["shape"] == MeshShape(pipe=2, data=2) for r in results)
-    assert [(r["stage"], r["data"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+@pytest.mark.parametrize("tensor", [False, True], ids=["pp2xdp2", "pp2xtp2"])
+def test_pipe2_by_data_or_tensor2_tie_groups(dist_run, tensor: bool) -> None:
+    results = dist_run(_pipe_by_data, 4, tensor)
+    shape = MeshShape(pipe=2, tensor=2) if tensor else MeshShape(pipe=2, data=2)
+    assert all(r["shape"] == shape for r in results)
+    replicas = [(0, 0), (0, 1)] if tensor else [(0, 0), (1, 0)]  # (data, tensor) index of ranks 0, 1 (and 2, 3)
+    assert [(r["stage"], r["replica"]) for r in results] == [(s, i) for s in (0, 1) for i in replicas]
     assert [r["tie_ranks"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert [r["tie_rank"] for r in results] == [0, 0, 1, 1]
     assert [r["probe"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # the groups reduce over exactly those ranks
     # seed_layers=False: each rank drew its own weights; construction synced each tie group from its owner stage
     assert [r["equal_to"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+class Fragile(Block):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        if not self.fc.weight.is_meta:
+            raise ValueError("out of memory (simulated)")
+
+
+def _bad_builds(rank: int, world: int) -> list[str]:
+    fragile = [*_layers()[:5], LayerSpec(Fragile, DIM), *_layers()[6:]]  # layer 5: on stage 1 only
+    uneven = [*_layers(), *([LayerSpec(Block, DIM)] * rank)]  # rank 1's list is longer: another partition
+    return [
+        error_of(lambda: PipelineModule(fragile, num_stages=2)),
+        error_of(lambda: PipelineModule(uneven, num_stages=2, partition_method="uniform")),
+    ]
+
+
+def test_a_failed_build_or_a_differing_partition_is_one_error_everywhere(dist_run) -> None:
+    first, last = dist_run(_bad_builds, 2)
+    assert first == last  # the same error on every rank, none left waiting in new_group
+    assert first[0] == (
+        "ValueError: pipeline stage 1 (rank 1) failed to build its layers: ValueError: out of memory (simulated)"
+    )
+    assert first[1].startswith("ValueError: the pipeline partition differs between ranks")
+    assert "rank 0 has parts/ties ([0, 4, 8]" in first[1] and "rank 1 ([0, 5, 9]" in first[1]

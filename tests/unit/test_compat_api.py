@@ -120,6 +120,13 @@ def test_pipe_imports_like_deepspeed_pipe() -> None:
     assert shardspeed.pipe.TiedLayerSpec is TiedLayerSpec
     assert resolve("deepspeed.pipe.PipelineModule") is PipelineModule
     assert resolve("deepspeed.runtime.pipe.ProcessTopology") is shardspeed.pipe.ProcessTopology
+    # Megatron-DeepSpeed's import paths reach the same module objects (one class identity)
+    from shardspeed.runtime.pipe.module import PipelineModule as runtime_class
+    from shardspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    assert runtime_class is PipelineModule
+    assert PipeModelDataParallelTopology is shardspeed.pipe.topology.PipeModelDataParallelTopology
+    assert importlib.import_module("shardspeed.runtime.pipe.topology") is shardspeed.pipe.topology
 
 
 def test_moe_attribute_is_a_clear_import_error() -> None:

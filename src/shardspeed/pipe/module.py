@@ -19,6 +19,7 @@ activation checkpoint's recompute replays it exactly).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -83,10 +84,14 @@ class PipelineModule(nn.Module):
 
         self.tied_modules = nn.ModuleDict()
         self._tied_attrs: dict[str, list[str]] = {}
-        # Per local chunk: (global layer index, the callable forward runs, what it is matched by).
-        self._chunks: list[list[tuple[int, Layer, Any]]] = [self._build_chunk(c) for c in range(virtual_stages)]
-
+        self._chunks: list[list[_Entry]] = []
+        failure: Exception | None = None
+        try:
+            self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
+        except Exception as exc:  # agreed below: the other stages must not wait in new_group for this one
+            failure = exc
         stages = tie_stages(specs, self.parts, self.num_stages)
+        _agree_construction(self.topology, (self.parts, stages), failure)
         axes = tie_groups(stages, self.topology)  # world-collective: every rank, same order
         self._tied: list[TiedWeight] = [
             TiedWeight(
@@ -101,9 +106,9 @@ class PipelineModule(nn.Module):
         self._sync_at_construction()
 
     # --- building ----------------------------------------------------------------------------------------------
-    def _build_chunk(self, chunk: int) -> list[tuple[int, Layer, Any]]:
+    def _build_chunk(self, chunk: int) -> list[_Entry]:
         start, stop = chunk_bounds(self.parts, self.num_stages, self.stage_id, chunk)
-        funcs: list[tuple[int, Layer, Any]] = []
+        funcs: list[_Entry] = []
         for idx in range(start, stop):
             layer = self._layer_specs[idx]
             if self.seed_layers:
@@ -119,18 +124,15 @@ class PipelineModule(nn.Module):
                         f"tied key '{layer.key}': layer {idx} ties {layer.tied_weight_attr}, an earlier occurrence "
                         f"ties {self._tied_attrs[layer.key]}"
                     )
-                module = self.tied_modules[layer.key]
-                func = module if layer.forward_fn is None else partial(layer.forward_fn, module)
-                funcs.append((idx, func, module))
+                funcs.append(_Entry(idx, f"tied_modules.{layer.key}", layer.forward_fn))
             elif isinstance(layer, LayerSpec):
-                module = layer.build()
-                self.add_module(str(idx), module)
-                funcs.append((idx, module, module))
+                self.add_module(str(idx), layer.build())
+                funcs.append(_Entry(idx, str(idx)))
             elif isinstance(layer, nn.Module):
                 self.add_module(str(idx), layer)
-                funcs.append((idx, layer, layer))
+                funcs.append(_Entry(idx, str(idx)))
             elif callable(layer):
-                funcs.append((idx, layer, layer))
+                funcs.append(_Entry(idx, None, None, layer))
             else:
                 raise TypeError(f"layer {idx} is a {type(layer).__name__}: expected a LayerSpec, nn.Module or callable")
         return funcs
@@ -150,7 +152,9 @@ class PipelineModule(nn.Module):
         layers ([Note: checkpointed ranges])."""
         if not 0 <= chunk < self.virtual_stages:
             raise ValueError(f"chunk {chunk} out of range: this module has {self.virtual_stages} chunk(s) per rank")
-        funcs = self._chunks[chunk]
+        # Modules are looked up by name on every call: a module replaced after construction (AutoTP swapping a
+        # layer, a wrapper) is the one that runs.
+        funcs = [self._resolve(entry) for entry in self._chunks[chunk]]
         if not funcs:
             raise RuntimeError(f"pipe rank {self.stage_id} holds no layers in chunk {chunk} (parts {self.parts})")
         interval = self.activation_checkpoint_interval
@@ -166,13 +170,21 @@ class PipelineModule(nn.Module):
                 x = _run_unpacked(piece, *args)
         return x
 
-    def _is_checkpointable(self, piece: list[tuple[int, Layer, Any]]) -> bool:
+    def _resolve(self, entry: _Entry) -> tuple[Layer, Any]:
+        """(what forward calls, what it is matched by) for one layer entry."""
+        if entry.path is None:
+            assert entry.func is not None
+            return entry.func, entry.func
+        module = self.get_submodule(entry.path)
+        return (module if entry.forward_fn is None else partial(entry.forward_fn, module)), module
+
+    def _is_checkpointable(self, piece: list[tuple[Layer, Any]]) -> bool:
         """[Note: checkpointed ranges] A range of ``activation_checkpoint_interval`` layers is recomputed in backward
         when every layer's class is in ``checkpointable_layers`` (when given), else when any layer has parameters
         (a range of parameter-free functions is cheaper to keep than to recompute), as DeepSpeed."""
         if self.checkpointable_layers is not None:
-            return all(layer_class_name(what) in self.checkpointable_layers for _, _, what in piece)
-        return any(isinstance(what, nn.Module) and any(True for _ in what.parameters()) for _, _, what in piece)
+            return all(layer_class_name(what) in self.checkpointable_layers for _, what in piece)
+        return any(isinstance(what, nn.Module) and any(True for _ in what.parameters()) for _, what in piece)
 
     # --- tied weights ------------------------------------------------------------------------------------------
     def tied_weights(self) -> list[TiedWeight]:
@@ -231,18 +243,63 @@ class PipelineModule(nn.Module):
 
     def chunk_layers(self, chunk: int = 0) -> list[int]:
         """Global indices of the layers in local chunk ``chunk``."""
-        return [idx for idx, _, _ in self._chunks[chunk]]
+        return [entry.index for entry in self._chunks[chunk]]
 
 
-def _run(funcs: list[tuple[int, Layer, Any]], x: Any) -> Any:
-    for _, func, _ in funcs:
+@dataclass(frozen=True)
+class _Entry:
+    """One layer of a chunk: its global index and where forward finds it — a registered module's path (with the
+    tied occurrence's ``forward_fn``), or a plain callable kept as is."""
+
+    index: int
+    path: str | None
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None
+    func: Layer | None = None
+
+
+def _run(funcs: list[tuple[Layer, Any]], x: Any) -> Any:
+    for func, _ in funcs:
         x = func(x)
     return x
 
 
-def _run_unpacked(funcs: list[tuple[int, Layer, Any]], *inputs: Any) -> Any:
+def _run_unpacked(funcs: list[tuple[Layer, Any]], *inputs: Any) -> Any:
     """A checkpointed range takes the tuple's members as arguments; a single one is passed on unwrapped."""
     return _run(funcs, inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _agree_construction(topology: Topology, plan: Any, failure: Exception | None) -> None:
+    """[Note: agreed construction] Building a layer happens on its stage only, so a layer that fails to build
+    raises on one stage while the others go on to the world-collective tie-group creation and wait there forever.
+    One all-gather over the world first: a build failure anywhere is the same error on every rank (naming the
+    stage, rank and error), and a partition that differs between ranks (a spec whose size is not deterministic) is
+    refused before any tie group pairs the wrong layers."""
+    world = topology.world
+    if world.size == 1:
+        if failure is not None:
+            raise failure
+        return
+    from shardspeed.comm.collectives import Collectives
+    from shardspeed.faults.errors import mark_agreed
+
+    mine = (topology.pipe.rank, plan, None if failure is None else (type(failure).__name__, str(failure)))
+    everyone: list[Any] = Collectives().all_gather_object(mine, world)
+    for index, (stage, _, error) in enumerate(everyone):
+        if error is not None:
+            kind = {"TypeError": TypeError, "ValueError": ValueError}.get(error[0], RuntimeError)
+            agreed = kind(
+                f"pipeline stage {stage} (rank {world.ranks[index]}) failed to build its layers: {error[0]}: {error[1]}"
+            )
+            raise mark_agreed(agreed) from failure
+    plans = [p for _, p, _ in everyone]
+    if any(p != plans[0] for p in plans):
+        index = next(i for i, p in enumerate(plans) if p != plans[0])
+        raise mark_agreed(
+            ValueError(
+                f"the pipeline partition differs between ranks (layer specs must build alike everywhere): rank "
+                f"{world.ranks[0]} has parts/ties {plans[0]}, rank {world.ranks[index]} {plans[index]}"
+            )
+        )
 
 
 def _staged_for(tensor: torch.Tensor, group: Any) -> torch.Tensor:
