@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from shardspeed.comm.collectives import Collectives
@@ -20,9 +21,10 @@ from shardspeed.topology import MeshShape, Topology
 CPU = torch.device("cpu")
 
 
-def _channel(**kwargs: Any) -> tuple[PipeChannel, CommsLog]:
+def _channel(board: bool = False, **kwargs: Any) -> tuple[PipeChannel, CommsLog]:
     log = CommsLog(enabled=True)
-    return PipeChannel(Collectives(log), CPU, **kwargs), log
+    waits = failure_board(FaultToleranceConfig(watch_interval_s=0.1)) if board else None
+    return PipeChannel(Collectives(log, waits), CPU, **kwargs), log
 
 
 def _message(step: int) -> tuple[torch.Tensor, ...]:
@@ -47,8 +49,10 @@ def _send_recv_mixed(rank: int, world: int) -> Any:
         for step in range(3):
             channel.send(_message(step), 1, "act")
         channel.wait_sends()
+        assert log.algorithmic_elements() == 3 * (6 + 6 + 4 + 1 + 3) + 64  # a message counts where it is sent
         return _counts(log), channel.stats.messages
     got = [channel.recv(0, "act") for _ in range(3)]
+    assert log.algorithmic_elements() == 0
     return _counts(log), [[(t.dtype, tuple(t.shape), t.requires_grad, t.detach().tolist()) for t in m] for m in got]
 
 
@@ -67,10 +71,11 @@ def test_tuple_of_mixed_tensors_negotiated_once(dist_run) -> None:
     assert messages == 3
 
 
-def _exchange_both_ways(rank: int, world: int) -> Any:
+def _exchange_both_ways(rank: int, world: int, board: bool) -> Any:
     """Each rank sends to the other and receives from it in one call, two streams on the same link (as under
-    interleaving), negotiating in the first call: the framing must survive rounds."""
-    channel, log = _channel()
+    interleaving), negotiating in the first call: the framing must survive rounds. With a failure board every wait
+    goes through it (gloo's p2p requests have no future: the board's helper thread waits them)."""
+    channel, log = _channel(board)
     peer = 1 - rank
     out = []
     for step in range(3):
@@ -87,14 +92,42 @@ def _exchange_both_ways(rank: int, world: int) -> Any:
     return out, _counts(log)
 
 
-def test_exchange_negotiates_two_streams_on_one_link(dist_run) -> None:
-    results = dist_run(_exchange_both_ways, 2)
+@pytest.mark.parametrize("board", [False, True], ids=["plain", "failure-board"])
+def test_exchange_negotiates_two_streams_on_one_link(dist_run, board: bool) -> None:
+    results = dist_run(_exchange_both_ways, 2, board)
     for rank, (out, counts) in enumerate(results):
         peer = 1 - rank
         for step in range(3):
             assert out[step] == [[[[float(peer * 10 + step)]] * 2], [[peer + 0.0, peer + 1.0, peer + 2.0], [1, 1]]]
         assert counts["send:pipe.act.meta"][0] == counts["send:pipe.grad.meta"][0] == 1
         assert counts["recv:pipe.act.meta"][0] == counts["recv:pipe.grad.meta"][0] == 1
+
+
+def _chain(rank: int, world: int) -> Any:
+    """A 4-stage chain in 1F1B's steady state: every stage at once sends its activation forward and a gradient
+    backward and receives both, in one exchange (the middle stages talk to two peers; the first call negotiates)."""
+    channel, _ = _channel()
+    prev, nxt = rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None
+    seen = []
+    for step in range(3):
+        act = (torch.full((2, 3), 100.0 * rank + step).requires_grad_(), torch.full((2,), rank, dtype=torch.int64))
+        grad = (torch.full((2, 3), -100.0 * rank - step),)
+        sends = ([(act, nxt, "act")] if nxt is not None else []) + ([(grad, prev, "grad")] if prev is not None else [])
+        recvs = ([(prev, "act")] if prev is not None else []) + ([(nxt, "grad")] if nxt is not None else [])
+        got = channel.exchange(sends, recvs)
+        seen.append([[float(t.flatten()[0]) for t in message] for message in got])
+    channel.wait_sends()
+    return seen
+
+
+def test_exchange_along_a_four_stage_chain(dist_run) -> None:
+    results = dist_run(_chain, 4)
+    for rank, seen in enumerate(results):
+        for step, got in enumerate(seen):
+            expected = ([[100.0 * (rank - 1) + step, rank - 1]] if rank > 0 else []) + (
+                [[-100.0 * (rank + 1) - step]] if rank < 3 else []
+            )
+            assert got == expected
 
 
 def _dynamic(rank: int, world: int) -> Any:
@@ -127,6 +160,10 @@ def _shape_change(rank: int, world: int) -> Any:
         channel.reset_shapes()
         channel.send((torch.ones(4, 8),), 1, "act")
         channel.wait_sends()
+        try:
+            channel.send((torch.ones(1),), 0, "act")
+        except ValueError as exc:
+            error += f" | {exc}"
         return error, _counts(log)["send:pipe.act.meta"][0]
     first = channel.recv(0, "act")[0]
     channel.reset_shapes()
@@ -139,6 +176,7 @@ def test_shape_change_is_an_error_and_reset_renegotiates(dist_run) -> None:
     assert "PipeChannel.send to rank 1 on stream 'act': tensor 0 is now float32[4, 8]" in error
     assert "negotiated float32[2, 8]" in error
     assert "dynamic_shape=True" in error and "reset_activation_shape()" in error
+    assert "peer 0 is not another rank of this world of 2" in error
     assert headers == 2
     assert received == ((2, 8), (4, 8), 32.0)
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from shardspeed.comm.collectives import Collectives, P2PWork
 from shardspeed.pipe.p2p_meta import (
@@ -100,21 +101,27 @@ class PipeChannel:
         self._received: dict[tuple[int, str], tuple[TensorMeta, ...]] = {}
         self._pending: list[P2PWork] = []  # posted sends, waited by wait_sends()
         self._stats = ChannelStats()
+        self._rank = dist.get_rank()
+        self._world = dist.get_world_size()
 
     # --- the API ----------------------------------------------------------------------------------------------------
     def send(self, tensors: Message, peer: int, stream: str) -> None:
-        """Post ``tensors`` to ``peer``; never blocks (the send completes by ``wait_sends()``)."""
+        """Post ``tensors`` to ``peer``; never blocks (the send completes by ``wait_sends()``). The tensors are sent
+        from their own storage where contiguous: do not modify them in place before ``wait_sends()``."""
         self._transfer([self._outgoing(tensors, peer, stream, "send")], [])
 
     def recv(self, peer: int, stream: str) -> Message:
         """Receive the next message of ``stream`` from ``peer`` (blocks): fresh tensors with the sender's shapes and
         dtypes, ``requires_grad`` where the sender's float tensor required grad."""
+        self._check_peer(peer, f"PipeChannel.recv from rank {peer} on stream {stream!r}")
         return self._transfer([], [_Incoming(peer, stream, 0)])[0]
 
     def exchange(self, sends: Sequence[tuple[Message, int, str]], recvs: Sequence[tuple[int, str]]) -> list[Message]:
         """Post every send and receive in one batch (rounds while negotiating); the received tuples in ``recvs``
         order. Sends complete by ``wait_sends()``."""
         outgoing = [self._outgoing(tensors, peer, stream, "exchange") for tensors, peer, stream in sends]
+        for peer, stream in recvs:
+            self._check_peer(peer, f"PipeChannel.exchange receiving from rank {peer} on stream {stream!r}")
         return self._transfer(outgoing, [_Incoming(peer, stream, i) for i, (peer, stream) in enumerate(recvs)])
 
     def wait_sends(self) -> None:
@@ -142,8 +149,13 @@ class PipeChannel:
         self._stats = ChannelStats()
 
     # --- preparing messages -------------------------------------------------------------------------------------------
+    def _check_peer(self, peer: int, where: str) -> None:
+        if not isinstance(peer, int) or peer == self._rank or not 0 <= peer < self._world:
+            raise ValueError(f"{where}: peer {peer!r} is not another rank of this world of {self._world}")
+
     def _outgoing(self, tensors: Message, peer: int, stream: str, call: str) -> _Outgoing:
         where = f"PipeChannel.{call} to rank {peer} on stream {stream!r}"
+        self._check_peer(peer, where)
         metas = describe(tensors, where)
         key = (peer, stream)
         header = None
@@ -254,6 +266,10 @@ class PipeChannel:
         self._stats.post_s += posted - start
         self._stats.bytes += sum(t.numel() * t.element_size() for t, _, _ in (*sends, *recvs))
         if sends:
+            # Completed sends are dropped as later ones are posted, so a caller that waits rarely holds only the
+            # tensors still in flight.
+            while self._pending and self._pending[0].sends.done():
+                self._pending.pop(0)
             self._pending.append(work)
         if recvs:
             work.recvs.wait()
