@@ -144,6 +144,82 @@ def test_pipeline_step_matches_gradient_accumulation(dist_run, stage: int, varia
     5 interleaved pipeline steps equal 5 plain accumulation steps."""
     tolerance = 1e-5
     for r in dist_run(_parity, 2, stage, variant):
-        print("FIG", stage, variant, r)
         assert r["moved"] > 1e-3  # training really changed the parameters
         assert r["diff"] <= tolerance, r
+
+
+WIDTH = 8  # every parameter has an even size: no padding at N = 2, so the byte figures are exact
+
+
+def _even_engine(stage: int) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 4)
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": M,
+        "optimizer": optimizer_config("sgd", LR),  # momentum: K = 4 bytes per element
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+        "comms_logger": {"enabled": True},
+    }
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _traffic(engine: Any) -> float:
+    """Algorithmic elements of gradient reductions and parameter gathers so far (not the step's scalar checks)."""
+    totals = engine.comms_log.totals
+    return sum(t.algorithmic_elements for key, t in totals.items() if key.split(":")[-1] in ("grads", "params"))
+
+
+def _states_bytes(engine: Any) -> int:
+    breakdown = dict(engine.memory_breakdown())
+    breakdown.pop("peak_bucket_bytes")
+    return sum(breakdown.values())
+
+
+def _figures(rank: int, world: int, stage: int) -> dict[str, Any]:
+    engine = _even_engine(stage)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(MB * M * world, WIDTH, generator=g), torch.randn(MB * M * world, 4, generator=g))]
+    x, y = batches[0]
+    pipeline_step(engine, x, y, rank, world, 0)  # the first step plans the layout and creates optimizer states
+    during: dict[str, int] = {}
+    before = _traffic(engine)
+    pipeline_step(engine, x, y, rank, world, 1, modify=lambda s: during.update(bytes=_states_bytes(engine)))
+    held_traffic = _traffic(engine) - before
+    at_rest = _states_bytes(engine)
+    before = _traffic(engine)
+    pipeline_step(engine, x, y, rank, world, 2, mode="micro_batch")
+    states = engine.states
+    return {
+        "psi": states.padded_numel,
+        "numel": 2 * (WIDTH * WIDTH + WIDTH) + 4 * WIDTH + 4,  # the model's parameters (placeholders at stage 3)
+        "held_traffic": held_traffic,
+        "micro_traffic": _traffic(engine) - before,
+        "during": during["bytes"],
+        "at_rest": at_rest,
+        "after_micro": _states_bytes(engine),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pipeline_traffic_and_memory_match_formulas(dist_run, stage: int) -> None:
+    """Per step, from the comms log: held — one reduction (2Ψ(N−1)/N in all at every stage: stage 3 gathers each
+    unit once); per micro-batch — M gradient reductions (stage 3: a gather per use). Model-state bytes from
+    ``memory_breakdown()``: at rest the ZeRO table on Ψ_stage, during the held step plus the held gradients
+    (stage 2, 3) and the gathered stage (3)."""
+    for r in dist_run(_figures, 2, stage):
+        psi = r["psi"]
+        assert psi == r["numel"]  # no padding: the figures below are exact
+        assert r["held_traffic"] == pipeline_step_traffic(psi, 2, stage, hold=True, micro_batches=M)
+        assert r["held_traffic"] == psi  # 2Ψ(N−1)/N at N = 2, whatever the stage
+        assert r["micro_traffic"] == pipeline_step_traffic(psi, 2, stage, hold=False, micro_batches=M)
+        want = pipeline_model_state_bytes(psi, 2, stage, precision="fp32", optimizer_state_bytes_per_param=4)
+        assert r["at_rest"] == want.at_rest.total() == r["after_micro"]
+        assert r["during"] == want.during_step()
+        if stage == 3:
+            assert want.at_rest.total() == 12 * psi // 2  # 12Ψ/N with SGD momentum (16Ψ/N with Adam)
+            assert want.during_step() == 12 * psi // 2 + 8 * psi  # + the gathered stage + its fp32 held gradients

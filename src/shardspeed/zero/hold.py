@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FlatHold", "unknown_name_error"]
+__all__ = ["FlatHold", "Stage3Hold", "unknown_name_error"]
 
 
 def unknown_name_error(name: str, names: list[str]) -> KeyError:
@@ -73,3 +73,26 @@ class FlatHold:
     def abort_hold(self) -> None:
         self.reducer.abort_backward()  # type: ignore[attr-defined]
         self.zero_grads()  # type: ignore[attr-defined]
+
+
+class Stage3Hold:
+    """ZeRO-3's side of the hold (Stage3States mixes it in): the runtime keeps units gathered, ``UnitGrads`` hold."""
+
+    def begin_hold(self) -> None:
+        self.reducer.begin_hold()  # type: ignore[attr-defined]
+
+    def held_grad(self, name: str) -> torch.Tensor:
+        for unit, grads in zip(self.units, self.grads):  # type: ignore[attr-defined]
+            if name in unit.names:
+                i = unit.names.index(name)
+                if i in grads.trainable:
+                    return grads.held_view(i)
+        raise unknown_name_error(name, [n for u in self.units for n in u.names])  # type: ignore[attr-defined]
+
+    def reduce_held(self) -> None:
+        self.reducer.reduce_held()  # type: ignore[attr-defined]
+
+    def abort_hold(self) -> None:
+        self.reducer.abort_backward()  # type: ignore[attr-defined]
+        self.zero_grads()  # type: ignore[attr-defined]
+        self.reducer.end_hold()  # type: ignore[attr-defined]
