@@ -3,7 +3,7 @@
 Owns what happens between optimizer steps: scaling the loss by 1/GAS (× fp16's loss scale), telling the stage's
 reducer whether this backward is the accumulation boundary (and whether to communicate at all under
 ``no_sync()``), counting micro-steps, and calling the ``StepCore`` on the boundary. The pipeline's ``train_batch``
-will be a second driver over the same step core.
+is a second driver over the same step core (``pipe_driver.py``, a subclass: same counters and boundary step).
 """
 
 from __future__ import annotations
