@@ -299,3 +299,86 @@ def test_failure_inside_a_micro_batch_reaches_every_stage(dist_run) -> None:
     assert last_type == "RuntimeError" and "loss exploded at micro-batch 2" in last_msg
     assert first_type == "PeerFailedError" and "loss exploded at micro-batch 2" in first_msg, first_msg
     assert max(first_s, last_s) < 10.0
+
+
+def _zero_composed(rank: int, world: int, zero: int, hold: str, tied: bool) -> tuple[float, float]:
+    engine = _engine(world, 2, _config(zero, "adamw", 0.05, zero_hold=hold), tied=tied)
+    dp = world // 2
+    batches = make_batches(STEPS, M, MB, dp, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    it = rank_iterator(batches, M, engine.topology.data.rank, dp)
+    losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
+    ref = reference_model(**MODEL, tied=tied)
+    ref_losses = reference_train(
+        ref, batches, torch_optimizer("adamw", ref.parameters(), LR["adamw"]), micro_batches=M, clip=0.05
+    )
+    full = engine.module_state_dict()  # gathered under ZeRO-3, over the pipe axis too
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in engine.module.named_parameters()]
+    diff = max(float((full[n].float() - ref_params[n].detach()).abs().max()) for n in names)
+    return max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), diff
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("zero", "hold", "tied"),
+    [(2, "step", True), (3, "step", True), (2, "micro_batch", False), (3, "micro_batch", False)],
+)
+def test_pp2_dp2_zero2_zero3_parity(dist_run, zero: int, hold: str, tied: bool) -> None:
+    for loss_diff, param_diff in dist_run(_zero_composed, 4, zero, hold, tied):
+        assert loss_diff <= 1e-5 and param_diff <= 1e-5, (loss_diff, param_diff)
+
+
+def _checkpoint_across_degrees(rank: int, world: int, save_dir: str) -> tuple[list[float], list[float]]:
+    batches = make_batches(4, M, MB, 2, vocab=MODEL["vocab"], seq=MODEL["seq"])
+
+    def run(engine: Any, steps: range) -> list[float]:
+        dp = engine.topology.data.size
+        mine = rank_iterator([batches[i] for i in steps], M * 2 // dp, engine.topology.data.rank, dp)
+        return [float(engine.train_batch(mine)) for _ in steps]
+
+    def config(dp: int) -> dict:  # the same global batch at every degree: micro-batches × data ranks = 2M
+        return {**_config(1, "adamw", 0.05), "gradient_accumulation_steps": M * 2 // dp}
+
+    pp2 = _engine(world, 2, config(1))
+    run(pp2, range(2))
+    pp2.save_checkpoint(save_dir, tag="two")
+    expected = run(pp2, range(2, 4))
+    pp1 = _engine(world, 1, config(2))
+    pp1.load_checkpoint(save_dir, tag="two")
+    return expected, run(pp1, range(2, 4))
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_pp2_continues_at_pp1(dist_run, tmp_path) -> None:
+    """The pipeline engine's save/load (checkpoint/pipe_stages.py): a PP=2 checkpoint continues at PP=1 × DP=2
+    with the losses the PP=2 run went on to have."""
+    for expected, continued in dist_run(_checkpoint_across_degrees, 2, str(tmp_path / "ckpt")):
+        assert continued == pytest.approx(expected, abs=1e-5)
+
+
+def _reduced_precision(rank: int, world: int, dtype: str) -> dict:
+    config = {**_config(0, "adamw", 0.05), dtype: {"enabled": True}}
+    if dtype == "fp16":
+        config["fp16"]["initial_scale_power"] = 8
+    engine = _engine(world, 2, config)
+    batches = make_batches(3, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    losses = [float(engine.train_batch(rank_iterator(batches[i : i + 1], M, 0, 1))) for i in range(3)]
+    ref = reference_model(**MODEL)
+    ref_losses = reference_train(
+        ref, batches, torch_optimizer("adamw", ref.parameters(), LR["adamw"]), micro_batches=M, clip=0.05
+    )
+    return {
+        "diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "skipped": engine.skipped_steps,
+        "dtype": str(next(engine.module.parameters()).dtype),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_bf16_fp16_train_close_to_fp32_reference(dist_run, dtype: str) -> None:
+    """Reduced precision: the first stage's token ids pass, activations travel in the compute dtype, fp16's loss
+    scale multiplies the last stage's loss and the norm is unscaled by it (no step skipped at a moderate scale)."""
+    for r in dist_run(_reduced_precision, 2, dtype):
+        assert r["skipped"] == 0 and r["dtype"] == f"torch.{'bfloat16' if dtype == 'bf16' else 'float16'}"
+        assert r["diff"] < 2e-2, r["diff"]
