@@ -22,6 +22,12 @@ nobody received.
 exactly (p − 1)(f + b) out of a makespan (m + p − 1)(f + b), a bubble of (p − 1)/(m + p − 1). Interleaving with v
 chunks per rank shrinks the ramp to (p − 1)(f + b)/v, so the bubble is (p − 1)/(v·m + p − 1) — Megatron's figure —
 and the simulator reproduces it exactly for Megatron's order (tests/unit/test_pipe_simulate.py sweeps p, m, v).
+Megatron's warm-up, 2·(p − s − 1) + (v − 1)·p forwards, is p − s − 1 more than that bubble needs: a warm-up of
+(p − s − 1) + (v − 1)·p gives the same exact bubble with p − s − 1 fewer live chunk activations when p2p is free.
+The extra forwards pay for latency: with a p2p latency c ≤ f/v (one chunk's forward) Megatron's order still
+finishes in exactly 3m + 3(p − 1)/v + 2(p·v − 1)·c — the compute plus one micro-batch's unavoidable round trip
+through the p·v − 1 links — while the leaner warm-up stalls on every round trip (p = 4, m = 8, v = 2, c = 1/2:
+87/2 against 71/2). Both facts are asserted in the tests; we keep Megatron's order.
 """
 
 from __future__ import annotations
