@@ -257,3 +257,29 @@ def test_a_failed_build_or_a_differing_partition_is_one_error_everywhere(dist_ru
     )
     assert first[1].startswith("ValueError: the pipeline partition differs between ranks")
     assert "rank 0 has parts/ties ([0, 4, 8]" in first[1] and "rank 1 ([0, 5, 9]" in first[1]
+
+
+def _loose_bias(rank: int, world: int) -> dict[str, Any]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("shardspeed").addHandler(Keep())
+    layers = [TiedLayerSpec("proj", nn.Linear, DIM, DIM), LayerSpec(Block, DIM), TiedLayerSpec("proj", nn.Linear, DIM, DIM)]
+    module = PipelineModule(layers, num_stages=2, partition_method="uniform")
+    return {"copies": sorted(module.tied_copy_names()), "names": module.tied_weights()[0].names, "warnings": records}
+
+
+def test_untied_parameters_of_a_tied_module_are_copies_too(dist_run) -> None:
+    first, last = dist_run(_loose_bias, 2)
+    assert first["names"] == last["names"] == ("tied_modules.proj.weight",)  # what is synced and summed
+    assert first["copies"] == [] and last["copies"] == ["tied_modules.proj.bias", "tied_modules.proj.weight"]
+    assert first["warnings"] == [
+        "tied key 'proj' is held by stages [0, 1] but ['tied_modules.proj.bias'] are not in its tied_weight_attr: "
+        "each stage's copy of those trains on its own (the owner's is checkpointed and counted in the norm)"
+    ]
+    assert last["warnings"] == []

@@ -180,11 +180,13 @@ def test_bad_arguments_name_the_culprit(kwargs: dict[str, Any], error: type[Exce
 def test_bad_layers_and_chunks() -> None:
     with pytest.raises(TypeError, match=r"layer 1 is a int: expected a LayerSpec, nn.Module or callable"):
         PipelineModule([LayerSpec(nn.Linear, 2, 2), 3], num_stages=1, partition_method="uniform")
-    with pytest.raises(ValueError, match=r"tied key 'e': layer 1 ties \['bias'\], an earlier occurrence ties"):
+    with pytest.raises(ValueError, match=r"tied key 'e': layer 1 is Linear tying \['bias'\], layer 0 is Linear tying"):
         PipelineModule(
             [TiedLayerSpec("e", nn.Linear, 2, 2), TiedLayerSpec("e", nn.Linear, 2, 2, tied_weight_attr="bias")],
             num_stages=1,
         )
+    with pytest.raises(ValueError, match=r"tied_weight_attr 'weights' reaches no parameter .*\['bias', 'weight'\]"):
+        PipelineModule([TiedLayerSpec("e", nn.Linear, 2, 2, tied_weight_attr="weights")], num_stages=1)
     module = PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1)
     with pytest.raises(ValueError, match=r"chunk 1 out of range: this module has 1 chunk\(s\) per rank"):
         module(torch.zeros(1, 2), chunk=1)
@@ -196,3 +198,44 @@ def test_a_layer_replaced_after_construction_is_the_one_that_runs() -> None:
     setattr(module, "1", Scale())
     x = torch.randn(3, 2)
     assert torch.equal(module(x), 2 * x)
+
+
+def test_built_under_zero_init_equals_a_plain_build() -> None:
+    """Counting parameters builds every layer on meta inside ``zero.Init`` too; the recorded initialization (and so
+    the materialized stage-3 model) must still be bitwise the plain build's."""
+    import shardspeed
+
+    plain = PipelineModule(_layers(), num_stages=1, seed_layers=True)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    with shardspeed.zero.Init(config_dict_or_path=config):
+        lazy = PipelineModule(_layers(), num_stages=1, seed_layers=True)
+    engine, *_ = shardspeed.initialize(model=lazy, model_parameters=lazy.parameters(), config=config)
+    materialized = engine.state_dict()
+    assert all(torch.equal(materialized[f"module.{name}"], value) for name, value in plain.state_dict().items())
+    engine.destroy()
+
+
+class EmbeddingPipe(nn.Module):
+    """Megatron-DeepSpeed's shape: the tied weight reached through a property, positions beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(9, 4)
+        self.positions = nn.Parameter(torch.zeros(3, 4))
+
+    @property
+    def word_embeddings_weight(self) -> nn.Parameter:
+        return self.word_embeddings.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(ids) + self.positions[: ids.shape[-1]]
+
+
+def test_tied_weight_attr_may_be_a_property_or_a_dotted_path() -> None:
+    for attr in ("word_embeddings_weight", "word_embeddings.weight"):
+        module = PipelineModule([TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=attr)], num_stages=1)
+        assert module.tied_weights()[0].names == ("tied_modules.embed.word_embeddings.weight",)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.checkpointing import checkpoint as default_checkpoint
+from shardspeed.log import logger
 from shardspeed.pipe.partition import chunk_bounds, owner_of, partition_layers
 from shardspeed.pipe.spec import LayerSpec, TiedLayerSpec, layer_class_name
 from shardspeed.pipe.tied import TiedWeight, tie_groups, tie_stages
@@ -83,14 +84,14 @@ class PipelineModule(nn.Module):
         self._local_start, self._local_stop = chunk_bounds(self.parts, self.num_stages, self.stage_id, 0)
 
         self.tied_modules = nn.ModuleDict()
-        self._tied_attrs: dict[str, list[str]] = {}
+        self._tied_attrs: dict[str, list[str]] = {}  # key → its tied parameters' names within the module
         self._chunks: list[list[_Entry]] = []
+        stages = tie_stages(specs, self.parts, self.num_stages)  # pure: raises alike on every rank
         failure: Exception | None = None
         try:
             self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
         except Exception as exc:  # agreed below: the other stages must not wait in new_group for this one
             failure = exc
-        stages = tie_stages(specs, self.parts, self.num_stages)
         _agree_construction(self.topology, (self.parts, stages), failure)
         axes = tie_groups(stages, self.topology)  # world-collective: every rank, same order
         self._tied: list[TiedWeight] = [
@@ -104,6 +105,7 @@ class PipelineModule(nn.Module):
             for key in sorted(axes)
         ]
         self._sync_at_construction()
+        self._warn_untied_parameters()
 
     # --- building ----------------------------------------------------------------------------------------------
     def _build_chunk(self, chunk: int) -> list[_Entry]:
@@ -117,13 +119,7 @@ class PipelineModule(nn.Module):
                 raise TypeError(f"layer {idx} is a PipelineModule: nested pipeline modules are not supported")
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = layer.build()
-                    self._tied_attrs[layer.key] = list(layer.tied_weight_attr)
-                elif self._tied_attrs[layer.key] != list(layer.tied_weight_attr):
-                    raise ValueError(
-                        f"tied key '{layer.key}': layer {idx} ties {layer.tied_weight_attr}, an earlier occurrence "
-                        f"ties {self._tied_attrs[layer.key]}"
-                    )
+                    self.tied_modules[layer.key], self._tied_attrs[layer.key] = _checked_tied(layer, idx)
                 funcs.append(_Entry(idx, f"tied_modules.{layer.key}", layer.forward_fn))
             elif isinstance(layer, LayerSpec):
                 self.add_module(str(idx), layer.build())
@@ -192,8 +188,15 @@ class PipelineModule(nn.Module):
         return list(self._tied)
 
     def tied_copy_names(self) -> frozenset[str]:
-        """Parameter names here that copy a weight another stage owns (``params.TiedCopyProvider``)."""
-        return frozenset(n for tie in self._tied if tie.owner != self.stage_id for n in tie.names)
+        """Parameter names here that copy a weight another stage owns (``params.TiedCopyProvider``): every
+        parameter of a tied module whose owner is another stage, its untied ones too — the owner's are the model's
+        (counted in the norm, written to checkpoints), as DeepSpeed marks the whole module ``ds_pipe_replicated``."""
+        return frozenset(
+            f"tied_modules.{tie.key}.{name}"
+            for tie in self._tied
+            if tie.owner != self.stage_id
+            for name, _ in self.tied_modules[tie.key].named_parameters()
+        )
 
     def sync_tied_weights(self, collectives: Any) -> None:
         """Broadcast each tied weight from its owner stage over its tie group (collective over the tie groups)."""
@@ -221,6 +224,28 @@ class PipelineModule(nn.Module):
                     if staged is not param.data:
                         param.data.copy_(staged)
 
+    def _warn_untied_parameters(self) -> None:
+        """A tied module held by several stages whose trainable parameters are not all in ``tied_weight_attr``:
+        those are per-stage copies nobody keeps equal (as in DeepSpeed; Megatron's position embeddings beside the
+        tied word embeddings get no gradient on the head's stage, so they stay equal). Said once, by the owner."""
+        for tie in self._tied:
+            if tie.owner != self.stage_id or len(tie.stages) == 1:
+                continue
+            tied = set(tie.names)
+            loose = [
+                f"tied_modules.{tie.key}.{n}"
+                for n, p in self.tied_modules[tie.key].named_parameters()
+                if p.requires_grad and f"tied_modules.{tie.key}.{n}" not in tied
+            ]
+            if loose and self.topology.data.rank == 0 and self.topology.tensor.rank == 0:
+                logger.warning(
+                    "tied key '%s' is held by stages %s but %s are not in its tied_weight_attr: each stage's copy "
+                    "of those trains on its own (the owner's is checkpointed and counted in the norm)",
+                    tie.key,
+                    list(tie.stages),
+                    loose,
+                )
+
     # --- DeepSpeed's accessors ---------------------------------------------------------------------------------
     def partitions(self) -> list[int]:
         return list(self.parts)
@@ -244,6 +269,26 @@ class PipelineModule(nn.Module):
     def chunk_layers(self, chunk: int = 0) -> list[int]:
         """Global indices of the layers in local chunk ``chunk``."""
         return [entry.index for entry in self._chunks[chunk]]
+
+
+def _checked_tied(spec: TiedLayerSpec, idx: int) -> tuple[nn.Module, list[str]]:
+    """The key's module, built, and the parameter names of its ``tied_weight_attr``: each attribute is a dotted
+    path (DeepSpeed resolves it with getattr, so a property returning a parameter works: Megatron-DeepSpeed's
+    ``word_embeddings_weight``) that must reach one of the module's parameters; its name is the parameter's own."""
+    module = spec.build()
+    by_id = {id(p): name for name, p in module.named_parameters()}
+    names: list[str] = []
+    for attr in spec.tied_weight_attr:
+        target: Any = module
+        for part in attr.split("."):
+            target = getattr(target, part, None)
+        if not isinstance(target, nn.Parameter) or id(target) not in by_id:
+            raise ValueError(
+                f"tied key '{spec.key}' (layer {idx}, {spec.typename.__name__}): tied_weight_attr '{attr}' reaches "
+                f"no parameter of the module (its parameters: {sorted(by_id.values())})"
+            )
+        names.append(by_id[id(target)])
+    return module, names
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,23 @@ class TiedWeight:
 
 
 def tie_stages(layers: Sequence[Any], parts: Sequence[int], num_stages: int) -> dict[str, tuple[int, ...]]:
-    """Pipe indices holding each tied key (keys sorted), from the layer list and partition alone (pure)."""
+    """Pipe indices holding each tied key (keys sorted), from the layer list and partition alone (pure). Every
+    occurrence of a key must name the same class and tied attributes — each stage builds the key's module from
+    its own first occurrence, and the stages' copies must be the same parameters — else a ValueError naming both
+    layers (raised alike on every rank, before any group exists)."""
     stages: dict[str, set[int]] = {}
+    first: dict[str, tuple[int, TiedLayerSpec]] = {}
     for idx, layer in enumerate(layers):
-        if isinstance(layer, TiedLayerSpec):
-            stages.setdefault(layer.key, set()).add(owner_of(idx, parts, num_stages)[0])
+        if not isinstance(layer, TiedLayerSpec):
+            continue
+        seen = first.setdefault(layer.key, (idx, layer))
+        if (seen[1].typename, seen[1].tied_weight_attr) != (layer.typename, layer.tied_weight_attr):
+            raise ValueError(
+                f"tied key '{layer.key}': layer {idx} is {layer.typename.__name__} tying {layer.tied_weight_attr}, "
+                f"layer {seen[0]} is {seen[1].typename.__name__} tying {seen[1].tied_weight_attr}: every occurrence "
+                f"of a key must build the same module"
+            )
+        stages.setdefault(layer.key, set()).add(owner_of(idx, parts, num_stages)[0])
     return {key: tuple(sorted(stages[key])) for key in sorted(stages)}
 
 
