@@ -151,7 +151,12 @@ def test_dynamic_shapes_send_a_header_every_message(dist_run) -> None:
 def _shape_change(rank: int, world: int) -> Any:
     channel, log = _channel()
     if rank == 0:
-        channel.send((torch.zeros(2, 8),), 1, "act")
+        try:  # refused as a whole: the first message's negotiation is not recorded either
+            channel.exchange([((torch.zeros(2, 8),), 1, "act"), ((torch.zeros(1), None), 1, "act")], [])
+        except TypeError as exc:
+            refused = str(exc)
+        assert "element 1 of the tuple is NoneType" in refused
+        channel.send((torch.zeros(2, 8),), 1, "act")  # so this one still carries the header
         try:
             channel.send((torch.zeros(4, 8),), 1, "act")
             error = "no error"

@@ -17,6 +17,12 @@ shares an NCCL batch with the header it depends on (one coalesced request: the r
 the header before its whole batch, which would contain data the sender has not yet been able to send, completes).
 Once negotiated, a call is one round.
 
+What the channel cannot change: under NCCL a rank's batches run in posting order on one stream and a send (beyond
+what NCCL buffers) completes only when its receive is posted, so a lone ``send`` still holds back that rank's later
+receives until the peer receives it. A schedule whose correctness relies on sends completing alone (the simulator's
+model, and gloo's) may deadlock there with large messages; ``tests/unit/test_pipe_p2p_rounds.py`` models these
+semantics on threads.
+
 Partitioned messages (``partition``: the tensor axis; DeepSpeed's ``pipe_partitioned`` / ``grad_partitioned``): the
 tensor ranks of a stage hold the same activation, so each sends only its 1/T slice of every float tensor to the same
 tensor rank of the peer stage, and the receivers all-gather the slices over the tensor axis: p2p bytes drop to 1/T,
@@ -108,7 +114,7 @@ class PipeChannel:
     def send(self, tensors: Message, peer: int, stream: str) -> None:
         """Post ``tensors`` to ``peer``; never blocks (the send completes by ``wait_sends()``). The tensors are sent
         from their own storage where contiguous: do not modify them in place before ``wait_sends()``."""
-        self._transfer([self._outgoing(tensors, peer, stream, "send")], [])
+        self._transfer(self._prepare([(tensors, peer, stream)], "send"), [])
 
     def recv(self, peer: int, stream: str) -> Message:
         """Receive the next message of ``stream`` from ``peer`` (blocks): fresh tensors with the sender's shapes and
@@ -119,7 +125,7 @@ class PipeChannel:
     def exchange(self, sends: Sequence[tuple[Message, int, str]], recvs: Sequence[tuple[int, str]]) -> list[Message]:
         """Post every send and receive in one batch (rounds while negotiating); the received tuples in ``recvs``
         order. Sends complete by ``wait_sends()``."""
-        outgoing = [self._outgoing(tensors, peer, stream, "exchange") for tensors, peer, stream in sends]
+        outgoing = self._prepare(sends, "exchange")
         for peer, stream in recvs:
             self._check_peer(peer, f"PipeChannel.exchange receiving from rank {peer} on stream {stream!r}")
         return self._transfer(outgoing, [_Incoming(peer, stream, i) for i, (peer, stream) in enumerate(recvs)])
@@ -153,20 +159,27 @@ class PipeChannel:
         if not isinstance(peer, int) or peer == self._rank or not 0 <= peer < self._world:
             raise ValueError(f"{where}: peer {peer!r} is not another rank of this world of {self._world}")
 
-    def _outgoing(self, tensors: Message, peer: int, stream: str, call: str) -> _Outgoing:
-        where = f"PipeChannel.{call} to rank {peer} on stream {stream!r}"
-        self._check_peer(peer, where)
-        metas = describe(tensors, where)
-        key = (peer, stream)
-        header = None
-        if self.dynamic_shape or key not in self._sent:
-            values = encode_header(metas, stream)
-            header = torch.tensor(values, dtype=torch.int64, device=self.device)
-            self._sent[key] = metas
-        elif self._sent[key] != metas:
-            raise ValueError(_shape_change(where, self._sent[key], metas))
-        wire = [self._wire_out(t, meta) for t, meta in zip(tensors, metas, strict=True) if meta.numel > 0]
-        return _Outgoing(peer, stream, header, wire)
+    def _prepare(self, sends: Sequence[tuple[Message, int, str]], call: str) -> list[_Outgoing]:
+        """Check every message of a call, then record what it negotiates: a call refused for one message leaves
+        the negotiated metas as they were (its peers never see any of it)."""
+        negotiated: dict[tuple[int, str], tuple[TensorMeta, ...]] = {}
+        outgoing = []
+        for tensors, peer, stream in sends:
+            where = f"PipeChannel.{call} to rank {peer} on stream {stream!r}"
+            self._check_peer(peer, where)
+            metas = describe(tensors, where)
+            key = (peer, stream)
+            known = negotiated.get(key, self._sent.get(key))
+            header = None
+            if self.dynamic_shape or known is None:
+                header = torch.tensor(encode_header(metas, stream), dtype=torch.int64, device=self.device)
+                negotiated[key] = metas
+            elif known != metas:
+                raise ValueError(_shape_change(where, known, metas))
+            wire = [self._wire_out(t, meta) for t, meta in zip(tensors, metas, strict=True) if meta.numel > 0]
+            outgoing.append(_Outgoing(peer, stream, header, wire))
+        self._sent.update(negotiated)
+        return outgoing
 
     def _wire_out(self, tensor: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
         flat = tensor.detach().reshape(-1)
