@@ -36,9 +36,28 @@ gradient traffic (and at stage 3 gathers per use), for the least memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["FlatHold", "Stage3Hold", "unknown_name_error"]
+__all__ = ["HOLD_MODES", "FlatHold", "Stage3Hold", "holds_step", "unknown_name_error"]
+
+HOLD_MODES: tuple[str, ...] = ("step", "micro_batch")
+
+
+def holds_step(mode: str, tied_keys: Sequence[str] = ()) -> bool:
+    """Whether a pipeline engine holds gradients for the step (``pipeline.zero_hold``), checked at construction:
+    per-micro-batch reduction cannot take the tied-weight sum, which must be added into the unreduced gradient
+    before the data-axis reduction (``held_grad``), so tied weights are refused there, naming them."""
+    if mode not in HOLD_MODES:
+        raise ValueError(f"pipeline.zero_hold={mode!r} is not one of {list(HOLD_MODES)}")
+    if mode == "micro_batch" and tied_keys:
+        raise ValueError(
+            f"pipeline.zero_hold='micro_batch' cannot be used with tied weights across pipeline stages "
+            f"({', '.join(sorted(tied_keys))}): their gradients are summed over the stages before the data-parallel "
+            "reduction, which per-micro-batch mode runs inside every backward. Use zero_hold='step' (the default)."
+        )
+    return mode == "step"
 
 
 def unknown_name_error(name: str, names: list[str]) -> KeyError:
