@@ -35,6 +35,7 @@ from shardspeed.pipe.executor import PipeExecutor
 from shardspeed.pipe.schedule import build_schedule
 from shardspeed.topology import Topology
 from shardspeed.training.pipe_driver import PIPELINE_ONLY, PipeDriver, StepHold
+from shardspeed.zero.hold import holds_step
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineModel", "is_pipeline_module"]
 
@@ -117,7 +118,7 @@ class PipelineEngine(ShardSpeedEngine):
         self.pipeline = settings
         """The typed ``pipeline`` config section."""
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
-        self._check_hold(model)
+        hold = self._check_hold(model)
         from shardspeed.pipe.p2p import PipeChannel  # S3
 
         tensor = topology.tensor
@@ -137,7 +138,7 @@ class PipelineEngine(ShardSpeedEngine):
         driver: PipeDriver = self._driver  # type: ignore[assignment]
         driver.bind_pipeline(
             hold=StepHold(self.states, config.zero_optimization.stage),
-            per_micro_batch=settings.zero_hold == "micro_batch",
+            per_micro_batch=not hold,
             tied=model.tied_weights(),
             topology=topology,
             collectives=self.collectives,
@@ -156,21 +157,20 @@ class PipelineEngine(ShardSpeedEngine):
         super()._broadcast_module_state()
         self.module.sync_tied_weights(self.collectives)
 
-    def _check_hold(self, model: Any) -> None:
-        if self.pipeline.zero_hold != "micro_batch":
-            return
-        # Tied weights are summed over their stages from unreduced local gradients, which per-micro-batch
-        # reduction never holds. Agreed over the world: a stage without the tie must raise too.
-        crosses = any(t.axis.size > 1 for t in model.tied_weights())
-        flag = torch.tensor([float(crosses)], device=self.device)
-        self.collectives.all_reduce_max(flag, self.topology.world, tag="pipe.tied_check")
-        if flag.item() > 0:
-            raise mark_agreed(
-                ValueError(
-                    'pipeline.zero_hold "micro_batch" cannot train weights tied across pipeline stages (their '
-                    'gradients are summed over the stages before the data-axis reduction); use "step"'
-                )
-            )
+    def _check_hold(self, model: Any) -> bool:
+        """Whether gradients are held for the step (``pipeline.zero_hold``). Per micro-batch, weights tied across
+        stages are refused (zero/hold.py ``holds_step``), by the keys every rank holds: a stage without the tie
+        must raise the same error, so the keys are gathered over the world first (only in that mode)."""
+        mode = self.pipeline.zero_hold
+        keys: set[str] = set()
+        if mode == "micro_batch":
+            mine = sorted(t.key for t in model.tied_weights() if t.axis.size > 1)
+            for theirs in self.collectives.all_gather_object(mine, self.topology.world):
+                keys.update(theirs)  # type: ignore[arg-type]
+        try:
+            return holds_step(mode, sorted(keys))
+        except ValueError as err:
+            raise mark_agreed(err) from None
 
     # --- DeepSpeed's pipeline API -----------------------------------------------------------------------------------
     @property
