@@ -184,6 +184,9 @@ def _api(rank: int, world: int) -> dict:
             call()
         errors.append(True)
     batches = make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
+    if engine.is_first_stage():  # a backward outside train_batch() reaching the stage's parameters is refused
+        with pytest.raises(RuntimeError, match=r"outside train_batch\(\)"):
+            engine.module(batches[0][0][:MB]).sum().backward()
     ref = reference_model(**MODEL)
     with torch.no_grad():
         ref_loss = sum(float(ref.loss(t, lab)) for t, lab in zip(*(x.chunk(M) for x in batches[0]))) / M

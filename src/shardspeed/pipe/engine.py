@@ -123,6 +123,14 @@ class PipelineEngine(ShardSpeedEngine):
 
         tensor = topology.tensor
         partition = tensor if settings.pipe_partitioned and tensor.size > 1 else None
+        if tensor.size > 1 and settings.grad_partitioned != settings.pipe_partitioned and topology.global_rank == 0:
+            # One channel carries both kinds (they share each link's FIFO order: instructions.py), so one setting.
+            self.logger.warning(
+                "pipeline.grad_partitioned=%s differs from pipe_partitioned=%s: gradients between stages follow "
+                "pipe_partitioned",
+                settings.grad_partitioned,
+                settings.pipe_partitioned,
+            )
         self.channel = PipeChannel(
             self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition
         )
