@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardspeed.params import ParamSpec
 from shardspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from shardspeed.pipe.spec import layer_class_name, trainable_numel
 
@@ -239,3 +240,20 @@ def test_tied_weight_attr_may_be_a_property_or_a_dotted_path() -> None:
     for attr in ("word_embeddings_weight", "word_embeddings.weight"):
         module = PipelineModule([TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=attr)], num_stages=1)
         assert module.tied_weights()[0].names == ("tied_modules.embed.word_embeddings.weight",)
+
+
+class HalfOfALinear(nn.Module):
+    """A tensor-parallel slice as tensor rank ``rank`` of 2 holds it: rows split in ceil chunks of 5 → 3 and 2."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(3 - rank, 4))
+
+    def tensor_parallel_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec((5, 4), partition_dim=0)}
+
+
+def test_tensor_parallel_slices_count_their_global_size() -> None:
+    """Partitions must agree over the tensor axis (and with the dense model) even when slices differ in size."""
+    assert trainable_numel(LayerSpec(HalfOfALinear, 0)) == trainable_numel(LayerSpec(HalfOfALinear, 1)) == 20
+    assert trainable_numel(HalfOfALinear(1)) == 20

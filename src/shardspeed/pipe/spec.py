@@ -12,11 +12,14 @@ through ``forward_fn(module, x)`` (the head's ``x @ embedding.weight.T``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from shardspeed.params.spec import SpecProvider
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "layer_class_name", "trainable_numel"]
 
@@ -82,7 +85,8 @@ def layer_class_name(layer: Any) -> str:
 def trainable_numel(layer: Any) -> int:
     """Trainable parameter count of one layer entry, without allocating its weights: a spec is built on the meta
     device (on the CPU with the RNG state restored if the class cannot be built on meta), a module is counted as
-    it is, a plain callable counts 0. Pure: every rank gets the same number from the same spec."""
+    it is, a plain callable counts 0; tensor-parallel slices count their global size. Pure: every rank gets the
+    same number from the same spec."""
     if isinstance(layer, LayerSpec):
         with torch.random.fork_rng(devices=[]):  # building must not move the caller's RNG (seed_layers=False)
             try:
@@ -90,7 +94,21 @@ def trainable_numel(layer: Any) -> int:
                     module = layer.build()
             except Exception:  # a layer whose constructor computes on its weights: count a real build
                 module = layer.build()
-        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+        return _global_trainable_numel(module)
     if isinstance(layer, nn.Module):
-        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        return _global_trainable_numel(layer)
     return 0
+
+
+def _global_trainable_numel(module: nn.Module) -> int:
+    """Trainable elements of the *global* tensors: a tensor-parallel slice counts as its whole parameter (its
+    ``ParamSpec.global_shape``), so every tensor rank — whose slices may differ in size (ceil chunks) — and the
+    dense model get the same count, hence the same partition."""
+    declared: dict[int, tuple[int, ...]] = {}
+    for sub in module.modules():
+        if isinstance(sub, SpecProvider):
+            for attr, spec in sub.tensor_parallel_specs().items():
+                declared[id(sub.get_parameter(attr))] = spec.global_shape
+    return sum(
+        math.prod(declared[id(p)]) if id(p) in declared else p.numel() for p in module.parameters() if p.requires_grad
+    )
