@@ -160,7 +160,12 @@ def _even_engine(stage: int) -> Any:
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": M,
         "optimizer": optimizer_config("sgd", LR),  # momentum: K = 4 bytes per element
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 40,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,  # gathered only when used: the working set below is the protocol's
+        },
         "steps_per_print": 1000,
         "comms_logger": {"enabled": True},
     }
@@ -192,8 +197,10 @@ def _figures(rank: int, world: int, stage: int) -> dict[str, Any]:
     held_traffic = _traffic(engine) - before
     at_rest = _states_bytes(engine)
     before = _traffic(engine)
-    pipeline_step(engine, x, y, rank, world, 2, mode="micro_batch")
     states = engine.states
+    if stage == 3:
+        states.reducer.reset_peaks()
+    pipeline_step(engine, x, y, rank, world, 2, mode="micro_batch")
     return {
         "psi": states.padded_numel,
         "numel": 2 * (WIDTH * WIDTH + WIDTH) + 4 * WIDTH + 4,  # the model's parameters (placeholders at stage 3)
@@ -202,6 +209,7 @@ def _figures(rank: int, world: int, stage: int) -> dict[str, Any]:
         "during": during["bytes"],
         "at_rest": at_rest,
         "after_micro": _states_bytes(engine),
+        "peak_backward": states.reducer.peak_live_backward if stage == 3 else 0,
     }
 
 
@@ -221,6 +229,9 @@ def test_pipeline_traffic_and_memory_match_formulas(dist_run, stage: int) -> Non
         assert r["at_rest"] == want.at_rest.total() == r["after_micro"]
         assert r["during"] == want.during_step()
         if stage == 3:
+            # per micro-batch under 1F1B, a unit is released as soon as its use in a backward ends, also in the
+            # backward of a micro-batch whose forward ran during an earlier micro-batch's graph: never all at once
+            assert r["peak_backward"] == WIDTH * WIDTH + WIDTH, r["peak_backward"]  # the largest unit alone
             assert want.at_rest.total() == 12 * psi // 2  # 12Ψ/N with SGD momentum (16Ψ/N with Adam)
             assert want.during_step() == 12 * psi // 2 + 8 * psi  # + the gathered stage + its fp32 held gradients
 

@@ -6,6 +6,9 @@
   stage 2  StagedReduceScatter   no full buffer: a bucket's gradients are staged only until the bucket is
                                  complete, reduce-scattered every micro-step, added into the fp32 shard, and the
                                  staging memory is released at once
+A backward that does not communicate (a pipeline step's hold: [Note: step-scoped hold] in zero/hold.py) ``hold``s
+its gradients: stages 0/1 in their full buffer, stage 2 in per-bucket held buffers in the master dtype, reduce-
+scattered (and freed) when the held reduction launches each bucket.
 Averaging over the data axis is ``pre`` before the sum and ``post`` after it (GradScaling).
 
 [Note: staging memory] "Staging" is a full-bucket copy of gradients that exists only to be communicated: stage 2's

@@ -15,6 +15,11 @@ unit lifetime] in needs.py, [Note: backward uses] in marks.py) · after autograd
 Forward passes that run *during* backward are recomputations (activation checkpointing): they gather what they
 use and hold it until the backward use they serve ends, and never count on their post-forward hook being reached.
 Evaluation (``torch.no_grad()``) uses only the forward half: nothing waits for a backward that never comes.
+A pipeline step holds instead ([Note: step-scoped hold] in zero/hold.py): after ``begin_hold`` nothing is released
+until ``reduce_held`` (one gather per unit per step), backward passes with ``communicate=False`` accumulate into each
+unit's fp32 held gradient, and ``reduce_held`` reduce-scatters every unit once, in unit order. Forwards of later
+micro-batches may run while an earlier micro-batch's graph is alive (1F1B): the end of a backward keeps the uses
+still to come, so their own backward ends them.
 Every gather is issued in an order all ranks share (program order of hooks and autograd nodes), so the
 collectives stay matched; releases only decide *when* a unit is gathered again, never in which order.
 """
