@@ -129,3 +129,19 @@ def test_set_values_equal_to_the_modules_are_silent() -> None:
     assert pipeline_config_conflicts(pipe({"partition": "type:Block"}), typed) == ([], [])  # a mapping works too
     assert pipeline_config_conflicts(pipe({"partition": "type:block"}), typed)[1]  # the regex is case-sensitive
     assert pipeline_config_conflicts(pipe({"partition": "best"}), typed) == ([], [])  # DeepSpeed's "no opinion"
+
+
+def test_deepspeed_config_exposes_the_pipeline_dict() -> None:
+    from shardspeed.runtime.config import DeepSpeedConfig
+
+    ds = DeepSpeedConfig({"train_batch_size": 8, "pipeline": {"stages": 2, "seed_layers": True}})
+    assert ds.pipeline == {
+        "stages": 2,
+        "partition": "best",
+        "seed_layers": True,
+        "activation_checkpoint_interval": 0,
+        "pipe_partitioned": True,
+        "grad_partitioned": True,
+        "schedule": "1f1b",
+        "zero_hold": "step",
+    }

@@ -231,7 +231,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
         "rebuilding fp32 masters from the 16-bit weights on load: shardspeed always restores the saved fp32 values",
         False,
     ),
-    f"{_Z}.pipeline_loading_checkpoint": _refused("pipeline-parallel checkpoint loading (no pipeline engine)", True),
+    f"{_Z}.pipeline_loading_checkpoint": _warns(
+        "checkpoints load at any pipeline degree and ZeRO stage without it (checkpoint/pipe_stages.py)", True
+    ),
     f"{_Z}.cpu_offload": _acts('old spelling: true becomes offload_optimizer {"device": "cpu"} (zero.py)'),
     f"{_Z}.cpu_offload_param": _acts('old spelling: true becomes offload_param {"device": "cpu"} (zero.py)'),
     f"{_Z}.zero_hpz_partition_size": _refused("ZeRO++ hpZ", 8, by_validator=True),
