@@ -157,17 +157,17 @@ class PipeExecutor:
         try:
             for step in steps:
                 self._run_step(step)
+            # Not on the error path: a peer that stopped may never receive them, and this rank's failure is
+            # published (faults/guard.py) only once the error leaves the engine call.
+            self.channel.wait_sends()
         finally:
-            try:
-                self.channel.wait_sends()
-            finally:
-                after = self._channel_stats()
-                stats.total_s = time.perf_counter() - start
-                stats.wait_s, stats.post_s = after[0] - before[0], after[1] - before[1]
-                stats.messages, stats.bytes = int(after[2] - before[2]), int(after[3] - before[3])
-                stats.peak_buffers = self.buffers.peak
-                stats.compute_s = stats.forward_s + stats.backward_s
-                self.buffers.clear()
+            after = self._channel_stats()
+            stats.total_s = time.perf_counter() - start
+            stats.wait_s, stats.post_s = after[0] - before[0], after[1] - before[1]
+            stats.messages, stats.bytes = int(after[2] - before[2]), int(after[3] - before[3])
+            stats.peak_buffers = self.buffers.peak
+            stats.compute_s = stats.forward_s + stats.backward_s
+            self.buffers.clear()
         return ExecResult(
             losses=[self._losses[i] for i in sorted(self._losses)],
             outputs=[self._outputs[i] for i in sorted(self._outputs)],
