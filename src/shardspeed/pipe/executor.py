@@ -165,6 +165,7 @@ class PipeExecutor:
             stats.total_s = time.perf_counter() - start
             stats.wait_s, stats.post_s = after[0] - before[0], after[1] - before[1]
             stats.messages, stats.bytes = int(after[2] - before[2]), int(after[3] - before[3])
+            stats.gather_s = after[4] - before[4]
             stats.peak_buffers = self.buffers.peak
             stats.compute_s = stats.forward_s + stats.backward_s
             self.buffers.clear()
@@ -174,11 +175,11 @@ class PipeExecutor:
             stats=stats,
         )
 
-    def _channel_stats(self) -> tuple[float, float, float, float]:
-        s = getattr(self.channel, "stats", None)
+    def _channel_stats(self) -> tuple[float, float, float, float, float]:
+        s = getattr(self.channel, "stats", None)  # cumulative: the batch's figures are differences
         if s is None:
-            return (0.0, 0.0, 0.0, 0.0)
-        return (float(s.wait_s), float(s.post_s), float(s.messages), float(s.bytes))
+            return (0.0, 0.0, 0.0, 0.0, 0.0)
+        return (float(s.wait_s), float(s.post_s), float(s.messages), float(s.bytes), float(getattr(s, "gather_s", 0)))
 
     def _run_step(self, step: list[PipeInstruction]) -> None:
         i = 0
