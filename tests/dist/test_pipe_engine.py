@@ -385,3 +385,37 @@ def test_bf16_fp16_train_close_to_fp32_reference(dist_run, dtype: str) -> None:
     for r in dist_run(_reduced_precision, 2, dtype):
         assert r["skipped"] == 0 and r["dtype"] == f"torch.{'bfloat16' if dtype == 'bf16' else 'float16'}"
         assert r["diff"] < 2e-2, r["diff"]
+
+
+def _tensor_ranks_disagree(rank: int, world: int) -> tuple[str, str]:
+    from shardspeed.tensor_parallel import TensorParallel
+
+    topology = Topology.build(MeshShape(pipe=2, tensor=2))
+    from shardspeed.pipe import PipelineModule
+
+    module = PipelineModule(
+        gpt_layers(**MODEL, tp=TensorParallel(topology.tensor)),
+        topology=topology,
+        loss_fn=gpt_loss_fn,
+        seed_layers=True,
+        partition_method="uniform",
+    )
+    config = {**_config(0, "sgd", 0.0), "fault_tolerance": {"watch_interval_s": 0.1}}
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    # Tensor rank 1 of the first stage reads other tokens: its tensor group must notice, and the last stage, which
+    # waits on p2p, must stop too.
+    seed = 7 + (topology.tensor.rank if engine.is_first_stage() else 0)
+    batches = make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"], seed=seed)
+    try:
+        engine.train_batch(rank_iterator(batches, M, 0, 1))
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+@pytest.mark.slow
+def test_tensor_ranks_reading_different_batches_stop_every_stage(dist_run) -> None:
+    results = dist_run(_tensor_ranks_disagree, 4)
+    assert [t for t, _ in results[:2]] == ["BatchMismatchError"] * 2, results
+    for kind, message in results[2:]:
+        assert kind == "PeerFailedError" and "the first batch differs across the tensor-parallel group" in message

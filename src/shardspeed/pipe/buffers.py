@@ -41,11 +41,11 @@ class MicroSlot:
 class PipeStepStats:
     """What one ``train_batch`` / ``eval_batch`` spent where on this rank (``engine.pipe_stats``).
 
-        ``wait_s`` is the time blocked in receives and send completions (the pipeline bubble as this rank saw it, plus
-        transfer time); ``post_s`` the time posting p2p operations; ``compute_s`` forward + backward (loss included);
-        ``step_s`` the reductions and the optimizer step; ``messages`` / ``bytes`` the p2p traffic of this rank (sent and
-    received, ``PipeChannel.stats``). ``peak_buffers`` is the most micro-batches whose activations
-        were held at once (forward done, backward not yet)."""
+    ``wait_s`` is the time blocked in receives and send completions (the pipeline bubble as this rank saw it, plus
+    transfer time); ``post_s`` the time posting p2p operations; ``compute_s`` forward + backward (loss included);
+    ``step_s`` the reductions and the optimizer step; ``messages`` / ``bytes`` this rank's p2p traffic, sent and
+    received (``PipeChannel.stats``). ``peak_buffers`` is the most micro-batches whose activations were held at
+    once (forward done, backward not yet)."""
 
     wait_s: float = 0.0
     post_s: float = 0.0

@@ -33,6 +33,7 @@ from shardspeed.pipe.buffers import PipeStepStats
 from shardspeed.pipe.data import StageData
 from shardspeed.pipe.executor import PipeExecutor
 from shardspeed.pipe.schedule import build_schedule
+from shardspeed.tensor_parallel.batch_check import BatchMismatchError
 from shardspeed.topology import Topology
 from shardspeed.training.pipe_driver import PIPELINE_ONLY, PipeDriver, StepHold
 from shardspeed.zero.hold import holds_step
@@ -210,7 +211,17 @@ class PipelineEngine(ShardSpeedEngine):
             reads_labels=self.is_last_stage(),
             device=self.device,
             compute_dtype=self.config.compute_dtype,
+            on_load=self._check_first_batch,
         )
+
+    def _check_first_batch(self, inputs: Any, labels: Any) -> None:
+        """The engine's first batch is compared over the tensor axis (``FirstBatchCheck``; only the first load
+        does any work). Agreed only within this stage's tensor group, so re-raised unagreed: the failure board
+        then stops the other stages waiting on p2p ([Note: failure propagation] in faults/board.py)."""
+        try:
+            self._first_batch((inputs, labels), {})
+        except BatchMismatchError as err:
+            raise BatchMismatchError(str(err)) from None
 
     @guarded("engine.train_batch()")
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
