@@ -18,7 +18,9 @@ Semantics the executor honours and the simulator checks:
   each link in the order its peer sends on it;
 - ``ForwardPass`` consumes the buffer's input (received, or loaded on the first virtual stage) and keeps what
   backward needs; ``BackwardPass`` consumes the buffer's output gradient (received, or the loss on the last
-  virtual stage) and frees the buffer;
+  virtual stage) and frees the activations; the slot itself is free after its last reader, ``SendGrad`` (the
+  input's gradient) — or the ``BackwardPass`` on the first virtual stage; in inference ``SendActivation`` or the
+  last virtual stage's ``ForwardPass`` ([Note: pipeline buffer slots] in schedule.py);
 - ``ReduceTiedGrads`` → ``ReduceGrads`` → ``OptimizerStep`` end a training schedule, in that order, once.
 """
 
