@@ -5,8 +5,8 @@ Public names are imported lazily so `shardspeed --help` and the launcher start w
 DeepSpeed's top-level names are here too, so ``import shardspeed as deepspeed`` keeps a DeepSpeed script working:
 ``add_config_arguments``, ``init_distributed`` (DeepSpeed's parameters), ``DeepSpeedEngine``, ``DeepSpeedConfig``,
 ``get_accelerator``, ``log_dist`` / ``logger``, and the subpackages ``comm``, ``accelerator``, ``ops``,
-``runtime``, ``utils``, ``zero``, ``checkpointing``. ``pipe`` / ``PipelineModule`` and ``moe`` raise ImportError:
-not implemented yet.
+``runtime``, ``utils``, ``zero``, ``checkpointing``, ``pipe`` (``PipelineModule`` is also top-level,
+as in DeepSpeed). ``moe`` raises ImportError: not implemented yet.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ _EXPORTS = {
     "get_accelerator": "shardspeed.accelerator",
     "log_dist": "shardspeed.utils.logging",
     "logger": "shardspeed.utils.logging",
-    "PipelineModule": "shardspeed.pipe",  # raises ImportError: pipeline parallelism is not implemented yet
+    "PipelineModule": "shardspeed.pipe",
 }
 
 version = __version__  # DeepSpeed exposes both
 
-__all__ = [*(name for name in _EXPORTS if name != "PipelineModule"), "__version__", "version"]
+__all__ = [*_EXPORTS, "__version__", "version"]
 
 
 def __getattr__(name: str) -> Any:

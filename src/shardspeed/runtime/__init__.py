@@ -12,12 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "utils", "zero")
+_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "pipe", "utils", "zero")
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"shardspeed.runtime.{name}")
-    if name == "pipe":  # deepspeed.runtime.pipe: the same refusal as shardspeed.pipe
-        return importlib.import_module("shardspeed.pipe")
     raise AttributeError(f"module 'shardspeed.runtime' has no attribute '{name}'")
