@@ -12,7 +12,7 @@ waited through the board, so a peer's published failure (or death) raises here i
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,50 @@ class Work:
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (the collective has finished)."""
         return self._handle is None or self._handle.is_completed()
+
+
+class P2PWork(Work):
+    """The requests of one ``Collectives.p2p`` batch. ``wait()`` waits all of them; ``sends`` / ``recvs`` are
+    Works over one side only (under NCCL the batch is one coalesced request: both sides wait it)."""
+
+    def __init__(
+        self,
+        handles: list[dist.Work],
+        is_send: list[bool],
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        keep: Sequence[torch.Tensor] = (),
+    ) -> None:
+        super().__init__(None, board, doing)
+        self._keep = list(keep)  # the batch's tensors, alive until this Work is dropped (gloo reads them async)
+        if len(handles) == len(is_send):  # gloo: one request per message
+            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing)
+            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing)
+        else:  # NCCL: one request for the whole batch
+            self.sends = self.recvs = _Works(handles, board, doing)
+
+    def wait(self) -> None:
+        self.recvs.wait()
+        self.sends.wait()
+
+    def done(self) -> bool:
+        return self.recvs.done() and self.sends.done()
+
+
+class _Works(Work):
+    """Several requests waited in order, each through the failure board when there is one."""
+
+    def __init__(self, handles: list[dist.Work], board: FailureBoard | None, doing: Callable[[], str]) -> None:
+        super().__init__(None, board, doing)
+        self._works = [Work(h, board, doing) for h in handles]
+
+    def wait(self) -> None:
+        while self._works:
+            self._works[0].wait()
+            self._works.pop(0)
+
+    def done(self) -> bool:
+        return all(w.done() for w in self._works)
 
 
 class Collectives:
@@ -176,6 +220,40 @@ class Collectives:
             tag,
             False,
         )
+
+    def p2p(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int] | tuple[torch.Tensor, int, str]],
+        recvs: Sequence[tuple[torch.Tensor, int] | tuple[torch.Tensor, int, str]],
+        *,
+        tag: str = "",
+    ) -> P2PWork:
+        """Post point-to-point sends and receives (peers are global ranks) as one ``batch_isend_irecv`` and return
+        the pending Work: nothing is waited here. A third element in a pair overrides ``tag`` for that message in
+        the comms log (the pipeline channel tells its meta headers from data so).
+
+        Sends and receives of one batch are posted together, so two ranks that exchange in the same call cannot
+        deadlock under NCCL (a send waits on the device for its matching receive). A send's tensor must stay alive
+        and unmodified until the Work completes (gloo reads it while sending): keep a reference until waited.
+        Not a collective: collective-order verification does not apply (the pipeline's schedule, checked by its
+        simulator, orders the messages on each link), and a rank that is neither sender nor receiver is not
+        involved at all."""
+        if not sends and not recvs:
+            return P2PWork([], [], None, str)
+        ops, is_send = [], []
+        for pairs, kind, op in ((sends, "send", dist.isend), (recvs, "recv", dist.irecv)):
+            for tensor, peer, *override in pairs:
+                self.log.record(kind, tensor.numel(), tensor.element_size(), 2, override[0] if override else tag)
+                ops.append(dist.P2POp(op, tensor, peer))
+                is_send.append(kind == "send")
+
+        def doing() -> str:
+            to = sorted({op.peer for op, s in zip(ops, is_send, strict=True) if s})
+            frm = sorted({op.peer for op, s in zip(ops, is_send, strict=True) if not s})
+            return f"waiting in p2p{f' {tag!r}' if tag else ''} (sends to ranks {to}, receives from ranks {frm})"
+
+        handles = dist.batch_isend_irecv(ops)
+        return P2PWork(handles, is_send, self.board, doing, keep=[op.tensor for op in ops])
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""

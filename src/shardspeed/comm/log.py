@@ -5,6 +5,8 @@ counts — using the usual ring factors for N ranks:
     all-reduce                       2 (N - 1) / N × size
     all-gather / reduce-scatter      (N - 1) / N × (full, unsharded) size
     broadcast                        size (each rank receives it once)
+    send / recv (point-to-point)     size at the sender, 0 at the receiver: each message is counted once, where
+                                     it is sent; ``elements`` / ``bytes`` hold the message as sent on both sides
 Pure bookkeeping: no collectives here, so tests can assert exact figures.
 """
 
@@ -19,6 +21,8 @@ ALGORITHMIC_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
     "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
 }
 
 
