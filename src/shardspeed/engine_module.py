@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from shardspeed.checkpoint.pipe_stages import add_other_stages, names_held_anywhere
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.faults.guard import guarded
 from shardspeed.param_access import canonical_names, full_shapes, write_values
@@ -63,8 +64,9 @@ class EngineModule(torch.nn.Module):
 
     # --- state dict -----------------------------------------------------------------------------------------------
     def _partitioned(self) -> bool:
-        """Whether the module's own state dict is not the dense model's: ZeRO-3 placeholders, or tensor slices."""
-        return self.config.zero_optimization.stage == 3 or tensor_split(self)
+        """Whether the module's own state dict is not the dense model's: ZeRO-3 placeholders, tensor slices, or one
+        pipeline stage's layers."""
+        return self.config.zero_optimization.stage == 3 or tensor_split(self) or self.topology.pipe.size > 1
 
     @guarded("engine.state_dict()")
     def state_dict(  # type: ignore[override]
@@ -98,11 +100,12 @@ class EngineModule(torch.nn.Module):
     ) -> dict[str, torch.Tensor]:
         """DeepSpeed's module_state_dict: the model's full state dict (no ``module.`` prefix), as the dense model
         holds it. Under ZeRO-3 parameters are gathered unit by unit and under tensor parallelism each partitioned
-        tensor is assembled over the tensor axis ([Note: full weights under tensor parallelism]): every rank must
-        call this."""
+        tensor is assembled over the tensor axis ([Note: full weights under tensor parallelism]); with a pipe axis
+        each stage's is completed with the other stages' ([Note: checkpoints across pipeline degrees]): every rank
+        must call this."""
         full_state_dict = getattr(self.states, "full_state_dict", None)
-        split = tensor_split(self)
-        if full_state_dict is None and not split:
+        split, piped = tensor_split(self), self.topology.pipe.size > 1
+        if full_state_dict is None and not split and not piped:
             out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
             if exclude_frozen_parameters:
                 for name in _frozen_names(self.module):
@@ -111,8 +114,8 @@ class EngineModule(torch.nn.Module):
         if keep_vars:
             raise mark_agreed(
                 ValueError(
-                    "module_state_dict(keep_vars=True) under ZeRO-3 or tensor parallelism: parameters are "
-                    "placeholders or tensor slices; call it without keep_vars for the full values"
+                    "module_state_dict(keep_vars=True) under ZeRO-3, tensor or pipeline parallelism: parameters are "
+                    "placeholders, tensor slices or on other stages; call it without keep_vars for the full values"
                 )
             )
         state = full_state_dict(self.module) if full_state_dict is not None else self.module.state_dict()
@@ -122,7 +125,7 @@ class EngineModule(torch.nn.Module):
         out = destination if destination is not None else OrderedDict()
         for name, value in globalize(self, state) if split else state.items():
             out[prefix + name] = value
-        return out
+        return add_other_stages(self, out) if piped else out
 
     @guarded("engine.load_state_dict()")
     def load_state_dict(  # type: ignore[override]
@@ -179,7 +182,9 @@ def load_module_values(
     module = engine.module
     shapes = global_shapes(engine, full_shapes(module))
     missing = sorted(set(shapes) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(shapes))
+    # with a pipe axis a name another stage holds is not unexpected (collective: every rank is here)
+    anywhere = names_held_anywhere(engine, set(shapes)) or set(shapes)
+    unexpected = sorted(set(state_dict) - anywhere)
     problems = [
         f"size mismatch for {key_prefix}{name}: copying a tensor of shape {tuple(value.shape)}, the shape in the "
         f"model is {tuple(shapes[name])}"

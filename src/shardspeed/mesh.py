@@ -9,7 +9,10 @@ the model-parallel axes, then builds the topology and only then parses the confi
   from the raw dict / JSON path the way ``faults/startup.early_fault_config`` reads ``fault_tolerance`` — the
   typed config cannot be built yet, it needs DP;
 - an ``mpu`` (Megatron's interface, or a shardspeed ``Topology``): its tensor and pipeline sizes;
-- a pipeline module (issue 15): its stage count would set ``pipe`` (see ``PIPELINE_MODULE`` below).
+- a pipeline module: its stage count (``pipeline_stages``) sets ``pipe``, checked against an mpu's pipeline size
+  and against the config's ``pipeline.stages`` when that is a number (``"auto"``, DeepSpeed's default, defers to
+  the module). ``pipeline.stages`` alone never creates a pipe axis: a model that is not a ``PipelineModule``
+  cannot be split into stages, and DeepSpeed ignores the key for it too.
 When two sources name the same axis they must agree; every disagreement, and a world the model-parallel axes do
 not divide, is a ``MeshError`` naming the numbers. The function is pure and reads the same config and mpu on every
 rank, so the error is the same everywhere.
@@ -23,12 +26,14 @@ from typing import Any
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.topology import AXES, MeshShape
 
-__all__ = ["MeshError", "MpuRecord", "autotp_size_of", "grid_from_mpu_records", "resolve_mesh"]
-
-PIPELINE_MODULE = None
-"""Issue 15 (pipeline parallelism): ``resolve_mesh`` will take the pipeline module's ``num_stages`` as the ``pipe``
-size here (checked against an mpu's pipeline size like ``autotp_size`` is against its tensor size). Nothing reads
-this yet; it marks the place."""
+__all__ = [
+    "MeshError",
+    "MpuRecord",
+    "autotp_size_of",
+    "config_pipeline_stages",
+    "grid_from_mpu_records",
+    "resolve_mesh",
+]
 
 
 class MeshError(ValueError):
@@ -55,6 +60,28 @@ def autotp_size_of(raw_config: Any) -> int:
     return max(size, 1)
 
 
+def config_pipeline_stages(raw_config: Any) -> int | None:
+    """``pipeline.stages`` of a raw config (dict or JSON path) when it is a number; None when absent, ``"auto"``
+    or the config cannot be read (``load_config`` reports bad values properly afterwards)."""
+    from shardspeed.config.load import read_config_source
+
+    try:
+        raw = read_config_source(raw_config)
+    except Exception:
+        return None
+    section = raw.get("pipeline") if isinstance(raw, dict) else None
+    if not isinstance(section, dict):
+        return None
+    stages = section.get("stages", "auto")
+    if isinstance(stages, float) and stages.is_integer():
+        stages = int(stages)
+    if stages == "auto":
+        return None
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise MeshError(f'pipeline.stages must be "auto" or a positive integer, got {stages!r}')
+    return stages
+
+
 def _mpu_size(mpu: Any, *getters: str) -> int | None:
     """The first of ``getters`` that ``mpu`` has, called; None if it has none of them (an mpu without a
     pipeline axis, say)."""
@@ -65,16 +92,19 @@ def _mpu_size(mpu: Any, *getters: str) -> int | None:
     return None
 
 
-def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None) -> MeshShape:
+def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None, pipeline_stages: int | None = None) -> MeshShape:
     """The mesh shape for ``world_size`` ranks ([Note: where the mesh comes from]). Pure: no process group needed.
 
-    Raises ``MeshError`` naming the numbers when the world is not divisible by TP × PP, when ``autotp_size``
-    disagrees with the mpu's tensor size, or when the mpu's data × tensor × pipe is not the world.
+    ``pipeline_stages``: a pipeline module's stage count (None: not a pipeline module). Raises ``MeshError`` naming
+    the numbers when the world is not divisible by TP × PP, when ``autotp_size`` disagrees with the mpu's tensor
+    size, when the module's stage count disagrees with the mpu's pipeline size or a numeric ``pipeline.stages``,
+    or when the mpu's data × tensor × pipe is not the world.
     """
     if world_size < 1:
         raise MeshError(f"world size must be >= 1, got {world_size}")
     autotp = autotp_size_of(raw_config)
     tensor, pipe = autotp, 1
+    mpu_pipe = 1
     if mpu is not None:
         mpu_tensor = _mpu_size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size") or 1
         mpu_pipe = _mpu_size(mpu, "get_pipeline_model_parallel_world_size") or 1
@@ -84,10 +114,13 @@ def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None) -> MeshShape
                 "they name the same axis and must agree (or drop autotp_size and let the mpu decide)"
             )
         tensor, pipe = mpu_tensor, mpu_pipe
-    # PIPELINE_MODULE (issue 15): a pipeline module's stage count sets ``pipe`` here, checked against the mpu's.
+    if pipeline_stages is not None:
+        pipe = _pipeline_pipe(raw_config, pipeline_stages, mpu_pipe if mpu is not None else None)
     model_parallel = tensor * pipe
     if world_size % model_parallel:
         source = "the mpu" if mpu is not None else "tensor_parallel.autotp_size"
+        if pipeline_stages is not None:
+            source += " and the pipeline module's stages"
         raise MeshError(
             f"world size {world_size} is not divisible by tensor {tensor} × pipe {pipe} = {model_parallel} "
             f"(from {source}): the data-parallel size would not be a whole number"
@@ -101,6 +134,24 @@ def resolve_mesh(raw_config: Any, world_size: int, mpu: Any = None) -> MeshShape
                 f"{mpu_data * model_parallel} does not match the world size {world_size}"
             )
     return MeshShape(pipe=pipe, data=data, tensor=tensor)
+
+
+def _pipeline_pipe(raw_config: Any, stages: int, mpu_pipe: int | None) -> int:
+    """The pipe size of a pipeline module with ``stages`` stages, checked against the mpu and ``pipeline.stages``."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise MeshError(f"a pipeline module's stage count must be a positive integer, got {stages!r}")
+    configured = config_pipeline_stages(raw_config)
+    if configured is not None and configured != stages:
+        raise MeshError(
+            f'pipeline.stages is {configured} but the pipeline module has {stages} stages: set "stages" to {stages} '
+            'or "auto"'
+        )
+    if mpu_pipe is not None and mpu_pipe != stages:
+        raise MeshError(
+            f"the pipeline module has {stages} stages but the mpu's pipeline-parallel world size is {mpu_pipe}: "
+            "they name the same axis and must agree"
+        )
+    return stages
 
 
 # --- a foreign mpu's layout, checked as one grid (Topology.from_mpu gathers the records) ------------------------

@@ -197,7 +197,7 @@ def test_misspelled_ignored_key_is_suggested_too() -> None:
         ("gradeint_clipping", "gradient_clipping"),  # two neighbours swapped: one edit
         ("Train_Batch_Size", "train_batch_size"),  # case is ignored
         ("tensorbaord", "tensorboard"),  # a DeepSpeed key we ignore is still a key one can misspell
-        ("pipelines", "pipeline"),  # ... and one we refuse
+        ("pipelines", "pipeline"),  # ... and a typed section
         ("stepz_per_prnt", "steps_per_print"),  # distance 2: still a misspelling
     ],
 )
@@ -293,7 +293,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
         ("sparse_attention", {"mode": "fixed"}),
         ("curriculum_learning", {"enabled": True}),
         ("data_efficiency", {"enabled": True}),
-        ("pipeline", {"stages": 2}),
         ("sparse_gradients", True),
         ("progressive_layer_drop", {"enabled": True}),
         ("eigenvalue", {"enabled": True}),

@@ -165,7 +165,6 @@ _ON_VALUES: dict[str, Any] = {
     "sparse_attention": {"mode": "fixed"},
     "dataloader_drop_last": True,
     "compile": {"deepcompile": True},
-    "pipeline": {"stages": 2},
     "moe": {"num_experts": 4},
     "use_data_before_expert_parallelism": True,
     "sequence_parallel_size": 2,

@@ -94,6 +94,36 @@ def test_mpu_data_size_must_complete_the_world() -> None:
         resolve_mesh({}, 4, _Mpu(4, 2))
 
 
+# --- a pipeline module's stages ----------------------------------------------------------------------------------
+def test_pipeline_module_stages_set_the_pipe_axis() -> None:
+    assert resolve_mesh({}, 4, pipeline_stages=2) == MeshShape(pipe=2, data=2)
+    assert resolve_mesh({"pipeline": {"stages": "auto"}}, 8, pipeline_stages=4) == MeshShape(pipe=4, data=2)
+    assert resolve_mesh({"pipeline": {"stages": 2}}, 2, pipeline_stages=2) == MeshShape(pipe=2, data=1)
+    assert resolve_mesh({"tensor_parallel": {"autotp_size": 2}}, 8, pipeline_stages=2) == MeshShape(2, 2, 2)
+    # an mpu naming the same pipe size agrees
+    assert resolve_mesh({}, 8, _MpuWithPipe(2, 2, 2), pipeline_stages=2) == MeshShape(pipe=2, data=2, tensor=2)
+
+
+def test_pipeline_stages_in_the_config_alone_make_no_pipe_axis() -> None:
+    # a plain model cannot be split into stages; DeepSpeed ignores the key for it too
+    assert resolve_mesh({"pipeline": {"stages": 2}}, 4) == MeshShape(data=4)
+
+
+def test_pipeline_stages_disagreeing_are_errors_naming_the_numbers() -> None:
+    with pytest.raises(MeshError, match=r"pipeline.stages is 4 but the pipeline module has 2 stages"):
+        resolve_mesh({"pipeline": {"stages": 4}}, 8, pipeline_stages=2)
+    with pytest.raises(MeshError, match=r"module has 2 stages but the mpu's pipeline-parallel world size is 4"):
+        resolve_mesh({}, 8, _MpuWithPipe(1, 2, 4), pipeline_stages=2)
+    with pytest.raises(MeshError, match=r"module has 2 stages but the mpu's pipeline-parallel world size is 1"):
+        resolve_mesh({}, 4, _Mpu(2, 1), pipeline_stages=2)  # an mpu without a pipe axis has pipe size 1
+    with pytest.raises(MeshError, match=r"world size 6 is not divisible by tensor 1 × pipe 4 = 4 .*pipeline module"):
+        resolve_mesh({}, 6, pipeline_stages=4)
+    with pytest.raises(MeshError, match=r"pipeline.stages must be \"auto\" or a positive integer, got 0"):
+        resolve_mesh({"pipeline": {"stages": 0}}, 4, pipeline_stages=2)
+    with pytest.raises(MeshError, match=r"stage count must be a positive integer, got 0"):
+        resolve_mesh({}, 4, pipeline_stages=0)
+
+
 # --- a foreign mpu's grid ---------------------------------------------------------------------------------------
 def _records(tensor_groups: list[tuple[int, ...]], data_groups: list[tuple[int, ...]]) -> list[MpuRecord]:
     """Records of a world whose tensor and data groups are given (pipe of size 1)."""

@@ -37,7 +37,8 @@ from shardspeed.checkpoint.engine_pieces import (
     boxes_of,
     writes_piece,
 )
-from shardspeed.checkpoint.load_plan import open_and_verify, read_into_engine
+from shardspeed.checkpoint.load_plan import held_names, open_and_verify, read_into_engine
+from shardspeed.checkpoint.pipe_stages import dedupe_buffer_records, merge_rank_maps, names_held_anywhere, pipelined
 from shardspeed.checkpoint.rng import capture_rng, restore_rng
 from shardspeed.checkpoint.store import CheckpointWriter
 from shardspeed.faults.errors import mark_agreed  # same files, same model: every rank raises alike
@@ -123,7 +124,10 @@ def save(
     except Exception as error:
         failure, own = failure_of(error), error
     rng = capture_rng(model_rng_trackers(engine.module))  # with the model-parallel streams (checkpoint/rng.py)
-    everything = comm.all_gather_object({"records": records, "scalars": scalars, "rng": rng, "failure": failure}, axis)
+    mine = {"records": records, "scalars": scalars, "rng": rng, "failure": failure}
+    if pipelined(engine):  # stages hold different parameters: rank 0's own layouts are not the model's
+        mine |= {"layouts": _param_layouts(engine), "tied": _aliases(engine.module)}
+    everything = comm.all_gather_object(mine, axis)
     failures = [r["failure"] for r in everything]
     if any(f is not None for f in failures):
         if engine.topology.global_rank == 0:
@@ -182,6 +186,7 @@ def _commit(
 ) -> None:
     """Global rank 0: the metadata, then ``commit_checkpoint`` (a failed commit leaves no ``.tmp-`` dir)."""
     optimizer = engine.optimizer
+    piped = pipelined(engine)
     merged_scalars: dict[str, dict[str, Any]] = {}
     for r in everything:
         merged_scalars.update(r["scalars"])
@@ -198,7 +203,7 @@ def _commit(
         "zero_stage": engine.config.zero_optimization.stage,
         "dp_world_size": engine.topology.data.size,
         "mesh": {axis: engine.topology.shape.size(axis) for axis in ("pipe", "data", "tensor")},
-        "params": _param_layouts(engine),
+        "params": merge_rank_maps([r["layouts"] for r in everything]) if piped else _param_layouts(engine),
         "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
         "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else None,
         "param_groups": [_plain_group(g) for g in optimizer.param_groups] if optimizer is not None else [],
@@ -210,9 +215,9 @@ def _commit(
         "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
         "rng": [r["rng"] for r in everything],  # by global rank: gathered over the world
         "client_state": client,
-        "tied": _aliases(engine.module),
+        "tied": merge_rank_maps([r["tied"] for r in everything]) if piped else _aliases(engine.module),
     }
-    records_all = [rec for r in everything for rec in r["records"]]
+    records_all = dedupe_buffer_records([r["records"] for r in everything])
     commit_checkpoint(save_dir, tag, tmp_dir, records_all, metadata, save_latest)
 
 
@@ -296,9 +301,13 @@ def load(
         return None, None
     what = f"load_checkpoint from {load_dir}"
     gather = lambda found: comm.all_gather_object(found, axis)  # noqa: E731
+    # stages hold different names: a strict load's "unexpected" is what no rank holds (collective; pipe axis only)
+    anywhere = names_held_anywhere(engine, held_names(engine)) if strict else None
     failure, own, plan = None, None, None
     try:  # everything that can find a damaged checkpoint, before anything changes: [Note: agreed checkpoint outcomes]
-        plan = open_and_verify(engine, load_dir, tag, strict, load_optimizer_states, load_module_only, custom_load_fn)
+        plan = open_and_verify(
+            engine, load_dir, tag, strict, load_optimizer_states, load_module_only, custom_load_fn, anywhere
+        )
     except Exception as error:
         failure, own = failure_of(error), error
     agree_on_outcome(failure, gather, axis.ranks, what, own_error=own)

@@ -63,6 +63,9 @@ def boxes_of(engine: ShardSpeedEngine, piece: Piece) -> tuple[ParamSpec, LocalBo
 
 
 def writes_piece(engine: ShardSpeedEngine, piece: Piece, spec: ParamSpec) -> bool:
-    """Whether this rank writes ``piece``: the stage elects one data rank (``piece.write``), and of a parameter
-    every tensor rank holds alike (a layer norm) tensor rank 0 writes it, so nothing is written twice."""
+    """Whether this rank writes ``piece``: the stage elects one data rank (``piece.write``), of a parameter
+    every tensor rank holds alike (a layer norm) tensor rank 0 writes it, and of a weight tied across pipeline
+    stages its owner stage writes it ([Note: checkpoints across pipeline degrees]), so nothing is written twice."""
+    if piece.name in engine.param_specs.tied_copies:
+        return False
     return piece.write and (spec.partitioned or engine.param_specs.tp_rank == 0)

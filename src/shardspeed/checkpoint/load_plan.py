@@ -54,9 +54,11 @@ def open_and_verify(
     load_optimizer_states: bool,
     load_module_only: bool,
     custom_load_fn: Any,
+    held_anywhere: set[str] | None = None,
 ) -> LoadPlan:
     """Resolve the tag, open the checkpoint, check it fits the model, and verify every chunk this rank will read
-    (file present, not truncated, crc32), so a damaged checkpoint fails before any value is overwritten."""
+    (file present, not truncated, crc32), so a damaged checkpoint fails before any value is overwritten.
+    ``held_anywhere``: every rank's parameter names (a pipe axis: stages hold different ones), else this rank's."""
     tag = resolve_tag(load_dir, tag)
     reader = CheckpointReader(load_dir / tag)
     try:
@@ -66,9 +68,9 @@ def open_and_verify(
                 f"{load_dir / tag} is not a shardspeed checkpoint (metadata format {meta.get('format')!r})"
             )
         pieces = _all_pieces(engine)
-        model_names = engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
+        model_names = held_names(engine)
         shapes = {p.name: spec_of(engine, p).global_shape for p in pieces}
-        _check_names(reader, shapes, model_names, strict, load_dir / tag)
+        _check_names(reader, shapes, model_names, strict, load_dir / tag, held_anywhere)
         # an engine without an optimizer (evaluation only) loads the module's weights; so does any engine from a
         # checkpoint such an engine saved (it holds no optimizer states)
         with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
@@ -135,10 +137,22 @@ def module_state_dict(reader: CheckpointReader, meta: dict[str, Any]) -> dict[st
     return out
 
 
+def held_names(engine: ShardSpeedEngine) -> set[str]:
+    """This rank's parameter names, as a checkpoint names them."""
+    return engine.states.managed_names | {n for n, _ in engine.module.named_parameters()}
+
+
 def _check_names(
-    reader: CheckpointReader, ours: dict[str, tuple[int, ...]], model_names: set[str], strict: bool, where: Path
+    reader: CheckpointReader,
+    ours: dict[str, tuple[int, ...]],
+    model_names: set[str],
+    strict: bool,
+    where: Path,
+    held_anywhere: set[str] | None = None,
 ) -> None:
-    """Global shapes of what this rank holds must match; with ``strict`` the sets of names must be equal."""
+    """Global shapes of what this rank holds must match; with ``strict`` every name this rank holds must be in the
+    checkpoint and every checkpoint name held by some rank (``held_anywhere``; None: this rank's names)
+    ([Note: checkpoints across pipeline degrees])."""
     theirs = {n.removeprefix("param/") for n in reader.names("param/")}
     for name, shape in ours.items():
         if name in theirs and tuple(reader.shape(f"param/{name}")) != shape:
@@ -147,7 +161,8 @@ def _check_names(
                 "in this model"
             )
     if strict:
-        missing, unexpected = sorted(model_names - theirs), sorted(theirs - model_names)
+        missing = sorted(model_names - theirs)
+        unexpected = sorted(theirs - (model_names if held_anywhere is None else held_anywhere))
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint {where} does not match the model (load_module_strict=True): missing "

@@ -90,6 +90,10 @@ class ConfigModel(BaseModel):
     """Fields where the HF-Trainer placeholder ``"auto"`` is resolved by dropping the key (the default
     applies, or for batch sizes: inferred from the others). ``"auto"`` anywhere else is an error."""
 
+    AUTO_IS_VALUE: ClassVar[frozenset[str]] = frozenset()
+    """Fields where ``"auto"`` is a real value of DeepSpeed's (``pipeline.stages``: the module decides), passed to
+    the field as is, with no note."""
+
     INTERNAL_FIELDS: ClassVar[frozenset[str]] = frozenset()
     """Fields filled in by ``load_config``, never read from the user's config."""
 

@@ -119,6 +119,17 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "aio.thread_count": _acts("offload swapper (AioSettings)"),
     "aio.single_submit": _acts("offload swapper (AioSettings)"),
     "aio.overlap_events": _acts("offload swapper (AioSettings)"),
+    # --- pipeline (config/pipeline.py; [Note: the module decides]) -------------------------------------------------
+    "pipeline.stages": _acts("mesh.resolve_mesh's pipe size; checked against the PipelineModule's num_stages"),
+    "pipeline.partition": _acts("checked against the PipelineModule's partition_method (one warning: module's used)"),
+    "pipeline.seed_layers": _acts("checked against the PipelineModule's seed_layers (one warning: module's used)"),
+    "pipeline.activation_checkpoint_interval": _acts(
+        "checked against the PipelineModule's interval (one warning: the module's is used)"
+    ),
+    "pipeline.pipe_partitioned": _acts("pipe/p2p.py: activations sent 1/T per tensor rank, all-gathered"),
+    "pipeline.grad_partitioned": _acts("pipe/p2p.py: activation gradients sent 1/T per tensor rank, all-gathered"),
+    "pipeline.schedule": _acts("pipe/schedule.py build_schedule: the train_batch schedule"),
+    "pipeline.zero_hold": _acts("pipe/engine.py: ZeRO-2/3 gradients reduced once per train_batch or per micro-batch"),
     # --- tensor_parallel (AutoTP) ---------------------------------------------------------------------------------
     "tensor_parallel.autotp_size": _acts(
         "tensor_parallel/autotp.py: the tensor-parallel degree the model is sliced to"
@@ -220,7 +231,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
         "rebuilding fp32 masters from the 16-bit weights on load: shardspeed always restores the saved fp32 values",
         False,
     ),
-    f"{_Z}.pipeline_loading_checkpoint": _refused("pipeline-parallel checkpoint loading (no pipeline engine)", True),
+    f"{_Z}.pipeline_loading_checkpoint": _warns(
+        "checkpoints load at any pipeline degree and ZeRO stage without it (checkpoint/pipe_stages.py)", True
+    ),
     f"{_Z}.cpu_offload": _acts('old spelling: true becomes offload_optimizer {"device": "cpu"} (zero.py)'),
     f"{_Z}.cpu_offload_param": _acts('old spelling: true becomes offload_param {"device": "cpu"} (zero.py)'),
     f"{_Z}.zero_hpz_partition_size": _refused("ZeRO++ hpZ", 8, by_validator=True),

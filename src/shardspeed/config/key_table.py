@@ -28,7 +28,7 @@ Status = Literal["implemented", "ignored", "refused"]
 _STATUS_OF_EFFECT: dict[str, Status] = {"acts": "implemented", "warns": "ignored", "refused": "refused"}
 
 SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
-    {"seed", "fault_tolerance", "tensor_parallel.sequence_parallel"}
+    {"seed", "fault_tolerance", "tensor_parallel.sequence_parallel", "pipeline.schedule", "pipeline.zero_hold"}
     | {
         f"fault_tolerance.{k}"
         for k in (

@@ -181,7 +181,6 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     "elasticity": KeyRule("elastic batch sizes (overrides the batch keys)", _enabled_false, _ENABLED_OFF),
     "autotuning": KeyRule("the autotuner (profiles, then exits early)", _enabled_false, _ENABLED_OFF),
     # Parallelism other than data parallelism.
-    "pipeline": KeyRule("pipeline parallelism", _empty, _REMOVE),
     "expert_parallel": KeyRule("AutoEP expert parallelism", _enabled_false, _ENABLED_OFF),
     "moe": KeyRule("mixture-of-experts layers", _empty, _REMOVE),
     "use_data_before_expert_parallelism": KeyRule("expert/data rank ordering", _false, _SET_FALSE),
@@ -234,14 +233,6 @@ SECTION_KEYS: Mapping[str, tuple[str, ...]] = {
     "timers.throughput": ("enabled", "synchronized"),
     "checkpoint": ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),
     "checkpoint.parallel_write": ("pipeline_stage",),
-    "pipeline": (
-        "stages",
-        "partition",
-        "seed_layers",
-        "activation_checkpoint_interval",
-        "pipe_partitioned",
-        "grad_partitioned",
-    ),
     "hybrid_engine": (
         "enabled",
         "max_out_tokens",

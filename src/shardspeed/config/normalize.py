@@ -101,7 +101,9 @@ def _section(
             continue
         key, value = spellings[0]
         user_path = _join(user_prefix, key)
-        if canonical in fields:
+        if canonical in model.AUTO_IS_VALUE and _is_auto(value):
+            out[canonical] = value  # a real value of the field (pipeline.stages), not the HF placeholder
+        elif canonical in fields:
             kept = _field_value(fields[canonical], value, path, user_path, result, problems)
             if kept is not _DROP:
                 out[canonical] = kept

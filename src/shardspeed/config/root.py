@@ -13,6 +13,7 @@ from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .fault_tolerance import FaultToleranceConfig
+from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
 from .tensor_parallel import TensorParallelConfig
@@ -113,6 +114,11 @@ class ShardSpeedConfig(ConfigModel):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP: slice the model's linear layers over the tensor axis (config/tensor_parallel.py). DeepSpeed
     default: off (``autotp_size`` 0)."""
+
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism (config/pipeline.py): read by the pipeline engine for a ``PipelineModule``; the module's
+    own arguments decide partitioning, seeding and activation checkpointing. DeepSpeed default: every key at its
+    default."""
 
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,

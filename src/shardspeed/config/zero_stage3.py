@@ -122,7 +122,8 @@ class Stage3Options(ConfigModel):
     DeepSpeed default: true."""
 
     pipeline_loading_checkpoint: bool = False
-    """Load checkpoints in pipeline mode under stage 3. DeepSpeed default: false."""
+    """Load checkpoints in pipeline mode under stage 3. One warning, no effect: shardspeed's checkpoints load at any
+    pipeline degree and stage without it. DeepSpeed default: false."""
 
     log_trace_cache_warnings: bool = False
     """Log parameter-fetch trace-cache invalidations. DeepSpeed default: false."""

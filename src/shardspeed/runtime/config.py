@@ -67,6 +67,7 @@ class DeepSpeedConfig:
         self.communication_data_type = typed.communication_data_type
         self.comms_config = typed.comms_logger
         self.activation_checkpointing_config = typed.activation_checkpointing
+        self.pipeline = typed.pipeline.model_dump()  # DeepSpeed's dict (its 6 keys, plus schedule and zero_hold)
 
     def __getattr__(self, name: str) -> Any:  # only reached for attributes not set in __init__
         raise AttributeError(

@@ -6,6 +6,9 @@
   stage 2  StagedReduceScatter   no full buffer: a bucket's gradients are staged only until the bucket is
                                  complete, reduce-scattered every micro-step, added into the fp32 shard, and the
                                  staging memory is released at once
+A backward that does not communicate (a pipeline step's hold: [Note: step-scoped hold] in zero/hold.py) ``hold``s
+its gradients: stages 0/1 in their full buffer, stage 2 in per-bucket held buffers in the master dtype, reduce-
+scattered (and freed) when the held reduction launches each bucket.
 Averaging over the data axis is ``pre`` before the sum and ``post`` after it (GradScaling).
 
 [Note: staging memory] "Staging" is a full-bucket copy of gradients that exists only to be communicated: stage 2's
@@ -95,6 +98,8 @@ class AllReduceGrads:
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
         self.buffer.absorb(index, param)
 
+    hold = absorb  # the full buffer accumulates across backward passes already
+
     def _bucket(self, k: int) -> torch.Tensor:
         b = self.buffer.layout.buckets[k]
         return self.buffer.flat[b.start : b.end]
@@ -180,6 +185,8 @@ class ReduceScatterGrads(_ShardReduceScatter):
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
         self.buffer.absorb(index, param)
 
+    hold = absorb  # the full buffer accumulates across backward passes already
+
     def launch(self, k: int) -> Work:
         b = self.layout.buckets[k]
         return self._reduce_scatter(k, self.buffer.flat[b.start : b.end])
@@ -223,6 +230,12 @@ class StagedReduceScatter(_ShardReduceScatter):
         self.params = list(params)
         self.bucket_of = {i: k for k, b in enumerate(layout.buckets) for i in b.members}
         self._staging: dict[int, torch.Tensor] = {}
+        # [Note: step-scoped hold] in zero/hold.py: per bucket, the gradients of backward passes that did not
+        # communicate, in the master dtype (the shard's), allocated at a bucket's first held gradient and freed as
+        # its reduction completes; all of them together are one full gradient copy (stage-1 gradient memory).
+        self._held: dict[int, torch.Tensor] = {}
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
 
     def _staging_for(self, k: int) -> torch.Tensor:
         staging = self._staging.get(k)
@@ -240,9 +253,30 @@ class StagedReduceScatter(_ShardReduceScatter):
         start = self.layout.buckets[k].start
         return self._staging_for(k)[lo - start : hi - start]
 
+    def held_segment(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of its bucket's held buffer (allocated, zeroed, on first use)."""
+        k = self.bucket_of[index]
+        held = self._held.get(k)
+        if held is None:
+            held = torch.zeros(self.layout.buckets[k].numel, dtype=self.shard_flat.dtype, device=self.shard_flat.device)
+            self._held[k] = held
+            self.held_bytes += held.numel() * held.element_size()
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        lo, hi = self.layout.span(index)
+        start = self.layout.buckets[k].start
+        return held[lo - start : hi - start]
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        return list(self._held.values())
+
+    def _free_held(self, k: int) -> None:
+        held = self._held.pop(k, None)
+        if held is not None:
+            self.held_bytes -= held.numel() * held.element_size()
+
     def adopt(self, old: StagedReduceScatter) -> None:
-        """Re-layout: carry gradients staged in ``old``'s buckets (none unless ``loss.backward()`` ran outside
-        ``engine.backward``) into this layout's buckets, and free ``old``'s staging."""
+        """Re-layout: carry gradients staged or held in ``old``'s buckets (none unless ``loss.backward()`` ran
+        outside ``engine.backward``) into this layout's buckets, and free ``old``'s staging."""
         for k, staging in old._staging.items():
             b = old.layout.buckets[k]
             for i in b.members:
@@ -250,6 +284,12 @@ class StagedReduceScatter(_ShardReduceScatter):
                 self._segment(i).copy_(staging[lo - b.start : hi - b.start])
             old.meter.release(staging)
         old._staging.clear()
+        for k, held in list(old._held.items()):
+            b = old.layout.buckets[k]
+            for i in b.members:
+                lo, hi = old.layout.span(i)
+                self.held_segment(i).copy_(held[lo - b.start : hi - b.start])
+            old._free_held(k)
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
@@ -258,22 +298,43 @@ class StagedReduceScatter(_ShardReduceScatter):
         self._segment(index).add_(grad.reshape(-1))
         param.grad = None  # this rank's memory for the full gradient ends here
 
+    def hold(self, index: int, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        self.held_segment(index).add_(grad.reshape(-1))  # accumulated in the master dtype, not the wire dtype
+        param.grad = None
+
     def launch(self, k: int) -> Work:
-        return self._reduce_scatter(k, self._staging_for(k))  # zeros if no member got a gradient (unused)
+        held = self._held.get(k)
+        if held is None:
+            return self._reduce_scatter(k, self._staging_for(k))  # zeros if no member got a gradient (unused)
+        staging = self._staging.pop(k, None)
+        if staging is not None:  # this backward's own gradients join what earlier ones held
+            held.add_(staging)
+            self.meter.release(staging)
+        return self._reduce_scatter(k, held)
 
     def complete(self, k: int) -> None:
         self.grad_shards[k].add_(self._take_output(k))
-        self.meter.release(self._staging.pop(k))  # freed as soon as its bucket is reduced
+        if k in self._held:
+            self._free_held(k)  # the held full bucket ends with its reduction
+        else:
+            self.meter.release(self._staging.pop(k))  # freed as soon as its bucket is reduced
 
     def zero(self) -> None:
         for staging in self._staging.values():
             self.meter.release(staging)
         self._staging.clear()
+        for k in list(self._held):
+            self._free_held(k)
         self.shard_flat.zero_()
 
     def forget(self, index: int) -> None:
         """This rank's reduced part of the parameter (its shard pieces); staging lives only within a backward."""
         k, rank = self.bucket_of[index], self.ctx.axis.rank
+        if k in self._held:
+            self.held_segment(index).zero_()
         start, end = self.layout.rank_slice(k, rank)
         lo, hi = self.layout.span(index)
         a, b = max(lo, start), min(hi, end)

@@ -306,12 +306,21 @@ class PartitionedStates(FlatLayoutStates):
     def zero_grads(self) -> None:
         self.reducer.zero()
 
+    def _held_view(self, index: int) -> torch.Tensor:
+        """[Note: step-scoped hold] in zero/hold.py: stage 1's full buffer, stage 2's held bucket buffer."""
+        if self.grad_buffer is not None:
+            return self.grad_buffer.views[index]
+        assert isinstance(self.grad_sync, StagedReduceScatter)
+        return self.grad_sync.held_segment(index)
+
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"params": self.param_flat}
         if self.grad_buffer is not None:
             out["grads"] = self.grad_buffer.flat
         if self.shard_flat is not None:
             out["grad_shard"] = self.shard_flat
+            assert isinstance(self.grad_sync, StagedReduceScatter)
+            out["grad_hold"] = self.grad_sync.held_buffers()  # type: ignore[assignment]  # during a held step
         if self.master_shard is not None:
             out["master_shard"] = self.master_shard
         return out

@@ -65,6 +65,11 @@ class GradSync(Protocol):
 
     def absorb(self, index: int, param: torch.nn.Parameter) -> None: ...
 
+    def hold(self, index: int, param: torch.nn.Parameter) -> None:
+        """A backward that does not communicate: keep the gradient, accumulated in the master dtype, until a later
+        reduction ([Note: step-scoped hold] in zero/hold.py). Stages 0/1: ``absorb`` (their flat buffer)."""
+        ...
+
     def launch(self, bucket: int) -> Work: ...
 
     def complete(self, bucket: int) -> None: ...
@@ -187,7 +192,10 @@ class GradReducer:
                 "into this backward). Run separate backward passes instead: gradients of several backward passes "
                 "accumulate."
             )
-        self.grad_sync.absorb(index, param)
+        if self._communicate:
+            self.grad_sync.absorb(index, param)
+        else:  # [Note: step-scoped hold] in zero/hold.py
+            self.grad_sync.hold(index, param)
         self.markers.install(index)
         if not self._communicate or index in self._arrived:
             return
@@ -258,6 +266,14 @@ class GradReducer:
         self._launch_ready(force=True)
         while self._inflight:
             self._finish(self._inflight[0])
+
+    def reduce_held(self) -> None:
+        """Reduce what the backward passes since the last step held (``communicate=False``) exactly as a final
+        boundary backward would, with no new gradients: every bucket launches (in bucket order), ``on_final`` fires,
+        ``reduced`` is True after ([Note: step-scoped hold] in zero/hold.py). If no backward ran since the stage
+        was built, the layout is planned here (an empty arrival order: the current placement)."""
+        self.before_backward(communicate=True, final=True)
+        self.after_backward()
 
     def abort_backward(self) -> None:
         """Backward raised midway: drain launched collectives so this rank's sequence is not left half-issued."""

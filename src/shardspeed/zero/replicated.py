@@ -141,6 +141,9 @@ class ReplicatedStates(FlatLayoutStates):
     def zero_grads(self) -> None:
         self.reducer.zero()
 
+    def _held_view(self, index: int) -> torch.Tensor:
+        return self.grad_buffer.views[index]  # [Note: step-scoped hold]: the flat buffer accumulates
+
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"grads": self.grad_buffer.flat}
         if self.master is not None:

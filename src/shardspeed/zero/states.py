@@ -11,6 +11,7 @@ from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.arrival_order import LayoutPlanner, agree_on_order, swap_optimizer_tensors
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
+from shardspeed.zero.hold import FlatHold
 from shardspeed.zero.layout import ShardLayout
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
@@ -98,6 +99,23 @@ class ModelStates(Protocol):
         """The engine itself just wrote the gradients (end of backward, zeroing): the state to compare with."""
         ...
 
+    # [Note: step-scoped hold] in zero/hold.py: the pipeline driver's protocol
+    def begin_hold(self) -> None:
+        """Start of a pipeline step (ZeRO-3: units stay gathered from their first use until ``reduce_held``)."""
+        ...
+
+    def held_grad(self, name: str) -> torch.Tensor:
+        """The local accumulated, unreduced gradient of ``name`` (master dtype, writable, the parameter's shape)."""
+        ...
+
+    def reduce_held(self) -> None:
+        """Reduce everything held over the data axis, as a final boundary backward would."""
+        ...
+
+    def abort_hold(self) -> None:
+        """The step raised: forget what was held, release what the hold kept gathered (no collective)."""
+        ...
+
 
 def has_nonfinite(t: torch.Tensor) -> bool:
     return not bool(torch.isfinite(t).all())
@@ -124,7 +142,7 @@ def sweep_cleared(reducer: Any, stepped: SteppedGrads, forget_all: Callable[[], 
     return events + len(cleared)
 
 
-class FlatLayoutStates:
+class FlatLayoutStates(FlatHold):
     """Shared by the stages whose states follow one ShardLayout (0, 1, 2), including the re-layout from the first
     backward's gradient arrival order ([Note: arrival-order layout] in zero/arrival_order.py)."""
 

@@ -87,6 +87,11 @@ class UnitGrads:
     ) -> None:
         """``dtype``: the gradient shard's (the master dtype: fp32, or bf16 with bf16 master weights)."""
         self.unit, self.ctx, self.budget = unit, ctx, budget
+        self.dtype = dtype
+        # [Note: step-scoped hold] in zero/hold.py: the unit's gradients of backward passes that did not
+        # communicate, accumulated in the master dtype over the unit's padded flat layout (allocated at the first
+        # held gradient, freed once ``launch_held`` staged it)
+        self.step_held: torch.Tensor | None = None
         self.trainable = {i for i, p in enumerate(unit.params) if p.requires_grad}
         self.grad_shard = _zeros(unit.shard_numel if self.trainable else 0, unit.device, dtype)
         self.arrived: set[int] = set()
@@ -101,9 +106,43 @@ class UnitGrads:
         return len(self.trainable) > 0 and self.arrived >= self.trainable
 
     def absorb(self, local_index: int, param: torch.nn.Parameter) -> None:
-        grad = param.grad
+        grad = self._take(local_index, param)
         if grad is None:
             return
+        held = self._held.get(local_index)
+        self._held[local_index] = grad if held is None else held + grad
+        self.arrived.add(local_index)
+
+    def hold(self, local_index: int, param: torch.nn.Parameter) -> None:
+        """A backward that does not communicate: add the gradient into the step's held buffer (master dtype)."""
+        grad = self._take(local_index, param)
+        if grad is None:
+            return
+        self.held_view(local_index).add_(grad.reshape(self.unit.shapes[local_index]))
+        self.arrived.add(local_index)
+
+    def held_view(self, local_index: int) -> torch.Tensor:
+        """Parameter ``local_index``'s part of the step's held gradient, shaped like it (allocated on first use)."""
+        if self.step_held is None:
+            self.step_held = torch.zeros(self.unit.padded_numel, dtype=self.dtype, device=self.unit.device)
+        off, n = self.unit.offsets[local_index], self.unit.numels[local_index]
+        return self.step_held[off : off + n].view(self.unit.shapes[local_index])
+
+    def launch_held(self) -> None:
+        """Reduce-scatter what the step held (zeros if nothing: unused), as a final backward's launch would."""
+        self.reset_backward()
+        if self.step_held is not None:
+            flat = self.step_held
+            offsets, numels = self.unit.offsets, self.unit.numels
+            self._held = {i: flat[offsets[i] : offsets[i] + numels[i]] for i in sorted(self.trainable)}
+        self.launch()  # stages every piece before it returns: the held buffer is free after
+        self.step_held = None
+
+    def _take(self, local_index: int, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The fresh gradient off the parameter (checked against the full shape), or None."""
+        grad = param.grad
+        if grad is None:
+            return None
         if grad.numel() != self.unit.numels[local_index]:
             name = self.unit.names[local_index]
             raise PlaceholderGradientError(
@@ -114,9 +153,7 @@ class UnitGrads:
                 "shardspeed.zero.GatheredParameters(params)."
             )
         param.grad = None  # this unit keeps the gradient until its reduce-scatter is staged
-        held = self._held.get(local_index)
-        self._held[local_index] = grad if held is None else held + grad
-        self.arrived.add(local_index)
+        return grad
 
     def launch(self) -> None:
         """Reduce-scatter the held gradients piece by piece (zeros for parameters that got none)."""
@@ -171,11 +208,14 @@ class UnitGrads:
     def zero(self) -> None:
         self.grad_shard.zero_()
         self._held.clear()
+        self.step_held = None
 
     def forget(self, local_index: int) -> None:
         """Drop parameter ``local_index``'s gradient: its piece of this rank's reduced shard (user code cleared
         its ``.grad`` between backward passes)."""
         self._held.pop(local_index, None)
+        if self.step_held is not None:
+            self.held_view(local_index).zero_()
         off, n, lo = self.unit.offsets[local_index], self.unit.numels[local_index], self.unit.rank_start
         a, b = max(off, lo), min(off + n, lo + self.unit.shard_numel)
         if a < b and self.grad_shard.numel():

@@ -15,6 +15,11 @@ unit lifetime] in needs.py, [Note: backward uses] in marks.py) · after autograd
 Forward passes that run *during* backward are recomputations (activation checkpointing): they gather what they
 use and hold it until the backward use they serve ends, and never count on their post-forward hook being reached.
 Evaluation (``torch.no_grad()``) uses only the forward half: nothing waits for a backward that never comes.
+A pipeline step holds instead ([Note: step-scoped hold] in zero/hold.py): after ``begin_hold`` nothing is released
+until ``reduce_held`` (one gather per unit per step), backward passes with ``communicate=False`` accumulate into each
+unit's fp32 held gradient, and ``reduce_held`` reduce-scatters every unit once, in unit order. Forwards of later
+micro-batches may run while an earlier micro-batch's graph is alive (1F1B): the end of a backward keeps the uses
+still to come, so their own backward ends them.
 Every gather is issued in an order all ranks share (program order of hooks and autograd nodes), so the
 collectives stay matched; releases only decide *when* a unit is gathered again, never in which order.
 """
@@ -74,6 +79,7 @@ class Stage3Runtime:
         self._in_backward = False
         self._backward_index = 0  # before_backward calls so far (a retained graph's uses start again)
         self._communicate = True
+        self._holding = False  # [Note: step-scoped hold] in zero/hold.py: gathered units stay until reduce_held
         self._reduced = False
         self._final = False  # before_backward(final=...)
         self.on_final: Callable[[int], None] | None = None  # unit index → its reduced shard is final (offload)
@@ -196,6 +202,8 @@ class Stage3Runtime:
     def _release_if_idle(self, u: int) -> None:
         """Release unit u unless something needs it, or it waits between two backward uses (see ``_must_stay``)."""
         unit = self.units[u]
+        if self._holding:
+            return
         if not unit.persistent and unit.state is not UnitState.SHARDED and not self._needs[u].needed:
             unit.release()
 
@@ -206,7 +214,7 @@ class Stage3Runtime:
         accumulation can run (it waits for that use's nodes). Until room is needed it stays, like a unit kept for
         reuse in forward: it would only be gathered again."""
         needs = self._needs[u]
-        return needs.busy or (needs.grads_pending and not self._use_coming(u))
+        return self._holding or needs.busy or (needs.grads_pending and not self._use_coming(u))
 
     def _use_coming(self, u: int) -> bool:
         """Whether a backward use of unit u created in forward is still to start in this backward."""
@@ -271,15 +279,21 @@ class Stage3Runtime:
                 "unit's gradients were in, e.g. through a second autograd graph joined into this backward). "
                 "Run separate backward passes instead: gradients of several backward passes accumulate."
             )
-        grads.absorb(i, param)
+        if self._communicate:
+            grads.absorb(i, param)
+        else:  # kept for a later reduction in the master dtype ([Note: step-scoped hold] in zero/hold.py)
+            grads.hold(i, param)
         self.markers.install(self._marker_of[(u, i)])
         if self._communicate and grads.complete and u not in self.reduce_after_backward:
             self._launch(u)
         self._needs[u].grad_arrived(i)
         self._release_if_idle(u)
 
-    def _launch(self, u: int) -> None:
-        self.grads[u].launch()
+    def _launch(self, u: int, held: bool = False) -> None:
+        if held:
+            self.grads[u].launch_held()
+        else:
+            self.grads[u].launch()
         self._launched.append(u)
         # Each reduce-scatter in flight holds its unit's padded staging buffer: finish all but the newest few
         # as backward goes, so gradient memory stays a few units instead of the whole model until the end.
@@ -322,26 +336,54 @@ class Stage3Runtime:
         self._end_backward()
 
     def _end_backward(self) -> None:
-        """Units whose backward never ran (or whose use no mark could end) are released here."""
-        self._drop_uses()
+        """Units whose backward never ran (or whose use no mark could end) are released here (held: kept). Uses
+        whose backward is still to come (a later micro-batch's forward, run while this backward's graph was alive:
+        1F1B) keep their input hooks, so their backward ends them as usual."""
+        self._prune_uses(keep_started=False)
         for stack in self._stacks:
             stack.clear()
         for needs in self._needs:
             needs.reset_backward()
-        for uses in self._unstarted:
-            uses.clear()
+        if not self._holding:
+            self.release_gathered()
+        self._policy.cancel_reads_ahead()
+
+    def release_gathered(self) -> None:
         for unit in self.units:
             if not unit.persistent and unit.state is not UnitState.SHARDED:
                 unit.release()
-        self._policy.cancel_reads_ahead()
 
-    def _prune_uses(self) -> None:
-        """Forget uses whose graph is gone (a forward with grad but no backward): their backward never comes."""
+    # --- the step-scoped hold ([Note: step-scoped hold] in zero/hold.py) ---------------------------------------
+    def begin_hold(self) -> None:
+        """From now until ``reduce_held``/``end_hold``, a unit gathered by its first use stays gathered."""
+        self._holding = True
+
+    def reduce_held(self) -> None:
+        """Reduce-scatter every unit's held gradients once, in unit order (the same on every rank), as a final
+        backward does (``on_final`` fires, ``reduced`` after), then release the units the hold kept."""
+        assert not self._in_backward, "reduce_held during a backward"
+        self._reduced, self._final = False, True
+        self._launched, self._finished_count = [], 0
+        for u, g in enumerate(self.grads):
+            if g.trainable:
+                self._launch(u, held=True)
+        for u in self._launched[self._finished_count :]:
+            self._finish_grads(u)
+        self._reduced, self._final = True, False
+        self.end_hold()
+
+    def end_hold(self) -> None:
+        self._holding = False
+        self.release_gathered()
+
+    def _prune_uses(self, keep_started: bool = True) -> None:
+        """Forget uses whose graph is gone (a forward with grad but no backward): their backward never comes.
+        ``keep_started`` False (end of a backward): uses it started are over too."""
         for uses in self._unstarted:
             uses[:] = [use for use in uses if use.pending]
         alive = []
         for use in self._uses:
-            if use.pending or (use.started and not use.ended):
+            if use.pending or (keep_started and use.started and not use.ended):
                 alive.append(use)
             elif use.handle is not None:
                 use.handle.remove()

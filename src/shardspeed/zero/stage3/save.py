@@ -87,6 +87,8 @@ def save_16bit_model(
                 path,
             )
         return False
+    if engine.topology.pipe.size > 1:  # stages hold different layers: [Note: checkpoints across pipeline degrees]
+        return _save_whole_pipeline(engine, path, exclude_frozen_parameters)
     state = engine.module.state_dict(keep_vars=True)
     skipped = [name for name, t in state.items() if not isinstance(t, torch.Tensor)]
     state = {
@@ -146,6 +148,30 @@ def save_16bit_model(
                 stream.abort()
         except Exception as exc:
             error = error or exc
+    _agree(engine, error, path)
+    return True
+
+
+def _save_whole_pipeline(engine: Any, path: Path, exclude_frozen_parameters: bool) -> bool:
+    """The whole model from every pipeline stage (``module_state_dict``: each stage gathered, then completed over
+    the pipe axis), written by global rank 0 in one file."""
+    state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    state = {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
+    error: BaseException | None = None
+    if engine.topology.global_rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            slots = [_Slot(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
+            stream = _AtomicStream(path, slots, _metadata(state))
+            try:
+                for tensor in state.values():
+                    stream.write(tensor)
+                stream.close()
+            except BaseException:
+                stream.abort()
+                raise
+        except Exception as exc:
+            error = exc
     _agree(engine, error, path)
     return True
 

@@ -26,6 +26,7 @@ from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext
+from shardspeed.zero.hold import Stage3Hold
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
 from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
@@ -43,7 +44,7 @@ from shardspeed.zero.stage3.unit import ParamUnit, UnitState
 from shardspeed.zero.states import sweep_cleared
 
 
-class Stage3States:
+class Stage3States(Stage3Hold):
     communicate_every_micro_step = True
 
     def __init__(
@@ -403,6 +404,7 @@ class Stage3States:
         out: dict[str, list[torch.Tensor]] = {
             "param_shards": [u.shard for u in self.units],  # offloaded shards between uses: empty tensors
             "grad_shard": [g.grad_shard for g in self.grads],
+            "grad_hold": [g.step_held for g in self.grads if g.step_held is not None],  # during a held step
         }
         if any(m is not None for m in self.masters):
             out["master_shard"] = [m for m in self.masters if m is not None]
