@@ -41,6 +41,12 @@ from bench_pipe_report import DEEPSPEED_SIDE
 from proc_status import read_status_mib
 
 
+def _seed(seed: object) -> None:
+    """DeepSpeed 0.19.8's default ``set_random_seed`` fails under numpy 2: the layer index it adds is a numpy
+    integer, which ``random.seed`` refuses; the layers draw only from torch's generator."""
+    torch.manual_seed(int(seed))
+
+
 def build_deepspeed_side(size: BenchSize, micro_batches: int, clock: WaitClock) -> tuple[Side, Any]:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -51,6 +57,7 @@ def build_deepspeed_side(size: BenchSize, micro_batches: int, clock: WaitClock) 
         num_stages=2,
         loss_fn=gpt_loss_fn,
         seed_layers=True,
+        seed_fn=_seed,
         base_seed=BASE_SEED,
         partition_method="type:Block",
     )
@@ -71,7 +78,7 @@ def build_deepspeed_side(size: BenchSize, micro_batches: int, clock: WaitClock) 
     def figures(wall: float) -> StepFigures:
         return StepFigures(wall, clock.take(), 0.0)
 
-    return Side(DEEPSPEED_SIDE, run_step, figures), list(module.parts)
+    return Side(DEEPSPEED_SIDE, run_step, figures), [int(p) for p in module.parts]
 
 
 def install_deepspeed_clock() -> WaitClock:

@@ -26,7 +26,15 @@ STEPS, MB, M, LR, CLIP = 5, 2, 4, 0.05, 0.5
 IN_FLIGHT = 2  # forwards alive before the first backward (a 1F1B stage's warm-up)
 
 
-def _engine(stage: int, *, kind: str = "adamw", bf16: bool = False, offload: bool = False, ckpt: bool = False) -> Any:
+def _engine(
+    stage: int,
+    *,
+    kind: str = "adamw",
+    bf16: bool = False,
+    offload: bool = False,
+    ckpt: bool = False,
+    offload_param: bool = False,
+) -> Any:
     model = make_model()
     if ckpt:  # activation checkpointing of one block (non-reentrant: recomputed inside backward)
         inner = model.mid.forward
@@ -34,6 +42,8 @@ def _engine(stage: int, *, kind: str = "adamw", bf16: bool = False, offload: boo
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:  # shards in host memory between uses (swapped through the pool like NVMe)
+        zero["offload_param"] = {"device": "cpu"}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": M,
@@ -101,7 +111,7 @@ def pipeline_step(
 
 def _parity(rank: int, world: int, stage: int, variant: str) -> dict[str, float]:
     kind = "sgd" if variant in ("sgd", "doubled") else "adamw"
-    options = {"bf16": variant == "bf16", "offload": variant == "offload", "ckpt": variant == "ckpt"}
+    options = {v: variant == v for v in ("bf16", "offload", "ckpt", "offload_param")}
     mode = "micro_batch" if variant == "micro_batch" else "step"
     batches = global_batches(STEPS, MB * M * world)
     plain = _engine(stage, kind=kind, **options)
@@ -124,7 +134,7 @@ VARIANTS = {
     0: ["adamw", "sgd", "bf16", "doubled"],
     1: ["adamw", "sgd", "bf16", "offload", "doubled"],
     2: ["adamw", "sgd", "bf16", "offload", "doubled", "micro_batch"],
-    3: ["adamw", "sgd", "bf16", "offload", "doubled", "micro_batch", "ckpt"],
+    3: ["adamw", "sgd", "bf16", "offload", "doubled", "micro_batch", "ckpt", "offload_param"],
 }
 DEFAULT = {(0, "adamw"), (1, "doubled"), (2, "offload"), (2, "micro_batch"), (3, "doubled"), (3, "ckpt")}
 DEFAULT |= {(3, "micro_batch")}  # the rest (slow) also pass: every stage × variant
@@ -151,7 +161,7 @@ def test_pipeline_step_matches_gradient_accumulation(dist_run, stage: int, varia
 WIDTH = 8  # every parameter has an even size: no padding at N = 2, so the byte figures are exact
 
 
-def _even_engine(stage: int) -> Any:
+def _even_engine(stage: int, bf16: bool = False) -> Any:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 4)
@@ -168,6 +178,7 @@ def _even_engine(stage: int) -> Any:
         },
         "steps_per_print": 1000,
         "comms_logger": {"enabled": True},
+        "bf16": {"enabled": bf16},
     }
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
@@ -185,8 +196,8 @@ def _states_bytes(engine: Any) -> int:
     return sum(breakdown.values())
 
 
-def _figures(rank: int, world: int, stage: int) -> dict[str, Any]:
-    engine = _even_engine(stage)
+def _figures(rank: int, world: int, stage: int, precision: str) -> dict[str, Any]:
+    engine = _even_engine(stage, bf16=precision == "mixed")
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(MB * M * world, WIDTH, generator=g), torch.randn(MB * M * world, 4, generator=g))]
     x, y = batches[0]
@@ -213,22 +224,24 @@ def _figures(rank: int, world: int, stage: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("mixed", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_pipeline_traffic_and_memory_match_formulas(dist_run, stage: int) -> None:
+def test_pipeline_traffic_and_memory_match_formulas(dist_run, stage: int, precision: str) -> None:
     """Per step, from the comms log: held — one reduction (2Ψ(N−1)/N in all at every stage: stage 3 gathers each
     unit once); per micro-batch — M gradient reductions (stage 3: a gather per use). Model-state bytes from
     ``memory_breakdown()``: at rest the ZeRO table on Ψ_stage, during the held step plus the held gradients
     (stage 2, 3) and the gathered stage (3)."""
-    for r in dist_run(_figures, 2, stage):
+    k = 4 if precision == "fp32" else 8  # SGD momentum (+ the fp32 master under bf16 training)
+    for r in dist_run(_figures, 2, stage, precision):
         psi = r["psi"]
         assert psi == r["numel"]  # no padding: the figures below are exact
         assert r["held_traffic"] == pipeline_step_traffic(psi, 2, stage, hold=True, micro_batches=M)
         assert r["held_traffic"] == psi  # 2Ψ(N−1)/N at N = 2, whatever the stage
         assert r["micro_traffic"] == pipeline_step_traffic(psi, 2, stage, hold=False, micro_batches=M)
-        want = pipeline_model_state_bytes(psi, 2, stage, precision="fp32", optimizer_state_bytes_per_param=4)
+        want = pipeline_model_state_bytes(psi, 2, stage, precision=precision, optimizer_state_bytes_per_param=k)
         assert r["at_rest"] == want.at_rest.total() == r["after_micro"]
         assert r["during"] == want.during_step()
-        if stage == 3:
+        if stage == 3 and precision == "fp32":
             # per micro-batch under 1F1B, a unit is released as soon as its use in a backward ends, also in the
             # backward of a micro-batch whose forward ran during an earlier micro-batch's graph: never all at once
             assert r["peak_backward"] == WIDTH * WIDTH + WIDTH, r["peak_backward"]  # the largest unit alone
