@@ -241,7 +241,17 @@ CONFIG_ERRORS = [
 ]
 
 
-def _config_errors(rank: int, world: int) -> list[str]:
+def _config_errors(rank: int, world: int) -> tuple[list[str], list[str]]:
+    import logging
+
+    from shardspeed.log import logger
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    _engine(world, world, _config(0, "sgd", 0.0, activation_checkpoint_interval=2))  # the module's 0 is used
+    warnings = [m for m in seen if "activation_checkpoint_interval" in m]
     messages = []
     for pipeline, v, _ in CONFIG_ERRORS:
         try:
@@ -250,14 +260,18 @@ def _config_errors(rank: int, world: int) -> list[str]:
             messages.append(str(err))
         else:
             messages.append("no error")
-    return messages
+    return messages, warnings
 
 
 def test_configuration_errors_on_every_rank(dist_run) -> None:
-    """Each is decided from the config and the module's structure: the same error on every rank, no hang."""
-    for messages in dist_run(_config_errors, 2):
+    """Each is decided from the config and the module's structure: the same error on every rank, no hang. A key
+    the module decides (activation_checkpoint_interval) is one warning on rank 0."""
+    results = dist_run(_config_errors, 2)
+    for messages, _ in results:
         for message, (_, _, expected) in zip(messages, CONFIG_ERRORS, strict=True):
             assert expected in message, message
+    (_, first), (_, last) = results
+    assert len(first) == 1 and "the module's value is used" in first[0] and last == []
 
 
 def _no_data(rank: int, world: int) -> str:

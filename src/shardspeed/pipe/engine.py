@@ -32,6 +32,7 @@ from shardspeed.optim.absent import require_optimizer
 from shardspeed.pipe.buffers import PipeStepStats
 from shardspeed.pipe.data import StageData
 from shardspeed.pipe.executor import PipeExecutor
+from shardspeed.pipe.p2p import PipeChannel
 from shardspeed.pipe.schedule import build_schedule
 from shardspeed.tensor_parallel.batch_check import BatchMismatchError
 from shardspeed.topology import Topology
@@ -66,8 +67,9 @@ def is_pipeline_module(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and isinstance(model, PipelineModel)
 
 
-def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> None:
-    """Everything here is decided by the config and the module's structure, the same on every rank: agreed."""
+def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> list[str]:
+    """Everything here is decided by the config and the module's structure, the same on every rank: agreed.
+    Returns the config's warnings (keys the module decides: config/pipeline.py [Note: the module decides])."""
     if model.num_stages != topology.pipe.size or model.stage_id != topology.pipe.rank:
         raise mark_agreed(
             ValueError(
@@ -76,7 +78,7 @@ def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> N
                 "module on the topology initialize() uses (its topology= argument)"
             )
         )
-    errors, _ = pipeline_config_conflicts(
+    errors, warnings = pipeline_config_conflicts(
         settings,
         ModuleSettings(
             num_stages=model.num_stages,
@@ -102,6 +104,7 @@ def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> N
                 f'"{settings.schedule}": set it to "interleaved", or build the module with virtual_stages=1'
             )
         )
+    return warnings
 
 
 class PipelineEngine(ShardSpeedEngine):
@@ -114,14 +117,14 @@ class PipelineEngine(ShardSpeedEngine):
         if not is_pipeline_module(model):
             raise TypeError(f"PipelineEngine needs a shardspeed.pipe.PipelineModule, got {type(model).__name__}")
         settings: PipelineConfig = getattr(config, "pipeline", None) or PipelineConfig()
-        _check_module(model, topology, settings)
+        warnings = _check_module(model, topology, settings)
         super().__init__(model, config, topology, **kwargs)
+        for warning in warnings if topology.global_rank == 0 else ():
+            self.logger.warning(warning)
         self.pipeline = settings
         """The typed ``pipeline`` config section."""
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         hold = self._check_hold(model)
-        from shardspeed.pipe.p2p import PipeChannel  # S3
-
         tensor = topology.tensor
         partition = tensor if settings.pipe_partitioned and tensor.size > 1 else None
         if tensor.size > 1 and settings.grad_partitioned != settings.pipe_partitioned and topology.global_rank == 0:
