@@ -380,14 +380,28 @@ def _reduced_precision(rank: int, world: int, dtype: str) -> dict:
     engine = _engine(world, 2, config)
     batches = make_batches(3, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
     losses = [float(engine.train_batch(rank_iterator(batches[i : i + 1], M, 0, 1))) for i in range(3)]
+    skipped, overflow = engine.skipped_steps, {}
+    if dtype == "fp16":  # an Inf in one last-stage gradient only: every stage skips alike
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        scale = engine.loss_scaler.scale
+        if engine.is_last_stage():
+            weight = engine.module.get_parameter(f"{MODEL['n_blocks'] + 2}.weight")  # the final LayerNorm
+            weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        engine.train_batch(rank_iterator(batches[:1], M, 0, 1))
+        overflow = {
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)),
+            "scale": (scale, engine.loss_scaler.scale),  # hysteresis 2 (DeepSpeed's default): kept the first time
+            "skipped": engine.skipped_steps,
+        }
     ref = reference_model(**MODEL)
     ref_losses = reference_train(
         ref, batches, torch_optimizer("adamw", ref.parameters(), LR["adamw"]), micro_batches=M, clip=0.05
     )
     return {
         "diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-        "skipped": engine.skipped_steps,
+        "skipped": skipped,
         "dtype": str(next(engine.module.parameters()).dtype),
+        "overflow": overflow,
     }
 
 
@@ -395,10 +409,14 @@ def _reduced_precision(rank: int, world: int, dtype: str) -> dict:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_bf16_fp16_train_close_to_fp32_reference(dist_run, dtype: str) -> None:
     """Reduced precision: the first stage's token ids pass, activations travel in the compute dtype, fp16's loss
-    scale multiplies the last stage's loss and the norm is unscaled by it (no step skipped at a moderate scale)."""
-    for r in dist_run(_reduced_precision, 2, dtype):
+    scale multiplies the last stage's loss and the norm is unscaled by it (no step skipped at a moderate scale);
+    an overflow in one stage's gradients is agreed by every stage (all skip; the scale moves alike everywhere)."""
+    results = dist_run(_reduced_precision, 2, dtype)
+    for r in results:
         assert r["skipped"] == 0 and r["dtype"] == f"torch.{'bfloat16' if dtype == 'bf16' else 'float16'}"
         assert r["diff"] < 2e-2, r["diff"]
+        if dtype == "fp16":
+            assert r["overflow"] == {**results[0]["overflow"], "unchanged": True, "skipped": 1}
 
 
 def _tensor_ranks_disagree(rank: int, world: int) -> tuple[str, str]:

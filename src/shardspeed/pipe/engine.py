@@ -197,9 +197,10 @@ class PipelineEngine(ShardSpeedEngine):
         return self.stage_id == self.num_stages - 1
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        """The iterator ``train_batch`` reads when given none (only the first and last stages keep it)."""
+        """The iterator ``train_batch`` reads when given none (only the first and last stages keep it). An iterable
+        that is not an iterator (a list, a loader) is iterated once from here on, not restarted per batch."""
         if self.is_first_stage() or self.is_last_stage():
-            self.data_iterator = iterator
+            self.data_iterator = iterator if hasattr(iterator, "__next__") else iter(iterator)
 
     def reset_activation_shape(self) -> None:
         """Renegotiate activation shapes on the next message of every link (sequence length changed, say)."""
