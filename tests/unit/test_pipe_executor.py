@@ -110,7 +110,9 @@ class Counting:
         return next(self.items)
 
 
-def _run_pipeline(name: str, p: int, m: int, v: int) -> tuple[list[Any], list[Chunks], list, list[int], list[Hooks]]:
+def _run_pipeline(
+    name: str, p: int, m: int, v: int, *, train: bool = True
+) -> tuple[list[Any], list[Chunks], list, list[int], list[Hooks]]:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(m)]
     fabric = Fabric()
@@ -136,8 +138,12 @@ def _run_pipeline(name: str, p: int, m: int, v: int) -> tuple[list[Any], list[Ch
                 device=torch.device("cpu"),
                 compute_dtype=torch.float32,
             )
-            schedule = build_schedule(name, m, p, s, v)
-            result = executor.run(schedule.steps(), data, micro_batches=m, hooks=hooks[s])
+            schedule = build_schedule(name, m, p, s, v, train=train)
+            if train:
+                result = executor.run(schedule.steps(), data, micro_batches=m, hooks=hooks[s])
+            else:
+                with torch.no_grad():
+                    result = executor.run(schedule.steps(), data, micro_batches=m, keep_outputs=True)
             results[s] = (result, schedule.num_pipe_buffers())
         except BaseException as err:  # reported by the main thread
             results[s] = err
@@ -196,6 +202,19 @@ def _forward_all(p: int, v: int, x: torch.Tensor) -> torch.Tensor:
         for k in range(p * v):
             x = torch.tanh(_layer(k)(x))
     return x
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(1, 3, 1), (2, 1, 1), (3, 5, 1), (2, 4, 2), (3, 3, 2)])
+def test_inference_schedule_outputs_and_losses(p: int, m: int, v: int) -> None:
+    results, modules, batches, reads, hooks = _run_pipeline("1f1b", p, m, v, train=False)
+    last, _ = results[-1]
+    for (x, y), out, loss in zip(batches, last.outputs, last.losses, strict=True):
+        expected = _forward_all(p, v, x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        assert float(loss) == pytest.approx(float(_loss(expected, y)), abs=1e-6)
+    assert reads == [m if s in (0, p - 1) else 0 for s in range(p)]
+    assert all(h.calls == [] for h in hooks)
+    assert all(layer.weight.grad is None for module in modules for layer in module.layers)
 
 
 def test_buffers_refuse_a_slot_still_in_use() -> None:
