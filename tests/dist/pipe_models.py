@@ -320,9 +320,11 @@ def reference_train(
     *,
     micro_batches: int,
     clip: float = 0.0,
+    norms: list[float] | None = None,
 ) -> list[float]:
     """Plain torch on the global batches: per step the mean of the micro-batch mean losses (what the pipeline
-    engine's ``train_batch`` averages over micro-batches and data ranks); returns the step losses."""
+    engine's ``train_batch`` averages over micro-batches and data ranks); returns the step losses. ``norms``: when
+    given, receives each step's gradient norm before clipping (with ``clip`` > 0)."""
     losses = []
     for tokens, labels in batches:
         optimizer.zero_grad()
@@ -332,7 +334,9 @@ def reference_train(
             loss.backward()
             total += float(loss)
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
         losses.append(total)
     return losses
