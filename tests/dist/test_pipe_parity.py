@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 import torch
 from parity import optimizer_config, torch_optimizer
-from pipe_models import gpt_layers, gpt_loss_fn, make_batches, rank_iterator, reference_model, reference_train
+from pipe_models import declare_tied_external, gpt_layers, gpt_loss_fn, make_batches, rank_iterator, reference_model, reference_train
 
 import shardspeed
-from shardspeed import zero
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.topology import MeshShape, Topology
 
@@ -100,12 +99,8 @@ def _engine(case: Case, layers_hook: Any = None) -> Any:
         activation_checkpoint_interval=case.checkpoint_every,
         virtual_stages=case.virtual,
     )
-    if case.zero == 3 and case.tied:
-        # The tied head's forward_fn reads the embedding's weight without calling the embedding module, so ZeRO-3's
-        # hooks would never gather it on the last stage: declared as an external parameter of the root (DeepSpeed's
-        # remedy for a forward reading another module's weight). PipelineModule could do this itself.
-        for p in module.tied_modules.parameters():
-            zero.register_external_parameter(module, p)
+    if case.zero == 3:
+        declare_tied_external(module)  # the tied head reads the embedding's weight outside its module
     engine, *_ = shardspeed.initialize(model=module, config=_config(case))
     return engine
 
