@@ -85,6 +85,11 @@ def _bubble(rank: int, world: int, m: int, schedule: str, virtual: int, steps: i
     return {"stage": engine.topology.pipe.rank, "figures": figures}
 
 
+def _slowest_totals(results: list[dict[str, Any]]) -> list[float]:
+    """Each step's wall time on its slowest stage."""
+    return [max(r["figures"][i]["total_s"] for r in results) for i in range(len(results[0]["figures"]))]
+
+
 def _report_bubble(results: list[dict[str, Any]], m: int, schedule: str, virtual: int) -> dict[str, Any]:
     per_step = [statistics.fmean(r["figures"][i]["idle"] for r in results) for i in range(len(results[0]["figures"]))]
     chunks = virtual if schedule == "interleaved" else 1
@@ -95,8 +100,7 @@ def _report_bubble(results: list[dict[str, Any]], m: int, schedule: str, virtual
         "measured_bubble_min_max": (min(per_step), max(per_step)),
         "formula": 1 / (chunks * m + 1),  # (p-1)/(v·m+p-1) at p = 2
         "p2p_post_ms_median": 1e3 * statistics.median(f["post_s"] for r in results for f in r["figures"]),
-        "step_ms_median": 1e3 * statistics.median(max(r["figures"][i]["total_s"] for r in results)
-                                                  for i in range(len(per_step))),  # fmt: skip
+        "step_ms_median": 1e3 * statistics.median(_slowest_totals(results)),
         "idle_by_stage": [statistics.median(f["idle"] for f in r["figures"]) for r in results],
     }
     print("pipe bubble:", json.dumps(report))
@@ -214,7 +218,6 @@ def test_zero_under_pp_bytes_and_traffic_match_formulas(dist_run, stage: int) ->
         want = pipeline_model_state_bytes(psi, 2, stage, precision="fp32", optimizer_state_bytes_per_param=4)
         assert r["at_rest"] == want.at_rest.total(), (r, want)
         assert r["during"] == want.during_step(), (r, want)
-        print(
-            "zero-under-pp:", json.dumps({"zero": stage, "pipe_stage": r["pipe"], "psi": psi, "traffic": r["held_traffic"],
-                                          "bytes_at_rest": r["at_rest"], "bytes_during_step": r["during"]})
-        )  # fmt: skip
+        figures = {"zero": stage, "pipe_stage": r["pipe"], "psi": psi, "traffic": r["held_traffic"]}
+        figures.update(bytes_at_rest=r["at_rest"], bytes_during_step=r["during"])
+        print("zero-under-pp:", json.dumps(figures))

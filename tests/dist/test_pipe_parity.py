@@ -24,7 +24,15 @@ from typing import Any
 import pytest
 import torch
 from parity import optimizer_config, torch_optimizer
-from pipe_models import declare_tied_external, gpt_layers, gpt_loss_fn, make_batches, rank_iterator, reference_model, reference_train
+from pipe_models import (
+    declare_tied_external,
+    gpt_layers,
+    gpt_loss_fn,
+    make_batches,
+    rank_iterator,
+    reference_model,
+    reference_train,
+)
 
 import shardspeed
 from shardspeed.tensor_parallel import TensorParallel
