@@ -107,6 +107,18 @@ def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> l
     return warnings
 
 
+def _gather_tied_with_the_stage(model: Any) -> None:
+    """ZeRO-3: a tied occurrence with a ``forward_fn`` (a head reading the embedding's weight) never calls the tied
+    module, so the stage-3 hooks would not gather its parameters there. Registered as external parameters of the
+    pipeline module (DeepSpeed's remedy for a forward reading another module's weight), they are gathered around
+    every chunk's forward and backward on the stages holding them; the hold keeps them gathered for the step."""
+    from shardspeed.zero import register_external_parameter
+
+    tied = getattr(model, "tied_modules", None)
+    for param in tied.parameters() if tied is not None else ():
+        register_external_parameter(model, param)
+
+
 class PipelineEngine(ShardSpeedEngine):
     """DeepSpeed's ``PipelineEngine``: ``train_batch``, ``eval_batch``, ``set_dataiterator``, ``is_first_stage``,
     ``is_last_stage``, ``reset_activation_shape``; ``engine.pipe_stats`` after each batch."""
@@ -118,6 +130,8 @@ class PipelineEngine(ShardSpeedEngine):
             raise TypeError(f"PipelineEngine needs a shardspeed.pipe.PipelineModule, got {type(model).__name__}")
         settings: PipelineConfig = getattr(config, "pipeline", None) or PipelineConfig()
         warnings = _check_module(model, topology, settings)
+        if config.zero_optimization.stage == 3:
+            _gather_tied_with_the_stage(model)
         super().__init__(model, config, topology, **kwargs)
         for warning in warnings if topology.global_rank == 0 else ():
             self.logger.warning(warning)

@@ -125,7 +125,8 @@ class PipeDriver(MicroStepDriver):
             raise RuntimeError("train_batch(): the previous batch's backward raised before it finished")
         if self.core.host_grads:
             self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no host copies behind
-        self.hold.begin()
+        if not self.per_micro_batch:  # per micro-batch nothing of the hold is called (zero/hold.py)
+            self.hold.begin()
 
     def abort_batch(self) -> None:
         """The schedule raised: drain what the reducer launched, drop the hold (the failure propagates)."""
@@ -133,7 +134,8 @@ class PipeDriver(MicroStepDriver):
             if self.passes.open:
                 self.passes.abort()
         finally:
-            self.hold.abort()
+            if not self.per_micro_batch:
+                self.hold.abort()
             self.core.take_stop()  # a stop agreed at a step that raised is agreed again at the next one
 
     # --- StepHooks ------------------------------------------------------------------------------------------------
