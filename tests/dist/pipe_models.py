@@ -344,7 +344,7 @@ def reference_train(
         for t, lab in zip(tokens.chunk(micro_batches), labels.chunk(micro_batches), strict=True):
             loss = model.loss(t, lab) / micro_batches
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if norms is not None:
