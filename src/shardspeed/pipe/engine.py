@@ -173,6 +173,8 @@ class PipelineEngine(ShardSpeedEngine):
         self.data_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None:
             self.set_dataiterator(iter(RepeatingLoader(self.training_dataloader)))
+        self.agg_train_loss: torch.Tensor | None = None
+        """The last ``train_batch``'s loss (DeepSpeed's name)."""
         self.pipe_stats: PipeStepStats | None = None
         """What the last ``train_batch``/``eval_batch`` spent where on this rank (wait, post, compute, peak live
         buffers)."""
@@ -274,6 +276,7 @@ class PipelineEngine(ShardSpeedEngine):
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
         self.preemption.after_step(self, self._core.take_stop())  # a stop agreed at this step: save, Preempted
         assert driver.last_loss is not None
+        self.agg_train_loss = driver.last_loss  # DeepSpeed's attribute
         return driver.last_loss
 
     @property
