@@ -245,3 +245,40 @@ def test_stage_data_reads_pairs_and_names_bad_batches() -> None:
     assert as_tuple(torch.ones(1), "x")[1] is True
     with pytest.raises(TypeError, match="the output of stage 0 must be a tensor or a non-empty tuple"):
         as_tuple([torch.ones(1), None], "the output of stage 0")
+
+
+def test_one_stage_pipeline_engine_without_a_process_group() -> None:
+    """``initialize(model=PipelineModule(num_stages=1))`` in a lone process (no process group): a pipeline engine
+    with no peers trains like plain torch (the schedule is its own first and last stage)."""
+    import shardspeed
+    from shardspeed.pipe import LayerSpec, PipelineModule
+
+    def layers() -> list:
+        return [LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, DIM, DIM)]
+
+    module = PipelineModule(layers(), num_stages=1, loss_fn=_loss, seed_layers=True)
+    reference = PipelineModule(layers(), num_stages=1, loss_fn=_loss, seed_layers=True)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(6)]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for step in range(2):
+            window = batches[3 * step : 3 * step + 3]
+            loss = engine.train_batch(iter(window))
+            optimizer.zero_grad()
+            expected = sum(_loss(reference(x), y) / 3 for x, y in window)
+            expected.backward()
+            optimizer.step()
+            assert float(loss) == pytest.approx(float(expected.detach()), abs=1e-6)
+        for (name, p), q in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        assert engine.global_steps == 2 and engine.pipe_stats.messages == 0
+    finally:
+        engine.destroy()

@@ -119,6 +119,18 @@ def _gather_tied_with_the_stage(model: Any) -> None:
         register_external_parameter(model, param)
 
 
+class _NoPeers:
+    """The channel of a one-stage pipeline: the schedule never sends or receives."""
+
+    stats = None
+
+    def wait_sends(self) -> None:
+        pass
+
+    def reset_shapes(self) -> None:
+        pass
+
+
 class PipelineEngine(ShardSpeedEngine):
     """DeepSpeed's ``PipelineEngine``: ``train_batch``, ``eval_batch``, ``set_dataiterator``, ``is_first_stage``,
     ``is_last_stage``, ``reset_activation_shape``; ``engine.pipe_stats`` after each batch."""
@@ -149,8 +161,11 @@ class PipelineEngine(ShardSpeedEngine):
                 settings.grad_partitioned,
                 settings.pipe_partitioned,
             )
-        self.channel = PipeChannel(
-            self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition
+        # One stage has no peers (and a world of one may have no process group at all): nothing to send.
+        self.channel: Any = (
+            PipeChannel(self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition)
+            if self.num_stages > 1
+            else _NoPeers()
         )
         self._executor = PipeExecutor(
             module=self.module,
