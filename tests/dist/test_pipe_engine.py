@@ -238,6 +238,7 @@ CONFIG_ERRORS = [
     ({"schedule": "1f1b"}, 2, 'virtual_stages=2 (interleaved model chunks) but pipeline.schedule is "1f1b"'),
     ({"zero_hold": "micro_batch"}, 1, "zero_hold='micro_batch' cannot be used with tied weights across pipeline stages (embed)"),
     ({"stages": 4}, 1, "pipeline.stages is 4 but the pipeline module has 2 stages"),
+    ({"schedule": "interleaved", "gas": 3}, 2, "gradient_accumulation_steps (the micro-batches of a train_batch)"),
 ]
 
 
@@ -254,8 +255,10 @@ def _config_errors(rank: int, world: int) -> tuple[list[str], list[str]]:
     warnings = [m for m in seen if "activation_checkpoint_interval" in m]
     messages = []
     for pipeline, v, _ in CONFIG_ERRORS:
+        pipeline = dict(pipeline)
+        gas = pipeline.pop("gas", M)
         try:
-            _engine(world, world, _config(1, "sgd", 0.0, **pipeline), virtual_stages=v)
+            _engine(world, world, {**_config(1, "sgd", 0.0, **pipeline), "gradient_accumulation_steps": gas}, virtual_stages=v)
         except ValueError as err:
             messages.append(str(err))
         else:

@@ -142,6 +142,18 @@ class PipelineEngine(ShardSpeedEngine):
             raise TypeError(f"PipelineEngine needs a shardspeed.pipe.PipelineModule, got {type(model).__name__}")
         settings: PipelineConfig = getattr(config, "pipeline", None) or PipelineConfig()
         warnings = _check_module(model, topology, settings)
+        try:  # the schedule's own checks (interleaving: micro-batches divisible by the stages), before anything
+            build_schedule(
+                settings.schedule,
+                config.gradient_accumulation_steps,
+                model.num_stages,
+                model.stage_id,
+                model.virtual_stages,
+            )
+        except ValueError as err:
+            raise mark_agreed(
+                ValueError(f"gradient_accumulation_steps (the micro-batches of a train_batch): {err}")
+            ) from None
         if config.zero_optimization.stage == 3:
             _gather_tied_with_the_stage(model)
         super().__init__(model, config, topology, **kwargs)
