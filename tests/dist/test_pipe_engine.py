@@ -203,6 +203,8 @@ def _api(rank: int, world: int) -> dict:
     small = engine.eval_batch(iter(smaller))
     engine.reset_activation_shape()
     trained = engine.train_batch()  # no iterator: the engine's training data (initialize(training_data=...))
+    # Evaluation right after training, no reset: its activations do not require grad, its streams are its own.
+    after = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))))
     return {
         "errors": len(errors),
         "loss": float(loss),
@@ -216,6 +218,7 @@ def _api(rank: int, world: int) -> dict:
         "ref_small": ref_small,
         "trained": float(trained),
         "steps_after_train": engine.global_steps,
+        "after": float(after),
     }
 
 
@@ -229,6 +232,7 @@ def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -
         assert r["steps"] == 0  # eval_batch does not step
         assert r["small"] == pytest.approx(r["ref_small"], abs=1e-6)  # renegotiated shapes
         assert r["steps_after_train"] == 1 and r["trained"] == first["trained"]
+        assert r["after"] == first["after"] and r["after"] != r["loss"]  # the trained model, on every stage
     assert first["logits"] is None and last["logits"] == (MB, MODEL["seq"], MODEL["vocab"])
     assert first["no_bcast"] is None and last["no_bcast"] == pytest.approx(last["loss"], abs=1e-6)
 

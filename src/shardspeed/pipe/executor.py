@@ -146,6 +146,9 @@ class PipeExecutor:
         self._data, self._hooks, self._m = data, hooks, micro_batches
         self._loss_scale, self._compute_loss, self._keep_outputs = loss_scale, compute_loss, keep_outputs
         self._train = hooks is not None
+        # Training and inference negotiate their own streams: the same activations require grad in one and not
+        # in the other, and a stream's negotiated metas include that (pipe/p2p.py).
+        self._kind = "" if self._train else "eval."
         self._input_grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, Any] = {}
@@ -205,7 +208,9 @@ class PipeExecutor:
                 if slot.outputs is None:
                     raise RuntimeError(f"pipeline schedule error: {ins!r} before its ForwardPass")
                 # streams are named by the receiving virtual stage: both ends compute the same name
-                sends.append((slot.outputs, self._next_peer(ins.chunk), f"act{self.virtual(ins.chunk) + 1}"))
+                sends.append(
+                    (slot.outputs, self._next_peer(ins.chunk), f"{self._kind}act{self.virtual(ins.chunk) + 1}")
+                )
                 if not self._train:  # inference: nothing waits for this micro-batch's activations any more
                     self.buffers.free(ins.chunk, ins.buffer)
             elif isinstance(ins, SendGrad):
@@ -214,7 +219,7 @@ class PipeExecutor:
                     raise RuntimeError(f"pipeline schedule error: {ins!r} before its BackwardPass")
                 sends.append((grads, self._prev_peer(ins.chunk), f"grad{self.virtual(ins.chunk) - 1}"))
             elif isinstance(ins, RecvActivation):
-                recvs.append((self._prev_peer(ins.chunk), f"act{self.virtual(ins.chunk)}"))
+                recvs.append((self._prev_peer(ins.chunk), f"{self._kind}act{self.virtual(ins.chunk)}"))
                 targets.append(ins)
             else:
                 assert isinstance(ins, RecvGrad)
