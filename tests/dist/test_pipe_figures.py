@@ -107,8 +107,8 @@ def _report_bubble(results: list[dict[str, Any]], m: int, schedule: str, virtual
     return report
 
 
-BUBBLE_CASES = [(4, "1f1b", 1), (8, "1f1b", 1)]
-BUBBLE_SLOW = [(4, "gpipe", 1), (8, "gpipe", 1), (4, "interleaved", 2), (8, "interleaved", 2)]
+BUBBLE_CASES = [(4, "1f1b", 1)]
+BUBBLE_SLOW = [(8, "1f1b", 1), (4, "gpipe", 1), (8, "gpipe", 1), (4, "interleaved", 2), (8, "interleaved", 2)]
 
 
 def _check_bubble(results: list[dict[str, Any]]) -> None:
@@ -146,7 +146,13 @@ def _peaks(rank: int, world: int, m: int, schedule: str) -> tuple[int, int]:
     return engine.topology.pipe.rank, peaks[0]
 
 
-@pytest.mark.parametrize(("world", "m"), [(2, 4), (2, 8), (4, 8), (4, 2)])
+SLOW = pytest.mark.slow
+
+
+LIVE_CASES = [(2, 8), (4, 8), pytest.param(2, 4, marks=SLOW), pytest.param(4, 2, marks=SLOW)]
+
+
+@pytest.mark.parametrize(("world", "m"), LIVE_CASES)
 def test_live_activations_1f1b_at_most_p(dist_run, world: int, m: int) -> None:
     """1F1B: stage s holds min(p − s, m) micro-batches' activations at its peak (≤ p), counted by the executor."""
     results = sorted(dist_run(_peaks, world, m, "1f1b"))
