@@ -313,7 +313,10 @@ def _failing(rank: int, world: int) -> tuple[str, str, float]:
     try:
         engine.train_batch(rank_iterator(batches, M, 0, 1))
     except Exception as err:
-        return type(err).__name__, str(err), time.monotonic() - start
+        elapsed = time.monotonic() - start
+        if engine.is_last_stage():  # the harness exits a rank at once: stay until the peers read the failure
+            time.sleep(1.0)
+        return type(err).__name__, str(err), elapsed
     return "none", "", 0.0
 
 
@@ -450,6 +453,8 @@ def _tensor_ranks_disagree(rank: int, world: int) -> tuple[str, str]:
     try:
         engine.train_batch(rank_iterator(batches, M, 0, 1))
     except Exception as err:
+        if engine.is_first_stage():  # the harness exits a rank at once: stay until the peers read the failure
+            time.sleep(1.0)
         return type(err).__name__, str(err)
     return "none", ""
 
