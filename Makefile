@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp clean
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ bench: $(STAMP)
 # Tensor parallelism (TP=2, 2 gloo ranks) against torch DTensor parallelize_module on the same GPT.
 bench-tp: $(STAMP)
 	$(PY) benchmarks/bench_tp_dtensor.py $(ARGS)
+
+# Pipeline parallelism (PP=2, 2 gloo ranks) against torch.distributed.pipelining (GPipe, 1F1B) and, when
+# DS_PYTHON names a venv's python with deepspeed 0.19.8 (see the script's docstring), DeepSpeed's PipelineModule.
+bench-pipe: $(STAMP)
+	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

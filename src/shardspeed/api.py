@@ -16,6 +16,7 @@ from shardspeed.faults.process import failure_board
 from shardspeed.faults.resume import resume_latest
 from shardspeed.faults.startup import configured_timeout, early_fault_config
 from shardspeed.mesh import resolve_mesh
+from shardspeed.pipe.engine import PipelineEngine, is_pipeline_module
 from shardspeed.tensor_parallel.autotp_initialize import slice_for_autotp
 from shardspeed.topology import Topology
 
@@ -35,7 +36,8 @@ def initialize(
     mesh_param: Any = None,
     config_params: Any = None,
 ) -> tuple[ShardSpeedEngine, torch.optim.Optimizer, Any, Any]:
-    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed.
+    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed; for a
+    ``shardspeed.pipe.PipelineModule`` the engine is a ``PipelineEngine`` (``train_batch`` / ``eval_batch``).
 
     Parameters in DeepSpeed's order. ``config`` is a dict or a path to a DeepSpeed JSON file; as in DeepSpeed it
     may also come from ``args.deepspeed_config`` (or the deprecated ``args.deepscale_config``) or the older
@@ -60,7 +62,12 @@ def initialize(
         distributed_port=distributed_port, dist_init_required=dist_init_required, timeout=configured_timeout(faults)
     )
     # The mesh before the batch arithmetic: DP = world / (TP × PP) ([Note: where the mesh comes from] in mesh.py).
-    shape = resolve_mesh(config, dist.get_world_size() if dist.is_initialized() else 1, mpu)
+    # A PipelineModule built its topology already: it is the mpu, its stage count the pipe axis.
+    pipeline = is_pipeline_module(model)
+    if pipeline and mpu is None:
+        mpu = model.topology
+    stages = model.num_stages if pipeline else None  # type: ignore[union-attr]
+    shape = resolve_mesh(config, dist.get_world_size() if dist.is_initialized() else 1, mpu, pipeline_stages=stages)
     topology = Topology.from_mpu(mpu) if mpu is not None else Topology.build(shape)
     # Construction is guarded too: a rank that fails building its engine must not leave the others waiting in
     # the construction's collectives ([Note: failure propagation] in faults/board.py).
@@ -72,7 +79,7 @@ def initialize(
         model_parameters = slice_for_autotp(
             model, topology, cfg.tensor_parallel, optimizer, model_parameters, Collectives(board=board)
         )
-        engine = ShardSpeedEngine(
+        engine = (PipelineEngine if pipeline else ShardSpeedEngine)(
             model,
             cfg,
             topology,

@@ -66,6 +66,8 @@ from shardspeed.zero.stage3.save import save_16bit_model as _save_16bit_model
 class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     """DeepSpeed's engine: an ``nn.Module`` wrapping the model as ``module`` ([Note: engine as nn.Module])."""
 
+    _driver_class: type[MicroStepDriver] = MicroStepDriver
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -209,15 +211,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             stop_requested=self.preemption.requested,
             nonfinite=NonFiniteGuard(config.fault_tolerance, self.module),
         )
-        self._driver = MicroStepDriver(
-            states=self.states,
-            core=self._core,
-            events=self.events,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            train_batch_size=config.train_batch_size,
-            steps_per_print=config.steps_per_print,
-            get_lr=self.get_lr,
-        )
+        self._driver = self._driver_class.for_engine(self)  # PipelineEngine's: train_batch's (pipe_driver.py)
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank

@@ -1,6 +1,6 @@
 """What the training loop announces, and to whom.
 
-The loop drivers (``micro_driver.py``, later the pipeline's ``train_batch``) call ``EngineEvents``; everything that
+The loop drivers (``micro_driver.py``, the pipeline's ``pipe_driver.py``) call ``EngineEvents``; everything that
 observes training — wall-clock timers, the rank-0 progress line, monitors (TensorBoard, CSV, W&B), the flops
 profiler, the autotuner's measurements — subscribes to it instead of being called from inside the step. A listener
 implements any subset of ``EngineListener``'s methods.

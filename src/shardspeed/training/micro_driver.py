@@ -3,7 +3,7 @@
 Owns what happens between optimizer steps: scaling the loss by 1/GAS (× fp16's loss scale), telling the stage's
 reducer whether this backward is the accumulation boundary (and whether to communicate at all under
 ``no_sync()``), counting micro-steps, and calling the ``StepCore`` on the boundary. The pipeline's ``train_batch``
-will be a second driver over the same step core.
+is a second driver over the same step core (``pipe_driver.py``, a subclass: same counters and boundary step).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -68,6 +68,20 @@ class MicroStepDriver:
         )
         # hooks of a backward nobody announced (loss.backward()) start it: training/backward_passes.py
         states.reducer.backward_starter = self.passes.start_from_autograd
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> Self:
+        """The driver of ``engine`` (its states, step core, events and the config's batch arithmetic)."""
+        c = engine.config
+        return cls(
+            states=engine.states,
+            core=engine._core,
+            events=engine.events,
+            gradient_accumulation_steps=c.gradient_accumulation_steps,
+            train_batch_size=c.train_batch_size,
+            steps_per_print=c.steps_per_print,
+            get_lr=engine.get_lr,
+        )
 
     # --- accumulation boundaries --------------------------------------------------------------------------------
     def is_boundary(self) -> bool:

@@ -16,8 +16,8 @@ skip, fp16 overflow) follows from the agreed norm, so the consecutive-skip count
 locating the first offending parameter is one more small collective over the world, issued only on that path
 ([Note: non-finite steps] in ``nonfinite.py``).
 
-The loop drivers (``micro_driver.py``, later the pipeline's) decide *when* to call ``run``; this module decides
-nothing about micro-steps.
+The loop drivers (``micro_driver.py``, the pipeline's ``pipe_driver.py``) decide *when* to call ``run``; this
+module decides nothing about micro-steps.
 """
 
 from __future__ import annotations
