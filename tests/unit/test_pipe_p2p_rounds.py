@@ -1,8 +1,9 @@
 """The pipeline channel's rounds under NCCL's stricter semantics, with no GPU: two or more ``PipeChannel`` on
 threads of one process over a fake fabric that behaves like NCCL's coalesced point-to-point ([Note: pipeline
-channel]): a rank's batches run strictly in the order posted (one stream), a message moves only when both its send
-and its receive are in the batches at the head of their ranks' queues, and a batch is one request, complete when all
-of its messages moved. gloo (the dist tests) is more forgiving: a request there completes on its own.
+channel]; ``nccl_fabric.py``): a rank's batches run strictly in the order posted (one stream; here everything is on
+the default group), a message moves only when both its send and its receive are in the batches at the head of their
+ranks' queues, and a batch is one request, complete when all of its messages moved. gloo (the dist tests) is more
+forgiving: a request there completes on its own. The per-direction links: ``test_pipe_p2p_links.py``.
 
 What this shows: while negotiating, ``exchange`` never puts data in the batch carrying the header the receiver must
 read first, so stages that exchange with each other at once, negotiating new streams (or every message under
@@ -11,92 +12,14 @@ then ``recv`` separately (what the executor avoids by posting a step's messages 
 
 from __future__ import annotations
 
-import threading
-import types
-from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from nccl_fabric import Deadlock, FakeCollectives, run_threads
 
-import shardspeed.pipe.p2p as p2p_module
 from shardspeed.pipe.p2p import PipeChannel
-
-
-class _Batch:
-    def __init__(self, ops: int) -> None:
-        self.left = ops
-
-    def wait(self) -> None:  # replaced per instance by the fabric
-        raise NotImplementedError
-
-    def done(self) -> bool:
-        return self.left == 0
-
-
-class _Fabric:
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.cv = threading.Condition()
-        self.links: dict[tuple[int, int], tuple[deque, deque]] = defaultdict(lambda: (deque(), deque()))
-        self.queues: dict[int, deque[_Batch]] = defaultdict(deque)
-        self.error: str | None = None
-
-    def post(self, rank: int, sends: list, recvs: list) -> _Batch:
-        with self.cv:
-            batch = _Batch(len(sends) + len(recvs))
-            batch.wait = lambda: self._wait(batch)  # type: ignore[method-assign]
-            self.queues[rank].append(batch)
-            for tensor, peer, *_ in sends:
-                self.links[(rank, peer)][0].append((tensor, batch, rank))
-            for tensor, peer, *_ in recvs:
-                self.links[(peer, rank)][1].append((tensor, batch, rank))
-            self._progress()
-            return batch
-
-    def _head(self, rank: int, batch: _Batch) -> bool:
-        return bool(self.queues[rank]) and self.queues[rank][0] is batch
-
-    def _progress(self) -> None:
-        moved = True
-        while moved:
-            moved = False
-            for (src, dst), (sends, recvs) in self.links.items():
-                if sends and recvs and self._head(src, sends[0][1]) and self._head(dst, recvs[0][1]):
-                    (out, sb, _), (into, rb, _) = sends.popleft(), recvs.popleft()
-                    if out.dtype != into.dtype or out.numel() != into.numel():
-                        self.error = (
-                            f"link {src}->{dst}: sent {out.dtype}[{out.numel()}] into {into.dtype}[{into.numel()}]"
-                        )
-                    else:
-                        into.copy_(out)
-                    sb.left -= 1
-                    rb.left -= 1
-                    moved = True
-            for queue in self.queues.values():
-                while queue and queue[0].left == 0:
-                    queue.popleft()
-                    moved = True
-        self.cv.notify_all()
-
-    def _wait(self, batch: _Batch) -> None:
-        with self.cv:
-            if not self.cv.wait_for(lambda: batch.left == 0 or self.error is not None, self.timeout_s):
-                raise TimeoutError("deadlock: a batch never completed")
-            if self.error is not None:
-                raise RuntimeError(self.error)
-
-
-class _FakeCollectives:
-    """``Collectives.p2p`` over the fabric: one coalesced request per batch, as NCCL's."""
-
-    def __init__(self, fabric: _Fabric, rank: int) -> None:
-        self.fabric, self.rank = fabric, rank
-
-    def p2p(self, sends: list, recvs: list, *, tag: str = "") -> Any:
-        batch = self.fabric.post(self.rank, list(sends), list(recvs))
-        return types.SimpleNamespace(sends=batch, recvs=batch, wait=batch.wait)
 
 
 def _run(
@@ -106,30 +29,12 @@ def _run(
     timeout_s: float = 5.0,
     **kwargs: Any,
 ) -> list:
-    """``body(channel, rank)`` on one thread per rank; results by rank (an exception is re-raised)."""
-    fabric = _Fabric(timeout_s)
-    local = threading.local()
-    fake_dist = types.SimpleNamespace(get_rank=lambda: local.rank, get_world_size=lambda: world)
-    monkeypatch.setattr(p2p_module, "dist", fake_dist)
-    results: list[Any] = [None] * world
+    """``body(channel, rank)`` on one thread per rank over the default group; results by rank."""
 
-    def thread(rank: int) -> None:
-        local.rank = rank
-        channel = PipeChannel(_FakeCollectives(fabric, rank), torch.device("cpu"), **kwargs)  # type: ignore[arg-type]
-        try:
-            results[rank] = body(channel, rank)
-        except BaseException as exc:
-            results[rank] = exc
+    def thread(collectives: FakeCollectives, rank: int) -> Any:
+        return body(PipeChannel(collectives, torch.device("cpu"), **kwargs), rank)  # type: ignore[arg-type]
 
-    threads = [threading.Thread(target=thread, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * timeout_s)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
+    return run_threads(world, thread, monkeypatch, timeout_s)[0]
 
 
 def _exchange_steps(channel: PipeChannel, rank: int, steps: int = 3) -> list:
@@ -191,5 +96,5 @@ def _send_then_recv(channel: PipeChannel, rank: int) -> None:
 def test_the_fabric_sees_separately_posted_sends_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: both stages ``send`` then ``recv`` — under in-order coalesced batches each receive waits behind
     its own send, which waits for the peer's receive (with NCCL, for messages it does not buffer)."""
-    with pytest.raises(TimeoutError, match="deadlock"):
-        _run(2, _send_then_recv, monkeypatch, timeout_s=0.5)
+    with pytest.raises(Deadlock, match="deadlock"):
+        _run(2, _send_then_recv, monkeypatch)

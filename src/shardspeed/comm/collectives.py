@@ -227,10 +227,12 @@ class Collectives:
         recvs: Sequence[tuple[torch.Tensor, int] | tuple[torch.Tensor, int, str]],
         *,
         tag: str = "",
+        group: dist.ProcessGroup | None = None,
     ) -> P2PWork:
         """Post point-to-point sends and receives (peers are global ranks) as one ``batch_isend_irecv`` and return
         the pending Work: nothing is waited here. A third element in a pair overrides ``tag`` for that message in
-        the comms log (the pipeline channel tells its meta headers from data so).
+        the comms log (the pipeline channel tells its meta headers from data so). ``group``: the communicator of
+        every message of the batch (None: the default group); the pipeline's per-direction links (pipe/links.py).
 
         Sends and receives of one batch are posted together, so two ranks that exchange in the same call cannot
         deadlock under NCCL (a send waits on the device for its matching receive). A send's tensor must stay alive
@@ -244,7 +246,7 @@ class Collectives:
         for pairs, kind, op in ((sends, "send", dist.isend), (recvs, "recv", dist.irecv)):
             for tensor, peer, *override in pairs:
                 self.log.record(kind, tensor.numel(), tensor.element_size(), 2, override[0] if override else tag)
-                ops.append(dist.P2POp(op, tensor, peer))
+                ops.append(dist.P2POp(op, tensor, peer, group))
                 is_send.append(kind == "send")
 
         def doing() -> str:

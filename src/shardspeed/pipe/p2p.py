@@ -39,11 +39,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import Collectives, P2PWork
+from shardspeed.pipe.links import PipeLinks
 from shardspeed.pipe.p2p_meta import (
     HEADER_SLOTS,
     TensorMeta,
@@ -97,8 +99,10 @@ class PipeChannel:
         *,
         dynamic_shape: bool = False,
         partition: AxisGroup | None = None,
+        links: PipeLinks | None = None,
     ) -> None:
         self.collectives = collectives
+        self.links = links  # per-direction communicators (NCCL: pipe/links.py); None: the default group
         self.device = torch.device(device)
         self.dynamic_shape = dynamic_shape
         self.partition = partition if partition is not None and partition.size > 1 else None
@@ -158,6 +162,9 @@ class PipeChannel:
     def _check_peer(self, peer: int, where: str) -> None:
         if not isinstance(peer, int) or peer == self._rank or not 0 <= peer < self._world:
             raise ValueError(f"{where}: peer {peer!r} is not another rank of this world of {self._world}")
+        if self.links is not None:  # before anything is posted: a link the pipeline lacks is refused here
+            self.links.to(peer)
+            self.links.from_(peer)
 
     def _prepare(self, sends: Sequence[tuple[Message, int, str]], call: str) -> list[_Outgoing]:
         """Check every message of a call, then record what it negotiates: a call refused for one message leaves
@@ -224,6 +231,8 @@ class PipeChannel:
 
     # --- rounds -------------------------------------------------------------------------------------------------------
     def _transfer(self, outgoing: list[_Outgoing], incoming: list[_Incoming]) -> list[Message]:
+        if self.links is not None:
+            return self._transfer_linked(outgoing, incoming, self.links)
         out_links: dict[int, deque[_Outgoing]] = {}
         for message in outgoing:
             out_links.setdefault(message.peer, deque()).append(message)
@@ -246,37 +255,57 @@ class PipeChannel:
                 if not queue:
                     del out_links[peer]
             for peer, queue in list(in_links.items()):
-                while queue:
-                    message = queue[0]
-                    if message.metas is None:
-                        message.metas = None if self.dynamic_shape else self._received.get((peer, message.stream))
-                    if message.metas is None:
-                        message.header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-                        recvs.append((message.header, peer, f"pipe.{message.stream}.meta"))
-                        headers.append(message)
-                        break
-                    message.wire = [w for w in map(self._wire_in, message.metas) if w is not None]
-                    recvs += [(w, peer, f"pipe.{message.stream}") for w in message.wire]
-                    queue.popleft()
+                self._next_recvs(peer, queue, recvs, headers)
                 if not queue:
                     del in_links[peer]
             self._round(sends, recvs)
-            for message in headers:
-                assert message.header is not None
-                message.metas = decode_header(message.header.tolist(), message.stream, message.peer)
-                self._received[(message.peer, message.stream)] = message.metas
-                message.header = None
+            self._decode(headers)
         self._stats.messages += len(outgoing) + len(incoming)
         return [self._assemble(message) for message in incoming]
 
+    def _next_recvs(
+        self,
+        peer: int,
+        queue: deque[_Incoming],
+        recvs: list[tuple[torch.Tensor, int, str]],
+        headers: list[_Incoming],
+    ) -> None:
+        """One round's receives from ``peer``: the data of messages whose metas are known, up to the next header."""
+        while queue:
+            message = queue[0]
+            if message.metas is None:
+                message.metas = None if self.dynamic_shape else self._received.get((peer, message.stream))
+            if message.metas is None:
+                message.header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+                recvs.append((message.header, peer, f"pipe.{message.stream}.meta"))
+                headers.append(message)
+                return
+            message.wire = [w for w in map(self._wire_in, message.metas) if w is not None]
+            recvs += [(w, peer, f"pipe.{message.stream}") for w in message.wire]
+            queue.popleft()
+
+    def _decode(self, headers: list[_Incoming]) -> None:
+        for message in headers:
+            assert message.header is not None
+            message.metas = decode_header(message.header.tolist(), message.stream, message.peer)
+            self._received[(message.peer, message.stream)] = message.metas
+            message.header = None
+
     def _round(self, sends: list[tuple[torch.Tensor, int, str]], recvs: list[tuple[torch.Tensor, int, str]]) -> None:
         """Post one batch; wait its receives, keep its sends for ``wait_sends()``."""
+        work = self._post(sends, recvs, None)
+        if work is not None and recvs:
+            self._wait_recvs([work])
+
+    def _post(
+        self, sends: list[tuple[torch.Tensor, int, str]], recvs: list[tuple[torch.Tensor, int, str]], group: Any
+    ) -> P2PWork | None:
+        """Post one batch on ``group`` (None: the default group); its sends are kept for ``wait_sends()``."""
         if not sends and not recvs:
-            return
+            return None
         start = time.perf_counter()
-        work = self.collectives.p2p(sends, recvs, tag="pipe")
-        posted = time.perf_counter()
-        self._stats.post_s += posted - start
+        work = self.collectives.p2p(sends, recvs, tag="pipe", group=group)
+        self._stats.post_s += time.perf_counter() - start
         self._stats.bytes += sum(t.numel() * t.element_size() for t, _, _ in (*sends, *recvs))
         if sends:
             # Completed sends are dropped as later ones are posted, so a caller that waits rarely holds only the
@@ -284,9 +313,51 @@ class PipeChannel:
             while self._pending and self._pending[0].sends.done():
                 self._pending.pop(0)
             self._pending.append(work)
-        if recvs:
-            work.recvs.wait()
-            self._stats.wait_s += time.perf_counter() - posted
+        return work
+
+    def _wait_recvs(self, works: list[P2PWork]) -> None:
+        start = time.perf_counter()
+        try:
+            for work in works:
+                work.recvs.wait()
+        finally:
+            self._stats.wait_s += time.perf_counter() - start
+
+    def _transfer_linked(self, outgoing: list[_Outgoing], incoming: list[_Incoming], links: PipeLinks) -> list[Message]:
+        """``_transfer`` over per-direction communicators ([Note: pipeline links]). Every send is posted at once,
+        on its link's group, whatever this call's receives will wait for: a send then never waits on a receive, as
+        in the simulator. Per link a batch ends with each header (the receiver reads a header alone, then its data:
+        the rounds below). Receives run in rounds as on the default group, one batch per incoming link."""
+        batches: dict[int, list[tuple[torch.Tensor, int, str]]] = {}
+        for message in outgoing:
+            peer = message.peer
+            batch = batches.setdefault(peer, [])
+            if message.header is not None:
+                batch.append((message.header, peer, f"pipe.{message.stream}.meta"))
+                self._post(batch, [], links.to(peer))
+                batches[peer] = batch = []
+                message.header = None
+            batch += [(w, peer, f"pipe.{message.stream}") for w in message.wire]
+        for peer, batch in batches.items():
+            self._post(batch, [], links.to(peer))
+        in_links: dict[int, deque[_Incoming]] = {}
+        for message in incoming:
+            in_links.setdefault(message.peer, deque()).append(message)
+        while in_links:
+            works: list[P2PWork] = []
+            headers: list[_Incoming] = []
+            for peer, queue in list(in_links.items()):
+                recvs: list[tuple[torch.Tensor, int, str]] = []
+                self._next_recvs(peer, queue, recvs, headers)
+                if not queue:
+                    del in_links[peer]
+                work = self._post([], recvs, links.from_(peer))
+                if work is not None:
+                    works.append(work)
+            self._wait_recvs(works)
+            self._decode(headers)
+        self._stats.messages += len(outgoing) + len(incoming)
+        return [self._assemble(message) for message in incoming]
 
 
 def _shape_change(where: str, negotiated: tuple[TensorMeta, ...], now: tuple[TensorMeta, ...]) -> str:
