@@ -1,6 +1,7 @@
 """The pipeline channel (pipe/p2p.py) over ``Collectives.p2p`` on gloo: tuples of mixed tensors, shapes negotiated
 once per stream (headers counted in the comms log), dynamic shapes, reset, the shape-change error, partitioned
-sends over a tensor axis (world 4: pipe 2 × tensor 2), and a peer's failure interrupting a blocked receive."""
+sends over a tensor axis (world 4: pipe 2 × tensor 2), a peer's failure interrupting a blocked receive, and the
+interleaved executor over one process group per directed link (pipe/links.py, forced on gloo)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from shardspeed.comm.log import CommsLog
 from shardspeed.config.fault_tolerance import FaultToleranceConfig
 from shardspeed.faults.errors import PeerFailedError
 from shardspeed.faults.process import failure_board
+from shardspeed.pipe.data import StageData
+from shardspeed.pipe.executor import PipeExecutor
+from shardspeed.pipe.links import build_links
 from shardspeed.pipe.p2p import PipeChannel
+from shardspeed.pipe.schedule import build_schedule
 from shardspeed.topology import MeshShape, Topology
 
 CPU = torch.device("cpu")
@@ -240,3 +245,78 @@ def test_peer_failure_interrupts_a_blocked_recv(dist_run) -> None:
     assert "rank 1" in message and "bad batch on stage 1" in message
     assert "p2p 'pipe'" in message and "receives from ranks [1]" in message
     assert waited < 10.0
+
+
+# --- per-direction links ([Note: pipeline links]) over real process groups ------------------------------------------
+class _Chunks(torch.nn.Module):
+    """Stage ``s``'s chunks of a chain of seeded linear layers: chunk ``c`` is virtual stage ``c·p + s``."""
+
+    def __init__(self, stages: int, stage: int, chunks: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_linear(c * stages + stage) for c in range(chunks))
+
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        return torch.tanh(self.layers[chunk](x))
+
+
+def _linear(virtual: int) -> torch.nn.Linear:
+    torch.manual_seed(100 + virtual)
+    return torch.nn.Linear(3, 3)
+
+
+def _mse(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return ((out - labels) ** 2).mean()
+
+
+def _batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)) for _ in range(m)]
+
+
+class _Hooks:
+    def backward(self, run: Any, final: bool) -> None:
+        run()
+
+    def reduce_tied_grads(self) -> None: ...
+
+    def reduce_grads(self) -> None: ...
+
+    def optimizer_step(self, losses: Any) -> None: ...
+
+
+def _interleaved_over_links(rank: int, world: int, chunks: int, m: int) -> Any:
+    """The real executor, interleaved, over one gloo group per directed link (forced: gloo's default is none)."""
+    topology = Topology.build(MeshShape(pipe=world))
+    assert build_links(topology, chunks) is None  # gloo: the default group serves
+    links = build_links(topology, chunks, per_direction=True)
+    assert links is not None
+    channel, log = _channel(links=links)
+    module = _Chunks(world, rank, chunks)
+    executor = PipeExecutor(
+        module=module, channel=channel, pipe_ranks=topology.pipe.ranks, stage_id=rank, chunks=chunks, loss_fn=_mse
+    )
+    data = StageData(
+        iter(_batches(m)), reads_inputs=rank == 0, reads_labels=rank == world - 1, device=CPU, compute_dtype=torch.float32
+    )
+    schedule = build_schedule("interleaved", m, world, rank, chunks)
+    executor.run(schedule.steps(), data, micro_batches=m, hooks=_Hooks())
+    grads = {c * world + rank: (layer.weight.grad, layer.bias.grad) for c, layer in enumerate(module.layers)}
+    return grads, len(links), channel.stats.messages
+
+
+def test_interleaved_executor_over_per_direction_groups(dist_run) -> None:
+    world, chunks, m = 4, 2, 8
+    results = dist_run(_interleaved_over_links, world, chunks, m)
+    layers = [_linear(k) for k in range(world * chunks)]
+    for x, y in _batches(m):
+        h = x
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        (_mse(h, y) / m).backward()
+    for rank, (grads, links, messages) in enumerate(results):
+        assert links == 4  # to and from each neighbour; stages 0 and 3 are neighbours through the wrap
+        # every virtual stage but the first receives m activations, every one but the last m gradients
+        assert messages == 2 * m * (2 * chunks - (rank == 0) - (rank == world - 1))
+        for k, (w, b) in grads.items():
+            torch.testing.assert_close(w, layers[k].weight.grad, rtol=0, atol=1e-6)
+            torch.testing.assert_close(b, layers[k].bias.grad, rtol=0, atol=1e-6)

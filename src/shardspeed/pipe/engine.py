@@ -32,6 +32,7 @@ from shardspeed.optim.absent import require_optimizer
 from shardspeed.pipe.buffers import PipeStepStats
 from shardspeed.pipe.data import StageData
 from shardspeed.pipe.executor import PipeExecutor
+from shardspeed.pipe.links import build_links
 from shardspeed.pipe.p2p import PipeChannel
 from shardspeed.pipe.schedule import build_schedule
 from shardspeed.tensor_parallel.batch_check import BatchMismatchError
@@ -173,9 +174,16 @@ class PipelineEngine(ShardSpeedEngine):
                 settings.grad_partitioned,
                 settings.pipe_partitioned,
             )
-        # One stage has no peers (and a world of one may have no process group at all): nothing to send.
+        # One stage has no peers (and a world of one may have no process group at all): nothing to send. Under
+        # NCCL each directed link gets its own communicator ([Note: pipeline links]).
         self.channel: Any = (
-            PipeChannel(self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition)
+            PipeChannel(
+                self.collectives,
+                self.device,
+                dynamic_shape=model.dynamic_shape,
+                partition=partition,
+                links=build_links(topology, model.virtual_stages),
+            )
             if self.num_stages > 1
             else _NoPeers()
         )
