@@ -290,13 +290,17 @@ def _interleaved_over_links(rank: int, world: int, chunks: int, m: int) -> Any:
     assert build_links(topology, chunks) is None  # gloo: the default group serves
     links = build_links(topology, chunks, per_direction=True)
     assert links is not None
-    channel, log = _channel(links=links)
+    channel, _ = _channel(links=links)
     module = _Chunks(world, rank, chunks)
     executor = PipeExecutor(
         module=module, channel=channel, pipe_ranks=topology.pipe.ranks, stage_id=rank, chunks=chunks, loss_fn=_mse
     )
     data = StageData(
-        iter(_batches(m)), reads_inputs=rank == 0, reads_labels=rank == world - 1, device=CPU, compute_dtype=torch.float32
+        iter(_batches(m)),
+        reads_inputs=rank == 0,
+        reads_labels=rank == world - 1,
+        device=CPU,
+        compute_dtype=torch.float32,
     )
     schedule = build_schedule("interleaved", m, world, rank, chunks)
     executor.run(schedule.steps(), data, micro_batches=m, hooks=_Hooks())
