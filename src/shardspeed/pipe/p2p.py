@@ -9,19 +9,26 @@ on each link (the schedule guarantees it: instructions.py) and call ``reset_shap
 raises instead of letting the receiver read the bytes into the old shapes.
 
 Deadlock freedom on gloo and NCCL alike: ``send`` only posts (its requests are kept, tensors included, until
-``wait_sends()``); ``recv`` posts and waits; ``exchange`` posts every send and receive of a step in one batch, so two
-stages sending to each other never wait on each other's posting. A header must be read before the data it describes
-can be received, so a negotiating call runs in *rounds*: per link, a round carries data of known messages up to the
-next header and that header; its data follows in the next round, after the receiver has read the header. Data never
-shares an NCCL batch with the header it depends on (one coalesced request: the receiver could not finish reading
-the header before its whole batch, which would contain data the sender has not yet been able to send, completes).
+``wait_sends()``); ``recv`` posts and waits; ``exchange`` posts every send and receive of a step in one batch (over
+``links``: one per link, below), so two stages sending to each other never wait on each other's posting. A header must
+be read before the data it describes can be received, so a negotiating call runs in *rounds*: per link, a round carries
+data of known messages up to the next header and that header; its data follows in the next round, after the receiver has
+read the header. Data never shares an NCCL batch with the header it depends on (one coalesced request: the receiver
+could not finish reading the header before its whole batch, which would contain data the sender has not yet been able to
+send, completes).
 Once negotiated, a call is one round.
 
-What the channel cannot change: under NCCL a rank's batches run in posting order on one stream and a send (beyond
-what NCCL buffers) completes only when its receive is posted, so a lone ``send`` still holds back that rank's later
-receives until the peer receives it. A schedule whose correctness relies on sends completing alone (the simulator's
-model, and gloo's) may deadlock there with large messages; ``tests/unit/test_pipe_p2p_rounds.py`` models these
-semantics on threads.
+Under NCCL a rank's batches on one communicator run in posting order on one stream and a send (beyond what NCCL
+buffers) completes only when its receive is posted, so over the default group a lone ``send`` holds back that rank's
+later receives until the peer receives it — interleaved schedules, which rely on sends completing alone (the
+simulator's model, and gloo's), deadlock. So under NCCL the channel gets ``links`` ([Note: pipeline links]:
+``pipe/links.py``): one 2-rank group per directed link, sends to ``b`` on group (me → b), receives from ``b`` on group
+(b → me), one batch per group (``batch_isend_irecv`` takes one group). Over links every send of a call is posted at
+once (per link a batch ends with each header, so the receiver still reads a header before posting its data) and the
+receives run in rounds per link: a send never waits on a receive, receives block only on their own link, and each
+link is FIFO — the simulator's semantics. With gloo ``links`` is None: one batch per round over the default group, as
+above. ``tests/unit/nccl_fabric.py`` models both on threads (``test_pipe_p2p_rounds.py``,
+``test_pipe_p2p_links.py``: every schedule finishes over links; interleaving deadlocks without).
 
 Partitioned messages (``partition``: the tensor axis; DeepSpeed's ``pipe_partitioned`` / ``grad_partitioned``): the
 tensor ranks of a stage hold the same activation, so each sends only its 1/T slice of every float tensor to the same
