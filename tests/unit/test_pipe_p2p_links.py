@@ -22,7 +22,7 @@ from test_pipe_executor import DIM, Chunks, Hooks, _loss, _reference_grads
 import shardspeed.pipe.links as links_module
 from shardspeed.pipe.data import StageData
 from shardspeed.pipe.executor import PipeExecutor
-from shardspeed.pipe.links import build_links, directed_links
+from shardspeed.pipe.links import PipeLinks, build_links, directed_links
 from shardspeed.pipe.p2p import PipeChannel
 from shardspeed.pipe.schedule import build_schedule
 from shardspeed.topology import AxisGroup, MeshShape, Topology
@@ -163,3 +163,41 @@ def test_dynamic_shapes_negotiate_every_message_over_the_links(monkeypatch: pyte
     for s, module in enumerate(modules):
         for c, layer in enumerate(module.layers):
             torch.testing.assert_close(layer.weight.grad, expected[c * 4 + s][0], rtol=0, atol=1e-6)
+
+
+def test_a_peer_off_the_links_is_refused_before_anything_is_posted(monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(collectives: FakeCollectives, rank: int) -> Any:
+        channel = PipeChannel(collectives, CPU, links=PipeLinks(rank, {(0, 1): "0->1", (1, 0): "1->0"}))  # type: ignore[arg-type]
+        if rank == 0:
+            with pytest.raises(ValueError, match=r"rank 0 -> rank 2 is not a link of this pipeline"):
+                channel.exchange([((torch.ones(2),), 1, "act"), ((torch.ones(2),), 2, "act")], [])
+        return channel.stats.messages
+
+    results, fabric = run_threads(3, body, monkeypatch)
+    assert results == [0, 0, 0] and fabric.batches == 0
+
+
+def _ring(links: bool) -> Any:
+    """Interleaving's wrap makes a ring (0 → 1 → 2 → 0 at p = 3). Rank 0 sends to 1 and receives from 2 in one
+    exchange, negotiating both streams; rank 1 forwards what it receives to 2, rank 2 to 0. Rank 0's data must leave
+    while it waits for rank 2's header: a send that waited on the call's receives would close the ring."""
+    ring = {(0, 1): "0->1", (1, 2): "1->2", (2, 0): "2->0"}
+
+    def body(collectives: FakeCollectives, rank: int) -> Any:
+        channel = PipeChannel(collectives, CPU, links=PipeLinks(rank, ring) if links else None)  # type: ignore[arg-type]
+        if rank == 0:
+            (got,) = channel.exchange([((torch.arange(3.0),), 1, "a")], [(2, "c")])
+        else:
+            (got,) = (channel.recv(rank - 1, "ab"[rank - 1]),)
+            channel.send((got[0] * 10,), (rank + 1) % 3, "bc"[rank - 1])
+        channel.wait_sends()
+        return got[0].tolist()
+
+    return body
+
+
+def test_sends_never_wait_on_the_calls_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    results, _ = run_threads(3, _ring(links=True), monkeypatch)
+    assert results == [[0.0, 100.0, 200.0], [0.0, 1.0, 2.0], [0.0, 10.0, 20.0]]
+    with pytest.raises(Deadlock):  # the default group: rank 0's data waits behind its header receive
+        run_threads(3, _ring(links=False), monkeypatch)

@@ -130,7 +130,7 @@ class PipeChannel:
     def recv(self, peer: int, stream: str) -> Message:
         """Receive the next message of ``stream`` from ``peer`` (blocks): fresh tensors with the sender's shapes and
         dtypes, ``requires_grad`` where the sender's float tensor required grad."""
-        self._check_peer(peer, f"PipeChannel.recv from rank {peer} on stream {stream!r}")
+        self._check_peer(peer, f"PipeChannel.recv from rank {peer} on stream {stream!r}", receiving=True)
         return self._transfer([], [_Incoming(peer, stream, 0)])[0]
 
     def exchange(self, sends: Sequence[tuple[Message, int, str]], recvs: Sequence[tuple[int, str]]) -> list[Message]:
@@ -138,7 +138,9 @@ class PipeChannel:
         order. Sends complete by ``wait_sends()``."""
         outgoing = self._prepare(sends, "exchange")
         for peer, stream in recvs:
-            self._check_peer(peer, f"PipeChannel.exchange receiving from rank {peer} on stream {stream!r}")
+            self._check_peer(
+                peer, f"PipeChannel.exchange receiving from rank {peer} on stream {stream!r}", receiving=True
+            )
         return self._transfer(outgoing, [_Incoming(peer, stream, i) for i, (peer, stream) in enumerate(recvs)])
 
     def wait_sends(self) -> None:
@@ -166,12 +168,14 @@ class PipeChannel:
         self._stats = ChannelStats()
 
     # --- preparing messages -------------------------------------------------------------------------------------------
-    def _check_peer(self, peer: int, where: str) -> None:
+    def _check_peer(self, peer: int, where: str, *, receiving: bool = False) -> None:
         if not isinstance(peer, int) or peer == self._rank or not 0 <= peer < self._world:
             raise ValueError(f"{where}: peer {peer!r} is not another rank of this world of {self._world}")
         if self.links is not None:  # before anything is posted: a link the pipeline lacks is refused here
-            self.links.to(peer)
-            self.links.from_(peer)
+            if receiving:
+                self.links.from_(peer)
+            else:
+                self.links.to(peer)
 
     def _prepare(self, sends: Sequence[tuple[Message, int, str]], call: str) -> list[_Outgoing]:
         """Check every message of a call, then record what it negotiates: a call refused for one message leaves
