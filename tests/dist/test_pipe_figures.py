@@ -1,5 +1,5 @@
 """Pipeline figures through the real engine: measured bubble, live activation buffers, and ZeRO under PP against
-the formulas of ``zero/memory.py``.
+the formulas of ``zero/pipeline_memory.py``.
 
 - Bubble (p = 2, m ∈ {4, 8}, identical blocks): ``engine.pipe_stats.idle_fraction`` (time blocked in p2p waits over
   the batch's wall time) per stage, gpipe / 1f1b / interleaved (v = 2). Timing on a shared CPU is noise-prone, so
@@ -27,7 +27,7 @@ from pipe_models import Block, declare_tied_external, gpt_layers, gpt_loss_fn, m
 
 import shardspeed
 from shardspeed.topology import MeshShape, Topology
-from shardspeed.zero.memory import pipeline_model_state_bytes, pipeline_step_traffic
+from shardspeed.zero.pipeline_memory import pipeline_model_state_bytes, pipeline_step_traffic
 
 SMALL = {"vocab": 32, "dim": 16, "n_blocks": 2, "seq": 6}
 

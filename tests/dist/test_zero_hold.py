@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from parity import full_params, global_batches, make_model, optimizer_config, rank_slice
 
 import shardspeed
-from shardspeed.zero.memory import pipeline_model_state_bytes, pipeline_step_traffic
+from shardspeed.zero.pipeline_memory import pipeline_model_state_bytes, pipeline_step_traffic
 
 STEPS, MB, M, LR, CLIP = 5, 2, 4, 0.05, 0.5
 IN_FLIGHT = 2  # forwards alive before the first backward (a 1F1B stage's warm-up)

@@ -1,4 +1,4 @@
-"""The pipeline formulas of zero/memory.py: per-rank model-state bytes of one stage (at rest and during a held step)
+"""The pipeline formulas of zero/pipeline_memory.py: per-rank model-state bytes of one stage (at rest and during a held step)
 and per-step traffic, held and per micro-batch ([Note: step-scoped hold] in zero/hold.py). Pure: no processes."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardspeed.zero.hold import holds_step
-from shardspeed.zero.memory import model_state_bytes, pipeline_model_state_bytes, pipeline_step_traffic
+from shardspeed.zero.memory import model_state_bytes
+from shardspeed.zero.pipeline_memory import pipeline_model_state_bytes, pipeline_step_traffic
 
 PSI, N, M = 1_200, 4, 8
 
