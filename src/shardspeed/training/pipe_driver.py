@@ -125,7 +125,8 @@ class PipeDriver(MicroStepDriver):
             raise RuntimeError("train_batch(): the previous batch's backward raised before it finished")
         if self.core.host_grads:
             self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no host copies behind
-        self.hold.begin()
+        if not self.per_micro_batch:  # S4: per micro-batch nothing else is called (a ZeRO-3 hold would keep the
+            self.hold.begin()  # units gathered, never released: the step's updates never reach the module)
 
     def abort_batch(self) -> None:
         """The schedule raised: drain what the reducer launched, drop the hold (the failure propagates)."""
