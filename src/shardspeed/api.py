@@ -36,7 +36,8 @@ def initialize(
     mesh_param: Any = None,
     config_params: Any = None,
 ) -> tuple[ShardSpeedEngine, torch.optim.Optimizer, Any, Any]:
-    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed.
+    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed; for a
+    ``shardspeed.pipe.PipelineModule`` the engine is a ``PipelineEngine`` (``train_batch`` / ``eval_batch``).
 
     Parameters in DeepSpeed's order. ``config`` is a dict or a path to a DeepSpeed JSON file; as in DeepSpeed it
     may also come from ``args.deepspeed_config`` (or the deprecated ``args.deepscale_config``) or the older

@@ -203,6 +203,8 @@ def _api(rank: int, world: int) -> dict:
     small = engine.eval_batch(iter(smaller))
     engine.reset_activation_shape()
     trained = engine.train_batch()  # no iterator: the engine's training data (initialize(training_data=...))
+    # Evaluation right after training, no reset: its activations do not require grad, its streams are its own.
+    after = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))))
     return {
         "errors": len(errors),
         "loss": float(loss),
@@ -216,6 +218,7 @@ def _api(rank: int, world: int) -> dict:
         "ref_small": ref_small,
         "trained": float(trained),
         "steps_after_train": engine.global_steps,
+        "after": float(after),
     }
 
 
@@ -229,6 +232,7 @@ def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -
         assert r["steps"] == 0  # eval_batch does not step
         assert r["small"] == pytest.approx(r["ref_small"], abs=1e-6)  # renegotiated shapes
         assert r["steps_after_train"] == 1 and r["trained"] == first["trained"]
+        assert r["after"] == first["after"] and r["after"] != r["loss"]  # the trained model, on every stage
     assert first["logits"] is None and last["logits"] == (MB, MODEL["seq"], MODEL["vocab"])
     assert first["no_bcast"] is None and last["no_bcast"] == pytest.approx(last["loss"], abs=1e-6)
 
@@ -238,26 +242,43 @@ CONFIG_ERRORS = [
     ({"schedule": "1f1b"}, 2, 'virtual_stages=2 (interleaved model chunks) but pipeline.schedule is "1f1b"'),
     ({"zero_hold": "micro_batch"}, 1, "zero_hold='micro_batch' cannot be used with tied weights across pipeline stages (embed)"),
     ({"stages": 4}, 1, "pipeline.stages is 4 but the pipeline module has 2 stages"),
+    ({"schedule": "interleaved", "gas": 3}, 2, "gradient_accumulation_steps (the micro-batches of a train_batch)"),
 ]
 
 
-def _config_errors(rank: int, world: int) -> list[str]:
+def _config_errors(rank: int, world: int) -> tuple[list[str], list[str]]:
+    import logging
+
+    from shardspeed.log import logger
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    _engine(world, world, _config(0, "sgd", 0.0, activation_checkpoint_interval=2))  # the module's 0 is used
+    warnings = [m for m in seen if "activation_checkpoint_interval" in m]
     messages = []
     for pipeline, v, _ in CONFIG_ERRORS:
+        pipeline = dict(pipeline)
+        gas = pipeline.pop("gas", M)
         try:
-            _engine(world, world, _config(1, "sgd", 0.0, **pipeline), virtual_stages=v)
+            _engine(world, world, {**_config(1, "sgd", 0.0, **pipeline), "gradient_accumulation_steps": gas}, virtual_stages=v)
         except ValueError as err:
             messages.append(str(err))
         else:
             messages.append("no error")
-    return messages
+    return messages, warnings
 
 
 def test_configuration_errors_on_every_rank(dist_run) -> None:
-    """Each is decided from the config and the module's structure: the same error on every rank, no hang."""
-    for messages in dist_run(_config_errors, 2):
+    """Each is decided from the config and the module's structure: the same error on every rank, no hang. A key
+    the module decides (activation_checkpoint_interval) is one warning on rank 0."""
+    results = dist_run(_config_errors, 2)
+    for messages, _ in results:
         for message, (_, _, expected) in zip(messages, CONFIG_ERRORS, strict=True):
             assert expected in message, message
+    (_, first), (_, last) = results
+    assert len(first) == 1 and "the module's value is used" in first[0] and last == []
 
 
 def _no_data(rank: int, world: int) -> str:
@@ -292,7 +313,10 @@ def _failing(rank: int, world: int) -> tuple[str, str, float]:
     try:
         engine.train_batch(rank_iterator(batches, M, 0, 1))
     except Exception as err:
-        return type(err).__name__, str(err), time.monotonic() - start
+        elapsed = time.monotonic() - start
+        if engine.is_last_stage():  # the harness exits a rank at once: stay until the peers read the failure
+            time.sleep(1.0)
+        return type(err).__name__, str(err), elapsed
     return "none", "", 0.0
 
 
@@ -305,7 +329,9 @@ def test_failure_inside_a_micro_batch_reaches_every_stage(dist_run) -> None:
 
 
 def _zero_composed(rank: int, world: int, zero: int, hold: str, tied: bool) -> tuple[float, float]:
-    engine = _engine(world, 2, _config(zero, "adamw", 0.05, zero_hold=hold), tied=tied)
+    config = _config(zero, "adamw", 0.05, zero_hold=hold)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # nothing stays gathered by its size
+    engine = _engine(world, 2, config, tied=tied)
     dp = world // 2
     batches = make_batches(STEPS, M, MB, dp, vocab=MODEL["vocab"], seq=MODEL["seq"])
     it = rank_iterator(batches, M, engine.topology.data.rank, dp)
@@ -366,14 +392,28 @@ def _reduced_precision(rank: int, world: int, dtype: str) -> dict:
     engine = _engine(world, 2, config)
     batches = make_batches(3, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"])
     losses = [float(engine.train_batch(rank_iterator(batches[i : i + 1], M, 0, 1))) for i in range(3)]
+    skipped, overflow = engine.skipped_steps, {}
+    if dtype == "fp16":  # an Inf in one last-stage gradient only: every stage skips alike
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        scale = engine.loss_scaler.scale
+        if engine.is_last_stage():
+            weight = engine.module.get_parameter(f"{MODEL['n_blocks'] + 2}.weight")  # the final LayerNorm
+            weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        engine.train_batch(rank_iterator(batches[:1], M, 0, 1))
+        overflow = {
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)),
+            "scale": (scale, engine.loss_scaler.scale),  # hysteresis 2 (DeepSpeed's default): kept the first time
+            "skipped": engine.skipped_steps,
+        }
     ref = reference_model(**MODEL)
     ref_losses = reference_train(
         ref, batches, torch_optimizer("adamw", ref.parameters(), LR["adamw"]), micro_batches=M, clip=0.05
     )
     return {
         "diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-        "skipped": engine.skipped_steps,
+        "skipped": skipped,
         "dtype": str(next(engine.module.parameters()).dtype),
+        "overflow": overflow,
     }
 
 
@@ -381,7 +421,47 @@ def _reduced_precision(rank: int, world: int, dtype: str) -> dict:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_bf16_fp16_train_close_to_fp32_reference(dist_run, dtype: str) -> None:
     """Reduced precision: the first stage's token ids pass, activations travel in the compute dtype, fp16's loss
-    scale multiplies the last stage's loss and the norm is unscaled by it (no step skipped at a moderate scale)."""
-    for r in dist_run(_reduced_precision, 2, dtype):
+    scale multiplies the last stage's loss and the norm is unscaled by it (no step skipped at a moderate scale);
+    an overflow in one stage's gradients is agreed by every stage (all skip; the scale moves alike everywhere)."""
+    results = dist_run(_reduced_precision, 2, dtype)
+    for r in results:
         assert r["skipped"] == 0 and r["dtype"] == f"torch.{'bfloat16' if dtype == 'bf16' else 'float16'}"
         assert r["diff"] < 2e-2, r["diff"]
+        if dtype == "fp16":
+            assert r["overflow"] == {**results[0]["overflow"], "unchanged": True, "skipped": 1}
+
+
+def _tensor_ranks_disagree(rank: int, world: int) -> tuple[str, str]:
+    from shardspeed.tensor_parallel import TensorParallel
+
+    topology = Topology.build(MeshShape(pipe=2, tensor=2))
+    from shardspeed.pipe import PipelineModule
+
+    module = PipelineModule(
+        gpt_layers(**MODEL, tp=TensorParallel(topology.tensor)),
+        topology=topology,
+        loss_fn=gpt_loss_fn,
+        seed_layers=True,
+        partition_method="uniform",
+    )
+    config = {**_config(0, "sgd", 0.0), "fault_tolerance": {"watch_interval_s": 0.1}}
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    # Tensor rank 1 of the first stage reads other tokens: its tensor group must notice, and the last stage, which
+    # waits on p2p, must stop too.
+    seed = 7 + (topology.tensor.rank if engine.is_first_stage() else 0)
+    batches = make_batches(1, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"], seed=seed)
+    try:
+        engine.train_batch(rank_iterator(batches, M, 0, 1))
+    except Exception as err:
+        if engine.is_first_stage():  # the harness exits a rank at once: stay until the peers read the failure
+            time.sleep(1.0)
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+@pytest.mark.slow
+def test_tensor_ranks_reading_different_batches_stop_every_stage(dist_run) -> None:
+    results = dist_run(_tensor_ranks_disagree, 4)
+    assert [t for t, _ in results[:2]] == ["BatchMismatchError"] * 2, results
+    for kind, message in results[2:]:
+        assert kind == "PeerFailedError" and "the first batch differs across the tensor-parallel group" in message

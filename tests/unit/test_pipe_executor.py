@@ -110,7 +110,9 @@ class Counting:
         return next(self.items)
 
 
-def _run_pipeline(name: str, p: int, m: int, v: int) -> tuple[list[Any], list[Chunks], list, list[int], list[Hooks]]:
+def _run_pipeline(
+    name: str, p: int, m: int, v: int, *, train: bool = True
+) -> tuple[list[Any], list[Chunks], list, list[int], list[Hooks]]:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(m)]
     fabric = Fabric()
@@ -136,8 +138,12 @@ def _run_pipeline(name: str, p: int, m: int, v: int) -> tuple[list[Any], list[Ch
                 device=torch.device("cpu"),
                 compute_dtype=torch.float32,
             )
-            schedule = build_schedule(name, m, p, s, v)
-            result = executor.run(schedule.steps(), data, micro_batches=m, hooks=hooks[s])
+            schedule = build_schedule(name, m, p, s, v, train=train)
+            if train:
+                result = executor.run(schedule.steps(), data, micro_batches=m, hooks=hooks[s])
+            else:
+                with torch.no_grad():
+                    result = executor.run(schedule.steps(), data, micro_batches=m, keep_outputs=True)
             results[s] = (result, schedule.num_pipe_buffers())
         except BaseException as err:  # reported by the main thread
             results[s] = err
@@ -198,6 +204,19 @@ def _forward_all(p: int, v: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize(("p", "m", "v"), [(1, 3, 1), (2, 1, 1), (3, 5, 1), (2, 4, 2), (3, 3, 2)])
+def test_inference_schedule_outputs_and_losses(p: int, m: int, v: int) -> None:
+    results, modules, batches, reads, hooks = _run_pipeline("1f1b", p, m, v, train=False)
+    last, _ = results[-1]
+    for (x, y), out, loss in zip(batches, last.outputs, last.losses, strict=True):
+        expected = _forward_all(p, v, x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        assert float(loss) == pytest.approx(float(_loss(expected, y)), abs=1e-6)
+    assert reads == [m if s in (0, p - 1) else 0 for s in range(p)]
+    assert all(h.calls == [] for h in hooks)
+    assert all(layer.weight.grad is None for module in modules for layer in module.layers)
+
+
 def test_buffers_refuse_a_slot_still_in_use() -> None:
     buffers = PipeBuffers()
     slot = buffers.claim(0, 1, micro_batch=3)
@@ -226,3 +245,40 @@ def test_stage_data_reads_pairs_and_names_bad_batches() -> None:
     assert as_tuple(torch.ones(1), "x")[1] is True
     with pytest.raises(TypeError, match="the output of stage 0 must be a tensor or a non-empty tuple"):
         as_tuple([torch.ones(1), None], "the output of stage 0")
+
+
+def test_one_stage_pipeline_engine_without_a_process_group() -> None:
+    """``initialize(model=PipelineModule(num_stages=1))`` in a lone process (no process group): a pipeline engine
+    with no peers trains like plain torch (the schedule is its own first and last stage)."""
+    import shardspeed
+    from shardspeed.pipe import LayerSpec, PipelineModule
+
+    def layers() -> list:
+        return [LayerSpec(nn.Linear, DIM, DIM), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, DIM, DIM)]
+
+    module = PipelineModule(layers(), num_stages=1, loss_fn=_loss, seed_layers=True)
+    reference = PipelineModule(layers(), num_stages=1, loss_fn=_loss, seed_layers=True)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(6)]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for step in range(2):
+            window = batches[3 * step : 3 * step + 3]
+            loss = engine.train_batch(iter(window))
+            optimizer.zero_grad()
+            expected = sum(_loss(reference(x), y) / 3 for x, y in window)
+            expected.backward()
+            optimizer.step()
+            assert float(loss) == pytest.approx(float(expected.detach()), abs=1e-6)
+        for (name, p), q in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        assert engine.global_steps == 2 and engine.pipe_stats.messages == 0
+    finally:
+        engine.destroy()

@@ -43,8 +43,9 @@ class PipeStepStats:
 
     ``wait_s`` is the time blocked in receives and send completions (the pipeline bubble as this rank saw it, plus
     transfer time); ``post_s`` the time posting p2p operations; ``compute_s`` forward + backward (loss included);
-    ``step_s`` the reductions and the optimizer step. ``peak_buffers`` is the most micro-batches whose activations
-    were held at once (forward done, backward not yet)."""
+    ``step_s`` the reductions and the optimizer step; ``messages`` / ``bytes`` this rank's p2p traffic, sent and
+    received (``PipeChannel.stats``). ``peak_buffers`` is the most micro-batches whose activations were held at
+    once (forward done, backward not yet)."""
 
     wait_s: float = 0.0
     post_s: float = 0.0
@@ -56,6 +57,8 @@ class PipeStepStats:
     total_s: float = 0.0
     messages: int = 0
     bytes: int = 0
+    gather_s: float = 0.0
+    """Partitioned messages' all-gathers over the tensor axis (``pipe_partitioned``), apart from ``wait_s``."""
     micro_batches: int = 0
     forwards: int = 0
     backwards: int = 0

@@ -10,7 +10,7 @@ is).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,8 +53,10 @@ class StageData:
         reads_labels: bool,
         device: torch.device,
         compute_dtype: torch.dtype,
+        on_load: Callable[[Any, Any], None] | None = None,
     ) -> None:
         self.iterator = iterator
+        self.on_load = on_load  # the engine's first-batch check over the tensor axis
         self.reads_inputs = reads_inputs
         self.reads_labels = reads_labels
         self.device = device
@@ -92,4 +94,8 @@ class StageData:
             # are cast here, since no engine(x) call sits between the user's batch and the model's first layer.
             if self.compute_dtype != torch.float32:
                 inputs = cast_floats(inputs, self.compute_dtype)
-        return (inputs if self.reads_inputs else None), (to_device(labels, self.device) if self.reads_labels else None)
+        inputs = inputs if self.reads_inputs else None
+        labels = to_device(labels, self.device) if self.reads_labels else None
+        if self.on_load is not None:
+            self.on_load(inputs, labels)
+        return inputs, labels

@@ -32,7 +32,9 @@ from shardspeed.optim.absent import require_optimizer
 from shardspeed.pipe.buffers import PipeStepStats
 from shardspeed.pipe.data import StageData
 from shardspeed.pipe.executor import PipeExecutor
+from shardspeed.pipe.p2p import PipeChannel
 from shardspeed.pipe.schedule import build_schedule
+from shardspeed.tensor_parallel.batch_check import BatchMismatchError
 from shardspeed.topology import Topology
 from shardspeed.training.pipe_driver import PIPELINE_ONLY, PipeDriver, StepHold
 from shardspeed.zero.hold import holds_step
@@ -65,8 +67,9 @@ def is_pipeline_module(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and isinstance(model, PipelineModel)
 
 
-def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> None:
-    """Everything here is decided by the config and the module's structure, the same on every rank: agreed."""
+def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> list[str]:
+    """Everything here is decided by the config and the module's structure, the same on every rank: agreed.
+    Returns the config's warnings (keys the module decides: config/pipeline.py [Note: the module decides])."""
     if model.num_stages != topology.pipe.size or model.stage_id != topology.pipe.rank:
         raise mark_agreed(
             ValueError(
@@ -75,7 +78,7 @@ def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> N
                 "module on the topology initialize() uses (its topology= argument)"
             )
         )
-    errors, _ = pipeline_config_conflicts(
+    errors, warnings = pipeline_config_conflicts(
         settings,
         ModuleSettings(
             num_stages=model.num_stages,
@@ -101,6 +104,31 @@ def _check_module(model: Any, topology: Topology, settings: PipelineConfig) -> N
                 f'"{settings.schedule}": set it to "interleaved", or build the module with virtual_stages=1'
             )
         )
+    return warnings
+
+
+def _gather_tied_with_the_stage(model: Any) -> None:
+    """ZeRO-3: a tied occurrence with a ``forward_fn`` (a head reading the embedding's weight) never calls the tied
+    module, so the stage-3 hooks would not gather its parameters there. Registered as external parameters of the
+    pipeline module (DeepSpeed's remedy for a forward reading another module's weight), they are gathered around
+    every chunk's forward and backward on the stages holding them; the hold keeps them gathered for the step."""
+    from shardspeed.zero import register_external_parameter
+
+    tied = getattr(model, "tied_modules", None)
+    for param in tied.parameters() if tied is not None else ():
+        register_external_parameter(model, param)
+
+
+class _NoPeers:
+    """The channel of a one-stage pipeline: the schedule never sends or receives."""
+
+    stats = None
+
+    def wait_sends(self) -> None:
+        pass
+
+    def reset_shapes(self) -> None:
+        pass
 
 
 class PipelineEngine(ShardSpeedEngine):
@@ -113,14 +141,28 @@ class PipelineEngine(ShardSpeedEngine):
         if not is_pipeline_module(model):
             raise TypeError(f"PipelineEngine needs a shardspeed.pipe.PipelineModule, got {type(model).__name__}")
         settings: PipelineConfig = getattr(config, "pipeline", None) or PipelineConfig()
-        _check_module(model, topology, settings)
+        warnings = _check_module(model, topology, settings)
+        try:  # the schedule's own checks (interleaving: micro-batches divisible by the stages), before anything
+            build_schedule(
+                settings.schedule,
+                config.gradient_accumulation_steps,
+                model.num_stages,
+                model.stage_id,
+                model.virtual_stages,
+            )
+        except ValueError as err:
+            raise mark_agreed(
+                ValueError(f"gradient_accumulation_steps (the micro-batches of a train_batch): {err}")
+            ) from None
+        if config.zero_optimization.stage == 3:
+            _gather_tied_with_the_stage(model)
         super().__init__(model, config, topology, **kwargs)
+        for warning in warnings if topology.global_rank == 0 else ():
+            self.logger.warning(warning)
         self.pipeline = settings
         """The typed ``pipeline`` config section."""
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         hold = self._check_hold(model)
-        from shardspeed.pipe.p2p import PipeChannel  # S3
-
         tensor = topology.tensor
         partition = tensor if settings.pipe_partitioned and tensor.size > 1 else None
         if tensor.size > 1 and settings.grad_partitioned != settings.pipe_partitioned and topology.global_rank == 0:
@@ -131,8 +173,11 @@ class PipelineEngine(ShardSpeedEngine):
                 settings.grad_partitioned,
                 settings.pipe_partitioned,
             )
-        self.channel = PipeChannel(
-            self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition
+        # One stage has no peers (and a world of one may have no process group at all): nothing to send.
+        self.channel: Any = (
+            PipeChannel(self.collectives, self.device, dynamic_shape=model.dynamic_shape, partition=partition)
+            if self.num_stages > 1
+            else _NoPeers()
         )
         self._executor = PipeExecutor(
             module=self.module,
@@ -155,6 +200,8 @@ class PipelineEngine(ShardSpeedEngine):
         self.data_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None:
             self.set_dataiterator(iter(RepeatingLoader(self.training_dataloader)))
+        self.agg_train_loss: torch.Tensor | None = None
+        """The last ``train_batch``'s loss (DeepSpeed's name)."""
         self.pipe_stats: PipeStepStats | None = None
         """What the last ``train_batch``/``eval_batch`` spent where on this rank (wait, post, compute, peak live
         buffers)."""
@@ -193,9 +240,10 @@ class PipelineEngine(ShardSpeedEngine):
         return self.stage_id == self.num_stages - 1
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        """The iterator ``train_batch`` reads when given none (only the first and last stages keep it)."""
+        """The iterator ``train_batch`` reads when given none (only the first and last stages keep it). An iterable
+        that is not an iterator (a list, a loader) is iterated once from here on, not restarted per batch."""
         if self.is_first_stage() or self.is_last_stage():
-            self.data_iterator = iterator
+            self.data_iterator = iterator if hasattr(iterator, "__next__") else iter(iterator)
 
     def reset_activation_shape(self) -> None:
         """Renegotiate activation shapes on the next message of every link (sequence length changed, say)."""
@@ -210,7 +258,17 @@ class PipelineEngine(ShardSpeedEngine):
             reads_labels=self.is_last_stage(),
             device=self.device,
             compute_dtype=self.config.compute_dtype,
+            on_load=self._check_first_batch,
         )
+
+    def _check_first_batch(self, inputs: Any, labels: Any) -> None:
+        """The engine's first batch is compared over the tensor axis (``FirstBatchCheck``; only the first load
+        does any work). Agreed only within this stage's tensor group, so re-raised unagreed: the failure board
+        then stops the other stages waiting on p2p ([Note: failure propagation] in faults/board.py)."""
+        try:
+            self._first_batch((inputs, labels), {})
+        except BatchMismatchError as err:
+            raise BatchMismatchError(str(err)) from None
 
     @guarded("engine.train_batch()")
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
@@ -245,6 +303,7 @@ class PipelineEngine(ShardSpeedEngine):
         self._step_applied = self.progress.global_steps > steps and self.progress.skipped_steps == skipped
         self.preemption.after_step(self, self._core.take_stop())  # a stop agreed at this step: save, Preempted
         assert driver.last_loss is not None
+        self.agg_train_loss = driver.last_loss  # DeepSpeed's attribute
         return driver.last_loss
 
     @property

@@ -146,6 +146,9 @@ class PipeExecutor:
         self._data, self._hooks, self._m = data, hooks, micro_batches
         self._loss_scale, self._compute_loss, self._keep_outputs = loss_scale, compute_loss, keep_outputs
         self._train = hooks is not None
+        # Training and inference negotiate their own streams: the same activations require grad in one and not
+        # in the other, and a stream's negotiated metas include that (pipe/p2p.py).
+        self._kind = "" if self._train else "eval."
         self._input_grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, Any] = {}
@@ -165,6 +168,7 @@ class PipeExecutor:
             stats.total_s = time.perf_counter() - start
             stats.wait_s, stats.post_s = after[0] - before[0], after[1] - before[1]
             stats.messages, stats.bytes = int(after[2] - before[2]), int(after[3] - before[3])
+            stats.gather_s = after[4] - before[4]
             stats.peak_buffers = self.buffers.peak
             stats.compute_s = stats.forward_s + stats.backward_s
             self.buffers.clear()
@@ -174,11 +178,11 @@ class PipeExecutor:
             stats=stats,
         )
 
-    def _channel_stats(self) -> tuple[float, float, float, float]:
-        s = getattr(self.channel, "stats", None)
+    def _channel_stats(self) -> tuple[float, float, float, float, float]:
+        s = getattr(self.channel, "stats", None)  # cumulative: the batch's figures are differences
         if s is None:
-            return (0.0, 0.0, 0.0, 0.0)
-        return (float(s.wait_s), float(s.post_s), float(s.messages), float(s.bytes))
+            return (0.0, 0.0, 0.0, 0.0, 0.0)
+        return (float(s.wait_s), float(s.post_s), float(s.messages), float(s.bytes), float(getattr(s, "gather_s", 0)))
 
     def _run_step(self, step: list[PipeInstruction]) -> None:
         i = 0
@@ -204,7 +208,9 @@ class PipeExecutor:
                 if slot.outputs is None:
                     raise RuntimeError(f"pipeline schedule error: {ins!r} before its ForwardPass")
                 # streams are named by the receiving virtual stage: both ends compute the same name
-                sends.append((slot.outputs, self._next_peer(ins.chunk), f"act{self.virtual(ins.chunk) + 1}"))
+                sends.append(
+                    (slot.outputs, self._next_peer(ins.chunk), f"{self._kind}act{self.virtual(ins.chunk) + 1}")
+                )
                 if not self._train:  # inference: nothing waits for this micro-batch's activations any more
                     self.buffers.free(ins.chunk, ins.buffer)
             elif isinstance(ins, SendGrad):
@@ -213,7 +219,7 @@ class PipeExecutor:
                     raise RuntimeError(f"pipeline schedule error: {ins!r} before its BackwardPass")
                 sends.append((grads, self._prev_peer(ins.chunk), f"grad{self.virtual(ins.chunk) - 1}"))
             elif isinstance(ins, RecvActivation):
-                recvs.append((self._prev_peer(ins.chunk), f"act{self.virtual(ins.chunk)}"))
+                recvs.append((self._prev_peer(ins.chunk), f"{self._kind}act{self.virtual(ins.chunk)}"))
                 targets.append(ins)
             else:
                 assert isinstance(ins, RecvGrad)

@@ -3,17 +3,19 @@
 The second driver over ``StepCore`` ([Note: engine layout] in engine.py). Where ``MicroStepDriver`` learns about
 micro-steps one ``engine.backward`` at a time, here the schedule's executor (``pipe/executor.py``) asks for each
 backward, the tied-weight reduction, the data-axis reduction and the optimizer step (``StepHooks``). This module
-decides what the stage's reducer does in each ([Note: the step-scoped hold]) and keeps the counters, events and
+decides what the stage's reducer does in each ([Note: pipeline driver]) and keeps the counters, events and
 the loss DeepSpeed's ``train_batch`` returns.
 
-[Note: the step-scoped hold] Under a pipeline the m micro-batches' backward passes interleave with p2p traffic,
+[Note: pipeline driver] Under a pipeline the m micro-batches' backward passes interleave with p2p traffic,
 and each stage holds only its layers. Hold mode (``pipeline.zero_hold: "step"``, the default): every micro-batch
-backward runs the reducer with ``communicate=False`` (gradients accumulate locally, in fp32), then
-``ReduceTiedGrads`` sums the tied weights' local gradients over the stages holding them (``states.held_grad``),
-and ``ReduceGrads`` reduces everything held over the data axis once (``states.reduce_held``), exactly as a final
-boundary backward would (zero/hold.py). Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m×
-traffic): each backward communicates, the last one is final; tied weights are refused at construction (their sum
-over stages needs the unreduced local gradients).
+backward runs the reducer with ``communicate=False`` (gradients accumulate locally, in fp32), after
+``begin_hold()`` at the batch's start; then ``ReduceTiedGrads`` sums the tied weights' local gradients over the
+stages holding them (``states.held_grad``), and ``ReduceGrads`` reduces everything held over the data axis once
+(``states.reduce_held``), exactly as a final boundary backward would ([Note: step-scoped hold] in zero/hold.py).
+Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m× traffic): each backward communicates, the
+last one is final, and nothing of the hold is called (a ZeRO-3 hold begun there would keep units gathered and
+gradients held, which the communicating backward would then reduce again); tied weights are refused at
+construction (their sum over stages needs the unreduced local gradients).
 
 [Note: pipeline loss] The returned loss is DeepSpeed's ``agg_train_loss``: the last stage's mean over the batch's
 micro-batches, averaged over the data axis, broadcast over the pipe axis, so every stage returns the same value.
@@ -125,8 +127,8 @@ class PipeDriver(MicroStepDriver):
             raise RuntimeError("train_batch(): the previous batch's backward raised before it finished")
         if self.core.host_grads:
             self.core.optimizer.forget_grads()  # a step that raised or was skipped leaves no host copies behind
-        if not self.per_micro_batch:  # S4: per micro-batch nothing else is called (a ZeRO-3 hold would keep the
-            self.hold.begin()  # units gathered, never released: the step's updates never reach the module)
+        if not self.per_micro_batch:  # per micro-batch nothing of the hold is called (zero/hold.py)
+            self.hold.begin()
 
     def abort_batch(self) -> None:
         """The schedule raised: drain what the reducer launched, drop the hold (the failure propagates)."""
@@ -134,7 +136,8 @@ class PipeDriver(MicroStepDriver):
             if self.passes.open:
                 self.passes.abort()
         finally:
-            self.hold.abort()
+            if not self.per_micro_batch:
+                self.hold.abort()
             self.core.take_stop()  # a stop agreed at a step that raised is agreed again at the next one
 
     # --- StepHooks ------------------------------------------------------------------------------------------------

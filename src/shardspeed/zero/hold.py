@@ -26,6 +26,11 @@ parameters after every use. Here the pipeline driver holds instead (``pipeline.z
   releases its units;
 - ``abort_hold()`` (the step raised): whatever was held is forgotten, units are released, no collective.
 
+A backward that communicates after held ones (``no_sync``-style: hold, hold, …, then a final communicating
+backward) reduces what was held together with its own gradients, at every stage (stage 2 adds its staging into the
+held bucket, stage 3 its unit's gradients into the held buffer, before the reduce-scatter). The user-driven loop
+still refuses ``no_sync()`` at stages 2/3 (training/micro_driver.py); nothing here depends on that.
+
 The arrival-order re-layout of stages 0-2 ([Note: arrival-order layout] in arrival_order.py) still happens in the
 first backward of the run (it records even when that backward does not communicate): it is a collective over the
 data axis, which every data rank of a pipeline stage reaches at the same micro-batch. Graphs of later micro-batches

@@ -131,12 +131,15 @@ class UnitGrads:
     def launch_held(self) -> None:
         """Reduce-scatter what the step held (zeros if nothing: unused), as a final backward's launch would."""
         self.reset_backward()
-        if self.step_held is not None:
-            flat = self.step_held
-            offsets, numels = self.unit.offsets, self.unit.numels
-            self._held = {i: flat[offsets[i] : offsets[i] + numels[i]] for i in sorted(self.trainable)}
-        self.launch()  # stages every piece before it returns: the held buffer is free after
-        self.step_held = None
+        self.launch()
+
+    def _join_held(self) -> None:
+        """This backward's gradients (if any) join what earlier backward passes held; the held buffer is reduced."""
+        assert self.step_held is not None
+        for i, grad in self._held.items():
+            self.held_view(i).add_(grad.reshape(self.unit.shapes[i]))
+        flat, offsets, numels = self.step_held, self.unit.offsets, self.unit.numels
+        self._held = {i: flat[offsets[i] : offsets[i] + numels[i]] for i in sorted(self.trainable)}
 
     def _take(self, local_index: int, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The fresh gradient off the parameter (checked against the full shape), or None."""
@@ -162,9 +165,12 @@ class UnitGrads:
         if not self.trainable:
             return
         self.unit.id_check.launch(self.unit.index, "gradient reduce-scatter", self.unit.device)
+        if self.step_held is not None:
+            self._join_held()
         for lo, hi in self.pieces:
             self._launch_piece(lo, hi)
         self._held.clear()
+        self.step_held = None  # every piece is staged: the held buffer is free
         self._awaiting = True
 
     def _launch_piece(self, lo: int, hi: int) -> None:
