@@ -25,7 +25,6 @@ import pytest
 import torch
 from parity import optimizer_config, torch_optimizer
 from pipe_models import (
-    declare_tied_external,
     gpt_layers,
     gpt_loss_fn,
     make_batches,
@@ -107,8 +106,6 @@ def _engine(case: Case, layers_hook: Any = None) -> Any:
         activation_checkpoint_interval=case.checkpoint_every,
         virtual_stages=case.virtual,
     )
-    if case.zero == 3:
-        declare_tied_external(module)  # the tied head reads the embedding's weight outside its module
     engine, *_ = shardspeed.initialize(model=module, config=_config(case))
     return engine
 
