@@ -193,18 +193,6 @@ def gpt_layers_from(cfg: PipeGPTConfig, *, tied: bool = True, tp: TensorParallel
     return gpt_layers(cfg.vocab, cfg.dim, cfg.n_blocks, cfg.seq, tied=tied, tp=tp, heads=cfg.heads, ffn=cfg.ffn)
 
 
-def declare_tied_external(module: nn.Module) -> None:
-    """Under ZeRO-3: the tied head's ``forward_fn`` reads the embedding's weight without calling the embedding
-    module, so the stage-3 hooks would never gather it on the last stage. Declared an external parameter of the
-    pipeline module (DeepSpeed's remedy for a forward reading another module's weight); call before initialize.
-    (``PipelineModule`` could do this itself for every tied occurrence with a ``forward_fn``.)"""
-    from shardspeed import zero
-
-    tied = getattr(module, "tied_modules", None)
-    for p in [] if tied is None else tied.parameters():
-        zero.register_external_parameter(module, p)
-
-
 def gpt_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy (``PipelineModule(loss_fn=...)``: called on the last stage's output and labels)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))

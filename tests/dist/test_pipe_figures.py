@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parity import optimizer_config
-from pipe_models import Block, declare_tied_external, gpt_layers, gpt_loss_fn, make_batches, rank_iterator
+from pipe_models import Block, gpt_layers, gpt_loss_fn, make_batches, rank_iterator
 
 import shardspeed
 from shardspeed.topology import MeshShape, Topology
@@ -40,8 +40,6 @@ def _pipeline(layers: list, pp: int, dp: int, config: dict, loss_fn: Any, virtua
         layers, topology=topology, loss_fn=loss_fn, seed_layers=True, partition_method="uniform",
         virtual_stages=virtual,
     )  # fmt: skip
-    if config["zero_optimization"]["stage"] == 3:
-        declare_tied_external(module)
     engine, *_ = shardspeed.initialize(model=module, config=config)
     return engine
 
