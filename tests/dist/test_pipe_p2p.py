@@ -274,7 +274,7 @@ def _batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _Hooks:
-    def backward(self, run: Any, final: bool) -> None:
+    def backward(self, run: Any, final: bool, last_of_micro_batch: bool = True) -> None:
         run()
 
     def reduce_tied_grads(self) -> None: ...

@@ -83,10 +83,12 @@ class Hooks:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.finals = 0
+        self.flags: list[tuple[bool, bool]] = []  # (final, last_of_micro_batch) per backward
 
-    def backward(self, run: Any, final: bool) -> None:
+    def backward(self, run: Any, final: bool, last_of_micro_batch: bool = True) -> None:
         run()
         self.finals += int(final)
+        self.flags.append((final, last_of_micro_batch))
 
     def reduce_tied_grads(self) -> None:
         self.calls.append("tied")
@@ -189,6 +191,9 @@ def test_executor_matches_sequential_backward(name: str, p: int, m: int, v: int)
     assert [float(t) for t in last.losses] == pytest.approx(ref_losses, abs=1e-6)
     for s, ((result, buffers), h) in enumerate(zip(results, hooks, strict=True)):
         assert h.calls == ["tied", "grads", "step"] and h.finals == 1
+        # one "last chunk backward" per micro-batch (per-micro-batch reduction communicates there), the final
+        # backward among them
+        assert sum(last for _, last in h.flags) == m and h.flags[-1] == (True, True)
         assert result.stats.forwards == result.stats.backwards == m * v
         assert result.stats.peak_buffers <= buffers
         if name == "1f1b":
