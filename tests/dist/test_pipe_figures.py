@@ -242,7 +242,7 @@ def _micro_batch_traffic(rank: int, world: int, stage: int, schedule: str, virtu
     return {"pipe": engine.topology.pipe.rank, "psi": engine.states.padded_numel, "traffic": _traffic(engine) - before}
 
 
-@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(("schedule", "virtual"), [pytest.param("1f1b", 1, marks=SLOW), ("interleaved", 2)])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_per_micro_batch_traffic_is_m_reductions(dist_run, stage: int, schedule: str, virtual: int) -> None:
     """``zero_hold: micro_batch``, PP = 2 × DP = 2: a micro-batch reduces the stage once, also when interleaving

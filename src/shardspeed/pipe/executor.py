@@ -17,10 +17,10 @@ What the compute instructions do:
   loss × loss_scale / m on the last virtual stage (the mean over micro-batches; fp16's loss scale). The driver
   wraps it in the stage's reducer protocol (``StepHooks.backward``), told whether it is this rank's last backward
   (``final``) and the micro-batch's last chunk backward on this rank (``last_of_micro_batch``: with v chunks a
-  micro-batch has v backwards here; per-micro-batch reduction communicates only in its last). The inputs' gradients are kept by
-  micro-batch (not by buffer: the schedule may reuse the buffer before ``SendGrad`` runs); an input that
-  required grad but got none (unused downstream) sends zeros, so the peer's backward gets every tensor it waits
-  for;
+  micro-batch has v backwards here; per-micro-batch reduction communicates only in its last). The inputs'
+  gradients are kept by micro-batch (not by buffer: the schedule may reuse the buffer before ``SendGrad``
+  runs); an input that required grad but got none (unused downstream) sends zeros, so the peer's backward gets
+  every tensor it waits for;
 - ``ReduceTiedGrads`` / ``ReduceGrads`` / ``OptimizerStep``: the driver's (``training/pipe_driver.py``).
 
 Nothing here decides *whether* gradients are communicated or *when* the optimizer steps; it only executes.
