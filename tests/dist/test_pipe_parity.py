@@ -257,37 +257,45 @@ class Poison(torch.nn.Module):
         return _PoisonGrad.apply(x, self.armed)
 
 
-def _fp16_overflow(rank: int, world: int) -> dict[str, Any]:
+def _fp16_overflow(rank: int, world: int, zero: int) -> dict[str, Any]:
     poison = Poison()
-    case = Case(world=world, opt="sgd", extra={"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}})
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+    case = Case(world=world, zero=zero, opt="sgd", extra=fp16)
     engine = _engine(case, layers_hook=lambda layers: [*layers[:2], poison, *layers[2:]])  # after the positions
     it = rank_iterator(make_batches(3, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"]), M, 0, 1)
     engine.train_batch(it)
     scale_before = engine.get_loss_scale()
-    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # The whole model's weights (every stage, ZeRO-3 gathered): under ZeRO-3 named_parameters() are placeholders,
+    # which would make "unchanged" and "moved" vacuous.
+    before = engine.module_state_dict()
     poison.armed = True  # only the stage that holds the layer runs it
     engine.train_batch(it)
     poison.armed = False
-    unchanged = all(torch.equal(before[n], p.detach()) for n, p in engine.module.named_parameters())
+    mid = engine.module_state_dict()
+    unchanged = before.keys() == mid.keys() and all(torch.equal(before[n], t) for n, t in mid.items())
     scale_after = engine.get_loss_scale()
     engine.train_batch(it)
-    moved = any(not torch.equal(before[n], p.detach()) for n, p in engine.module.named_parameters())
+    after = engine.module_state_dict()
+    moved = any(not torch.equal(before[n], t) for n, t in after.items())
     return {
         "stage": engine.topology.pipe.rank,
         "holds_poison": any(m is poison for m in engine.module.modules()),
         "skipped": engine.skipped_steps,
         "steps": engine.global_steps,
         "unchanged": unchanged,
+        "weights": min(t.numel() for t in before.values()) > 0 and len(before) == len(reference_model(**MODEL).state_dict()),
         "moved_after": moved,
         "scales": (scale_before, scale_after),
     }
 
 
-def test_fp16_overflow_on_one_stage_skips_every_stage(dist_run) -> None:
-    results = dist_run(_fp16_overflow, 2)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_fp16_overflow_on_one_stage_skips_every_stage(dist_run, zero: int) -> None:
+    results = dist_run(_fp16_overflow, 2, zero)
     assert [r["holds_poison"] for r in results] == [True, False]  # the overflow is born on stage 0 only
     for r in results:
         assert r["skipped"] == 1 and r["steps"] == 3, r
+        assert r["weights"], r  # the comparison is over real tensors: the whole model's, on every rank
         assert r["unchanged"], r  # stage 1 saw finite gradients and still skipped
         assert r["moved_after"], r  # the next step applied
         assert r["scales"][1] == r["scales"][0] / 2, r
