@@ -9,9 +9,11 @@ ZeRO-3 gathered, tensor slices assembled) with plain torch on one process over t
   (world 8); schedules gpipe, 1f1b and interleaved 1F1B with 2 virtual stages;
 - AdamW with clipping below the gradient norm (and the engine's norm, over all stages, equals the reference's
   unclipped norm), and SGD with momentum; fp32 to 1e-5;
-- compositions: activation checkpointing every layer, CPU optimizer offload, ZeRO-2/3 with per-micro-batch
-  reduction (untied model: tied weights are refused there), bf16 (a relative bound, below);
-- fp16 overflow on one stage only: every stage skips the step, the loss scale halves on every rank.
+- compositions: activation checkpointing every layer, CPU and NVMe optimizer offload, ZeRO-1/2/3 with
+  per-micro-batch reduction (untied model: tied weights are refused there; 1F1B, GPipe and interleaved), TP=2 ×
+  PP=2 at ZeRO 2/3, bf16 (a relative bound, below);
+- fp16 overflow on one stage only: every stage skips the step, the loss scale halves on every rank (the whole
+  model compared through ``module_state_dict()``, at ZeRO 0 and 3).
 The default suite keeps a representative subset; the whole matrix is ``slow``.
 """
 

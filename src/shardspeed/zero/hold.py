@@ -35,8 +35,10 @@ The arrival-order re-layout of stages 0-2 ([Note: arrival-order layout] in arriv
 first backward of the run (it records even when that backward does not communicate): it is a collective over the
 data axis, which every data rank of a pipeline stage reaches at the same micro-batch. Graphs of later micro-batches
 alive at that moment keep working: stages 1/2 point the parameters at the new flat buffer with the same values.
-Per-micro-batch mode (``zero_hold: "micro_batch"``) calls none of this: every backward communicates, at m× the
-gradient traffic (and at stage 3 gathers per use), for the least memory.
+Per-micro-batch mode (``zero_hold: "micro_batch"``) calls none of this: every micro-batch communicates once (under
+interleaving its earlier chunk backwards hold and its last reduces them with its own: [Note: one reduction per
+micro-batch] in training/pipe_driver.py), at m× the gradient traffic (and at stage 3 gathers per use), for the least
+memory; at stages 0/1 it saves nothing (``micro_batch_warning``).
 """
 
 from __future__ import annotations
