@@ -203,8 +203,10 @@ def _api(rank: int, world: int) -> dict:
     small = engine.eval_batch(iter(smaller))
     engine.reset_activation_shape()
     trained = engine.train_batch()  # no iterator: the engine's training data (initialize(training_data=...))
+    train_stats = engine.pipe_stats
     # Evaluation right after training, no reset: its activations do not require grad, its streams are its own.
     after = engine.eval_batch(iter(list(rank_iterator(batches, M, 0, 1))))
+    eval_stats = engine.eval_pipe_stats
     return {
         "errors": len(errors),
         "loss": float(loss),
@@ -219,6 +221,9 @@ def _api(rank: int, world: int) -> dict:
         "trained": float(trained),
         "steps_after_train": engine.global_steps,
         "after": float(after),
+        # eval_batch keeps its figures apart: the training batch's pipe_stats survive it
+        "train_stats_kept": engine.pipe_stats is train_stats and train_stats.backwards == M,
+        "eval_stats": (eval_stats.forwards, eval_stats.backwards),
     }
 
 
@@ -233,6 +238,7 @@ def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -
         assert r["small"] == pytest.approx(r["ref_small"], abs=1e-6)  # renegotiated shapes
         assert r["steps_after_train"] == 1 and r["trained"] == first["trained"]
         assert r["after"] == first["after"] and r["after"] != r["loss"]  # the trained model, on every stage
+        assert r["train_stats_kept"] and r["eval_stats"] == (M, 0), r
     assert first["logits"] is None and last["logits"] == (MB, MODEL["seq"], MODEL["vocab"])
     assert first["no_bcast"] is None and last["no_bcast"] == pytest.approx(last["loss"], abs=1e-6)
 
@@ -257,6 +263,9 @@ def _config_errors(rank: int, world: int) -> tuple[list[str], list[str]]:
     logger.addHandler(handler)
     _engine(world, world, _config(0, "sgd", 0.0, activation_checkpoint_interval=2))  # the module's 0 is used
     warnings = [m for m in seen if "activation_checkpoint_interval" in m]
+    for zero in (1, 2):  # per-micro-batch reduction saves nothing at ZeRO 0/1: one warning (rank 0), none at 2
+        _engine(world, world, _config(zero, "sgd", 0.0, zero_hold="micro_batch"), tied=False)
+    warnings += [m for m in seen if "only multiplies the gradient traffic" in m]
     messages = []
     for pipeline, v, _ in CONFIG_ERRORS:
         pipeline = dict(pipeline)
@@ -278,7 +287,8 @@ def test_configuration_errors_on_every_rank(dist_run) -> None:
         for message, (_, _, expected) in zip(messages, CONFIG_ERRORS, strict=True):
             assert expected in message, message
     (_, first), (_, last) = results
-    assert len(first) == 1 and "the module's value is used" in first[0] and last == []
+    assert len(first) == 2 and "the module's value is used" in first[0] and last == []
+    assert "zero_hold='micro_batch' at zero_optimization.stage 1 only multiplies" in first[1]
 
 
 def _no_data(rank: int, world: int) -> str:

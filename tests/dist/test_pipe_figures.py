@@ -225,3 +225,29 @@ def test_zero_under_pp_bytes_and_traffic_match_formulas(dist_run, stage: int) ->
         figures = {"zero": stage, "pipe_stage": r["pipe"], "psi": psi, "traffic": r["held_traffic"]}
         figures.update(bytes_at_rest=r["at_rest"], bytes_during_step=r["during"])
         print("zero-under-pp:", json.dumps(figures))
+
+
+def _micro_batch_traffic(rank: int, world: int, stage: int, schedule: str, virtual: int) -> dict[str, Any]:
+    config = _config(M_FIG, MB_FIG, schedule, zero=stage, comms_logger={"enabled": True})
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=0)
+    config["pipeline"]["zero_hold"] = "micro_batch"
+    engine = _pipeline(gpt_layers(**SMALL, tied=False), 2, 2, config, gpt_loss_fn, virtual=virtual)
+    batches = make_batches(2, M_FIG, MB_FIG, 2, vocab=SMALL["vocab"], seq=SMALL["seq"])
+    it = rank_iterator(batches, M_FIG, engine.topology.data.rank, 2)
+    engine.train_batch(it)  # the first step plans the layout
+    before = _traffic(engine)
+    engine.train_batch(it)
+    return {"pipe": engine.topology.pipe.rank, "psi": engine.states.padded_numel, "traffic": _traffic(engine) - before}
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [pytest.param("1f1b", 1, marks=SLOW), ("interleaved", 2)])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_per_micro_batch_traffic_is_m_reductions(dist_run, stage: int, schedule: str, virtual: int) -> None:
+    """``zero_hold: micro_batch``, PP = 2 × DP = 2: a micro-batch reduces the stage once, also when interleaving
+    gives it v backward passes on a rank ([Note: one reduction per micro-batch]): the step's measured gradient /
+    parameter traffic is exactly ``pipeline_step_traffic(Ψ_stage, 2, stage, hold=False, m)`` (before the fix,
+    interleaved v = 2 moved m·v reductions: 2880 vs 1600 at ZeRO-2, 5120 vs 3840 at ZeRO-3)."""
+    for r in dist_run(_micro_batch_traffic, 4, stage, schedule, virtual):
+        want = pipeline_step_traffic(r["psi"], 2, stage, hold=False, micro_batches=M_FIG)
+        assert r["traffic"] == want, (r, want)
+        print("per-micro-batch traffic:", json.dumps({"zero": stage, "schedule": schedule, **r, "formula": want}))

@@ -274,7 +274,7 @@ def _batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _Hooks:
-    def backward(self, run: Any, final: bool) -> None:
+    def backward(self, run: Any, final: bool, last_of_micro_batch: bool = True) -> None:
         run()
 
     def reduce_tied_grads(self) -> None: ...
@@ -300,7 +300,6 @@ def _interleaved_over_links(rank: int, world: int, chunks: int, m: int) -> Any:
         reads_inputs=rank == 0,
         reads_labels=rank == world - 1,
         device=CPU,
-        compute_dtype=torch.float32,
     )
     schedule = build_schedule("interleaved", m, world, rank, chunks)
     executor.run(schedule.steps(), data, micro_batches=m, hooks=_Hooks())

@@ -9,15 +9,19 @@ ZeRO-3 gathered, tensor slices assembled) with plain torch on one process over t
   (world 8); schedules gpipe, 1f1b and interleaved 1F1B with 2 virtual stages;
 - AdamW with clipping below the gradient norm (and the engine's norm, over all stages, equals the reference's
   unclipped norm), and SGD with momentum; fp32 to 1e-5;
-- compositions: activation checkpointing every layer, CPU optimizer offload, ZeRO-2/3 with per-micro-batch
-  reduction (untied model: tied weights are refused there), bf16 (a relative bound, below);
-- fp16 overflow on one stage only: every stage skips the step, the loss scale halves on every rank.
+- compositions: activation checkpointing every layer, CPU and NVMe optimizer offload, ZeRO-1/2/3 with
+  per-micro-batch reduction (untied model: tied weights are refused there; 1F1B, GPipe and interleaved), TP=2 ×
+  PP=2 at ZeRO 2/3, bf16 (a relative bound, below);
+- fp16 overflow on one stage only: every stage skips the step, the loss scale halves on every rank (the whole
+  model compared through ``module_state_dict()``, at ZeRO 0 and 3).
 The default suite keeps a representative subset; the whole matrix is ``slow``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +58,11 @@ class Case:
     virtual: int = 1
     tied: bool = True
     checkpoint_every: int = 0
-    offload: bool = False
+    offload: bool | str = False  # True: cpu; "nvme": under nvme_path (the test's tmp_path)
     zero_hold: str = "step"
     bf16: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    nvme_path: str = field(default="", compare=False)
 
     @property
     def id(self) -> str:
@@ -66,7 +71,7 @@ class Case:
         parts = [mesh, f"z{self.zero}", self.schedule + (f"v{self.virtual}" if self.virtual > 1 else ""), self.opt]
         parts += ["untied"] if not self.tied else []
         parts += [f"ac{self.checkpoint_every}"] if self.checkpoint_every else []
-        parts += ["offload"] if self.offload else []
+        parts += [f"offload{'' if self.offload is True else '_' + str(self.offload)}"] if self.offload else []
         parts += ["micro_batch"] if self.zero_hold != "step" else []
         parts += ["bf16"] if self.bf16 else []
         return "-".join(parts)
@@ -74,7 +79,9 @@ class Case:
 
 def _config(case: Case) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": case.zero, "stage3_param_persistence_threshold": 0}
-    if case.offload:
+    if case.offload == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(case.nvme_path, "swap")}
+    elif case.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": MB,
@@ -178,8 +185,8 @@ DEFAULT = [
     Case(world=4, zero=3),
     Case(world=4, tp=2),
     Case(world=2, checkpoint_every=1, offload=True, zero=1),
-    # per-micro-batch ZeRO-3 once held its units gathered across steps: the module never saw an update
-    Case(world=4, zero=3, opt="sgd", tied=False, zero_hold="micro_batch"),
+    # per-micro-batch at ZeRO-3 under interleaving: a micro-batch's earlier chunk backwards hold, its last reduces
+    Case(world=4, zero=3, tied=False, zero_hold="micro_batch", schedule="interleaved", virtual=2),
 ]
 MESHES = [(2, 1, 0), (4, 1, 1), (4, 1, 2), (4, 1, 3), (4, 2, 0), (4, 2, 1), (8, 2, 1), (8, 2, 3)]
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
@@ -194,6 +201,16 @@ COMPOSED = [
     Case(world=4, zero=3, tied=False, zero_hold="micro_batch", schedule="gpipe"),
     Case(world=4, tp=2, zero=1, checkpoint_every=2, schedule="interleaved", virtual=2),
     Case(world=4, zero=2, opt="sgd", bf16=True),
+    # the compositions the review of issue 15 checked by hand
+    Case(world=4, zero=3, tied=False, zero_hold="micro_batch"),
+    Case(world=4, zero=3, offload=True),
+    Case(world=4, zero=2, tied=False, zero_hold="micro_batch", schedule="interleaved", virtual=2),
+    Case(world=4, zero=1, tied=False, zero_hold="micro_batch"),
+    Case(world=4, zero=3, checkpoint_every=1, schedule="interleaved", virtual=2),
+    Case(world=4, tp=2, zero=2),
+    Case(world=4, tp=2, zero=3),
+    Case(world=4, zero=2, offload="nvme"),
+    Case(world=4, zero=3, offload="nvme", schedule="interleaved", virtual=2),
 ]
 
 
@@ -208,7 +225,9 @@ def test_pipe_parity(dist_run, case: Case) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in MATRIX + COMPOSED if c not in DEFAULT], ids=_id)
-def test_pipe_parity_matrix(dist_run, case: Case) -> None:
+def test_pipe_parity_matrix(dist_run, tmp_path: Any, case: Case) -> None:
+    if case.offload == "nvme":
+        case = dataclasses.replace(case, nvme_path=str(tmp_path))
     _check(dist_run(_train, case.world, case), case)
 
 
@@ -237,37 +256,45 @@ class Poison(torch.nn.Module):
         return _PoisonGrad.apply(x, self.armed)
 
 
-def _fp16_overflow(rank: int, world: int) -> dict[str, Any]:
+def _fp16_overflow(rank: int, world: int, zero: int) -> dict[str, Any]:
     poison = Poison()
-    case = Case(world=world, opt="sgd", extra={"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}})
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+    case = Case(world=world, zero=zero, opt="sgd", extra=fp16)
     engine = _engine(case, layers_hook=lambda layers: [*layers[:2], poison, *layers[2:]])  # after the positions
     it = rank_iterator(make_batches(3, M, MB, 1, vocab=MODEL["vocab"], seq=MODEL["seq"]), M, 0, 1)
     engine.train_batch(it)
     scale_before = engine.get_loss_scale()
-    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # The whole model's weights (every stage, ZeRO-3 gathered): under ZeRO-3 named_parameters() are placeholders,
+    # which would make "unchanged" and "moved" vacuous.
+    before = engine.module_state_dict()
     poison.armed = True  # only the stage that holds the layer runs it
     engine.train_batch(it)
     poison.armed = False
-    unchanged = all(torch.equal(before[n], p.detach()) for n, p in engine.module.named_parameters())
+    mid = engine.module_state_dict()
+    unchanged = before.keys() == mid.keys() and all(torch.equal(before[n], t) for n, t in mid.items())
     scale_after = engine.get_loss_scale()
     engine.train_batch(it)
-    moved = any(not torch.equal(before[n], p.detach()) for n, p in engine.module.named_parameters())
+    after = engine.module_state_dict()
+    moved = any(not torch.equal(before[n], t) for n, t in after.items())
     return {
         "stage": engine.topology.pipe.rank,
         "holds_poison": any(m is poison for m in engine.module.modules()),
         "skipped": engine.skipped_steps,
         "steps": engine.global_steps,
         "unchanged": unchanged,
+        "weights": min(t.numel() for t in before.values()) > 0 and len(before) == len(reference_model(**MODEL).state_dict()),
         "moved_after": moved,
         "scales": (scale_before, scale_after),
     }
 
 
-def test_fp16_overflow_on_one_stage_skips_every_stage(dist_run) -> None:
-    results = dist_run(_fp16_overflow, 2)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_fp16_overflow_on_one_stage_skips_every_stage(dist_run, zero: int) -> None:
+    results = dist_run(_fp16_overflow, 2, zero)
     assert [r["holds_poison"] for r in results] == [True, False]  # the overflow is born on stage 0 only
     for r in results:
         assert r["skipped"] == 1 and r["steps"] == 3, r
+        assert r["weights"], r  # the comparison is over real tensors: the whole model's, on every rank
         assert r["unchanged"], r  # stage 1 saw finite gradients and still skipped
         assert r["moved_after"], r  # the next step applied
         assert r["scales"][1] == r["scales"][0] / 2, r

@@ -83,10 +83,12 @@ class Hooks:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.finals = 0
+        self.flags: list[tuple[bool, bool]] = []  # (final, last_of_micro_batch) per backward
 
-    def backward(self, run: Any, final: bool) -> None:
+    def backward(self, run: Any, final: bool, last_of_micro_batch: bool = True) -> None:
         run()
         self.finals += int(final)
+        self.flags.append((final, last_of_micro_batch))
 
     def reduce_tied_grads(self) -> None:
         self.calls.append("tied")
@@ -136,7 +138,6 @@ def _run_pipeline(
                 reads_inputs=s == 0,
                 reads_labels=s == p - 1,
                 device=torch.device("cpu"),
-                compute_dtype=torch.float32,
             )
             schedule = build_schedule(name, m, p, s, v, train=train)
             if train:
@@ -189,6 +190,9 @@ def test_executor_matches_sequential_backward(name: str, p: int, m: int, v: int)
     assert [float(t) for t in last.losses] == pytest.approx(ref_losses, abs=1e-6)
     for s, ((result, buffers), h) in enumerate(zip(results, hooks, strict=True)):
         assert h.calls == ["tied", "grads", "step"] and h.finals == 1
+        # one "last chunk backward" per micro-batch (per-micro-batch reduction communicates there), the final
+        # backward among them
+        assert sum(last for _, last in h.flags) == m and h.flags[-1] == (True, True)
         assert result.stats.forwards == result.stats.backwards == m * v
         assert result.stats.peak_buffers <= buffers
         if name == "1f1b":
@@ -234,10 +238,10 @@ def test_stage_data_reads_pairs_and_names_bad_batches() -> None:
         reads_inputs=True,
         reads_labels=False,
         device=torch.device("cpu"),
-        compute_dtype=torch.bfloat16,
+        cast_dtype=torch.float16,
     )
     inputs, labels = data.load(0)
-    assert inputs.dtype == torch.bfloat16 and labels is None  # float inputs in the compute dtype
+    assert inputs.dtype == torch.float16 and labels is None  # fp16.auto_cast: float inputs in the compute dtype
     with pytest.raises(TypeError, match=r"\(inputs, labels\) pairs.*list of length 1"):
         data.load(1)
     with pytest.raises(StopIteration, match="ran out at micro-batch 2"):
@@ -280,5 +284,48 @@ def test_one_stage_pipeline_engine_without_a_process_group() -> None:
         for (name, p), q in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
         assert engine.global_steps == 2 and engine.pipe_stats.messages == 0
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [
+        ({"bf16": {"enabled": True}}, torch.float32),
+        ({"fp16": {"enabled": True}}, torch.float32),
+        ({"fp16": {"enabled": True, "auto_cast": True}}, torch.float16),
+    ],
+)
+def test_first_stage_casts_float_inputs_only_under_fp16_auto_cast(precision: dict, expected: torch.dtype) -> None:
+    """As ``engine.forward``: the pipeline's first stage casts float inputs (a float mask here) to the compute dtype
+    only under ``fp16.auto_cast``; integer tokens are never cast."""
+    import shardspeed
+    from shardspeed.pipe import LayerSpec, PipelineModule
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, DIM)
+
+        def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            tokens, mask = inputs
+            seen.append((tokens.dtype, mask.dtype))
+            return self.embed(tokens) + mask.to(self.embed.weight.dtype).unsqueeze(-1)
+
+    module = PipelineModule([LayerSpec(Embed), LayerSpec(nn.Linear, DIM, DIM)], num_stages=1, loss_fn=_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "steps_per_print": 1000,
+        **precision,
+    }
+    engine, *_ = shardspeed.initialize(model=module, config=config)
+    try:
+        tokens, mask = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.zeros(2, 3)
+        engine.train_batch(iter([((tokens, mask), torch.zeros(2, 3, DIM))]))
+        assert seen == [(torch.int64, expected)]
     finally:
         engine.destroy()

@@ -108,9 +108,7 @@ def _pipeline(
         executor = PipeExecutor(
             module=modules[s], channel=channel, pipe_ranks=range(p), stage_id=s, chunks=v, loss_fn=_loss
         )
-        data = StageData(
-            iter(batches), reads_inputs=s == 0, reads_labels=s == p - 1, device=CPU, compute_dtype=torch.float32
-        )
+        data = StageData(iter(batches), reads_inputs=s == 0, reads_labels=s == p - 1, device=CPU)
         hooks = Hooks()
         executor.run(build_schedule(name, m, p, s, v).steps(), data, micro_batches=m, hooks=hooks)
         assert hooks.calls == ["tied", "grads", "step"]

@@ -1,5 +1,6 @@
-"""The pipeline formulas of zero/pipeline_memory.py: per-rank model-state bytes of one stage (at rest and during a held step)
-and per-step traffic, held and per micro-batch ([Note: step-scoped hold] in zero/hold.py). Pure: no processes."""
+"""The pipeline formulas of zero/pipeline_memory.py: per-rank model-state bytes of one stage (at rest and during a
+held step) and per-step traffic, held and per micro-batch ([Note: step-scoped hold] in zero/hold.py). Pure: no
+processes."""
 
 from __future__ import annotations
 

@@ -39,10 +39,14 @@ class MicroSlot:
 
 @dataclass
 class PipeStepStats:
-    """What one ``train_batch`` / ``eval_batch`` spent where on this rank (``engine.pipe_stats``).
+    """What one ``train_batch`` (``engine.pipe_stats``) / ``eval_batch`` (``engine.eval_pipe_stats``) spent where
+    on this rank.
 
     ``wait_s`` is the time blocked in receives and send completions (the pipeline bubble as this rank saw it, plus
-    transfer time); ``post_s`` the time posting p2p operations; ``compute_s`` forward + backward (loss included);
+    transfer time); ``post_s`` the time posting p2p operations; ``compute_s`` forward + backward (loss included),
+    which is not pure compute: it includes what the ZeRO stage communicates inside them over the data axis —
+    ZeRO-3's parameter all-gathers (forward and backward), and with ``zero_hold: "micro_batch"`` the per-micro-batch
+    gradient reductions (in ``backward_s``); under the step-scoped hold the one reduction is in ``step_s``;
     ``step_s`` the reductions and the optimizer step; ``messages`` / ``bytes`` this rank's p2p traffic, sent and
     received (``PipeChannel.stats``). ``peak_buffers`` is the most micro-batches whose activations were held at
     once (forward done, backward not yet)."""

@@ -52,7 +52,7 @@ class StageData:
         reads_inputs: bool,
         reads_labels: bool,
         device: torch.device,
-        compute_dtype: torch.dtype,
+        cast_dtype: torch.dtype | None = None,
         on_load: Callable[[Any, Any], None] | None = None,
     ) -> None:
         self.iterator = iterator
@@ -60,7 +60,7 @@ class StageData:
         self.reads_inputs = reads_inputs
         self.reads_labels = reads_labels
         self.device = device
-        self.compute_dtype = compute_dtype
+        self.cast_dtype = cast_dtype  # fp16.auto_cast's compute dtype; None: inputs are the model's business
         self.batches_read = 0
 
     @property
@@ -90,10 +90,11 @@ class StageData:
         inputs, labels = batch
         if self.reads_inputs:
             inputs = to_device(inputs, self.device)
-            # Activations after the first stage are in the compute dtype already; the first stage's float inputs
-            # are cast here, since no engine(x) call sits between the user's batch and the model's first layer.
-            if self.compute_dtype != torch.float32:
-                inputs = cast_floats(inputs, self.compute_dtype)
+            # As the base engine's forward (engine.py): float inputs are cast only under fp16.auto_cast — never
+            # otherwise, since a float mask or additive bias (−1e9) may be meant to stay fp32 (−inf in fp16).
+            # DeepSpeed's pipeline engine does not cast at all; the first stage's layers own their inputs' dtype.
+            if self.cast_dtype is not None:
+                inputs = cast_floats(inputs, self.cast_dtype)
         inputs = inputs if self.reads_inputs else None
         labels = to_device(labels, self.device) if self.reads_labels else None
         if self.on_load is not None:

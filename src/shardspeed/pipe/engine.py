@@ -38,7 +38,7 @@ from shardspeed.pipe.schedule import build_schedule
 from shardspeed.tensor_parallel.batch_check import BatchMismatchError
 from shardspeed.topology import Topology
 from shardspeed.training.pipe_driver import PIPELINE_ONLY, PipeDriver, StepHold
-from shardspeed.zero.hold import holds_step
+from shardspeed.zero.hold import holds_step, micro_batch_warning
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineModel", "is_pipeline_module"]
 
@@ -134,7 +134,8 @@ class _NoPeers:
 
 class PipelineEngine(ShardSpeedEngine):
     """DeepSpeed's ``PipelineEngine``: ``train_batch``, ``eval_batch``, ``set_dataiterator``, ``is_first_stage``,
-    ``is_last_stage``, ``reset_activation_shape``; ``engine.pipe_stats`` after each batch."""
+    ``is_last_stage``, ``reset_activation_shape``; ``engine.pipe_stats`` after each ``train_batch``,
+    ``engine.eval_pipe_stats`` after each ``eval_batch``."""
 
     _driver_class = PipeDriver
 
@@ -211,8 +212,9 @@ class PipelineEngine(ShardSpeedEngine):
         self.agg_train_loss: torch.Tensor | None = None
         """The last ``train_batch``'s loss (DeepSpeed's name)."""
         self.pipe_stats: PipeStepStats | None = None
-        """What the last ``train_batch``/``eval_batch`` spent where on this rank (wait, post, compute, peak live
-        buffers)."""
+        """What the last ``train_batch`` spent where on this rank (wait, post, compute, peak live buffers)."""
+        self.eval_pipe_stats: PipeStepStats | None = None
+        """The same for the last ``eval_batch`` (kept apart: evaluating does not overwrite the training figures)."""
 
     def _broadcast_module_state(self) -> None:
         """The base engine's initial broadcast, then each tied weight from its owner stage (before the ZeRO stage
@@ -225,6 +227,9 @@ class PipelineEngine(ShardSpeedEngine):
         stages are refused (zero/hold.py ``holds_step``), by the keys every rank holds: a stage without the tie
         must raise the same error, so the keys are gathered over the world first (only in that mode)."""
         mode = self.pipeline.zero_hold
+        warning = micro_batch_warning(mode, self.config.zero_optimization.stage)
+        if warning is not None and self.topology.global_rank == 0:
+            self.logger.warning(warning)
         keys: set[str] = set()
         if mode == "micro_batch":
             mine = sorted(t.key for t in model.tied_weights() if t.axis.size > 1)
@@ -265,7 +270,7 @@ class PipelineEngine(ShardSpeedEngine):
             reads_inputs=self.is_first_stage(),
             reads_labels=self.is_last_stage(),
             device=self.device,
-            compute_dtype=self.config.compute_dtype,
+            cast_dtype=self.config.compute_dtype if self.config.fp16.enabled and self.config.fp16.auto_cast else None,
             on_load=self._check_first_batch,
         )
 
@@ -350,7 +355,7 @@ class PipelineEngine(ShardSpeedEngine):
                 compute_loss=compute_loss,
                 keep_outputs=return_logits or not compute_loss,
             )
-            self.pipe_stats = result.stats
+            self.eval_pipe_stats = result.stats
             value = reduce_eval_outputs(
                 result,
                 compute_loss=compute_loss,

@@ -15,10 +15,12 @@ What the compute instructions do:
   the loss). Outputs are kept for backward;
 - ``BackwardPass``: ``autograd.backward`` of the outputs that require grad with the received gradients, or of the
   loss × loss_scale / m on the last virtual stage (the mean over micro-batches; fp16's loss scale). The driver
-  wraps it in the stage's reducer protocol (``StepHooks.backward``). The inputs' gradients are kept by
-  micro-batch (not by buffer: the schedule may reuse the buffer before ``SendGrad`` runs); an input that
-  required grad but got none (unused downstream) sends zeros, so the peer's backward gets every tensor it waits
-  for;
+  wraps it in the stage's reducer protocol (``StepHooks.backward``), told whether it is this rank's last backward
+  (``final``) and the micro-batch's last chunk backward on this rank (``last_of_micro_batch``: with v chunks a
+  micro-batch has v backwards here; per-micro-batch reduction communicates only in its last). The inputs'
+  gradients are kept by micro-batch (not by buffer: the schedule may reuse the buffer before ``SendGrad``
+  runs); an input that required grad but got none (unused downstream) sends zeros, so the peer's backward gets
+  every tensor it waits for;
 - ``ReduceTiedGrads`` / ``ReduceGrads`` / ``OptimizerStep``: the driver's (``training/pipe_driver.py``).
 
 Nothing here decides *whether* gradients are communicated or *when* the optimizer steps; it only executes.
@@ -59,8 +61,10 @@ _COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
 class StepHooks(Protocol):
     """What a training schedule's executor asks the loop driver to do (``training/pipe_driver.py``)."""
 
-    def backward(self, run: Callable[[], None], final: bool) -> None:
-        """Run ``run`` (the autograd call) inside the stage's reducer protocol; ``final``: this rank's last."""
+    def backward(self, run: Callable[[], None], final: bool, last_of_micro_batch: bool = True) -> None:
+        """Run ``run`` (the autograd call) inside the stage's reducer protocol; ``final``: this rank's last;
+        ``last_of_micro_batch``: the micro-batch's last chunk backward on this rank ([Note: one reduction per
+        micro-batch] in training/pipe_driver.py)."""
         ...
 
     def reduce_tied_grads(self) -> None: ...
@@ -153,6 +157,7 @@ class PipeExecutor:
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, Any] = {}
         self._backwards_left = micro_batches * self.chunks
+        self._chunk_backwards: dict[int, int] = {}  # micro-batch → its chunk backwards run on this rank so far
         stats = PipeStepStats(micro_batches=micro_batches)
         self._stats = stats
         before = self._channel_stats()
@@ -337,12 +342,17 @@ class PipeExecutor:
                 )
             grads = list(received)
         self._backwards_left -= 1
+        done = self._chunk_backwards.get(ins.micro_batch, 0) + 1
+        self._chunk_backwards[ins.micro_batch] = done
+        final, last_of_mb = self._backwards_left == 0, done == self.chunks
+
+        def run() -> None:  # nothing downstream needing a gradient from this chunk: the protocol still runs
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors=grads)
+
         phase = self.events.phase("backward") if self.events is not None else _nothing()
         with phase:
-            if tensors:
-                hooks.backward(lambda: torch.autograd.backward(tensors, grad_tensors=grads), self._backwards_left == 0)
-            else:  # nothing downstream needs a gradient from this chunk; the reducer protocol still runs
-                hooks.backward(lambda: None, self._backwards_left == 0)
+            hooks.backward(run, final, last_of_micro_batch=last_of_mb)
         if not self.is_first_virtual(ins.chunk):
             assert slot.inputs is not None
             self._input_grads[(ins.chunk, ins.micro_batch)] = tuple(

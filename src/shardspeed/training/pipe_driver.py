@@ -12,10 +12,17 @@ backward runs the reducer with ``communicate=False`` (gradients accumulate local
 ``begin_hold()`` at the batch's start; then ``ReduceTiedGrads`` sums the tied weights' local gradients over the
 stages holding them (``states.held_grad``), and ``ReduceGrads`` reduces everything held over the data axis once
 (``states.reduce_held``), exactly as a final boundary backward would ([Note: step-scoped hold] in zero/hold.py).
-Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m× traffic): each backward communicates, the
-last one is final, and nothing of the hold is called (a ZeRO-3 hold begun there would keep units gathered and
-gradients held, which the communicating backward would then reduce again); tied weights are refused at
+Per-micro-batch mode (``"micro_batch"``, for ZeRO-2/3's memory at m× traffic): each micro-batch communicates
+once, the last one final, and nothing of the hold is called (a ZeRO-3 hold begun there would keep units gathered
+and gradients held, which the communicating backward would then reduce again); tied weights are refused at
 construction (their sum over stages needs the unreduced local gradients).
+
+[Note: one reduction per micro-batch] With interleaving (v chunks per rank) a micro-batch has v backward passes
+on this rank, and a communicating reducer pass reduces the *whole* stage (every bucket / unit, "leftovers"
+included), so communicating in each would move v× the formula's m reductions. Only the micro-batch's last chunk
+backward communicates; its earlier ones hold (``communicate=False``), and the next communicating backward reduces
+what they held together with its own gradients (zero/hold.py: stages 0-3 support a communicating backward after
+held ones). Per step: exactly m reductions, ``pipeline_step_traffic(..., hold=False, micro_batches=m)``.
 
 [Note: pipeline loss] The returned loss is DeepSpeed's ``agg_train_loss``: the last stage's mean over the batch's
 micro-batches, averaged over the data axis, broadcast over the pipe axis, so every stage returns the same value.
@@ -109,6 +116,7 @@ class PipeDriver(MicroStepDriver):
         self.collectives = collectives
         self.device = device
         self._final = False
+        self._last_of_micro_batch = True
         self.last_loss = None
         # Every backward is announced by the executor; one that reaches this stage's parameters otherwise (a
         # script's loss.backward() through engine.module) is not a pipeline pass: refuse it instead of starting
@@ -142,12 +150,13 @@ class PipeDriver(MicroStepDriver):
 
     # --- StepHooks ------------------------------------------------------------------------------------------------
     def _prologue(self) -> None:
-        """Every pipeline backward: hold (no communication) or, per micro-batch, communicate (final on the last)."""
-        communicate = self.per_micro_batch
+        """Every pipeline backward: hold (no communication) or, per micro-batch, communicate in the micro-batch's
+        last chunk backward (final on the rank's last)."""
+        communicate = self.per_micro_batch and self._last_of_micro_batch  # [Note: one reduction per micro-batch]
         self.states.reducer.before_backward(communicate, final=communicate and self._final)
 
-    def backward(self, run: Callable[[], None], final: bool) -> None:
-        self._final = final
+    def backward(self, run: Callable[[], None], final: bool, last_of_micro_batch: bool = True) -> None:
+        self._final, self._last_of_micro_batch = final, last_of_micro_batch
         self.passes.start_explicit()  # sweep user clearings, then _prologue
         try:
             run()

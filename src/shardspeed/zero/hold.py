@@ -35,8 +35,10 @@ The arrival-order re-layout of stages 0-2 ([Note: arrival-order layout] in arriv
 first backward of the run (it records even when that backward does not communicate): it is a collective over the
 data axis, which every data rank of a pipeline stage reaches at the same micro-batch. Graphs of later micro-batches
 alive at that moment keep working: stages 1/2 point the parameters at the new flat buffer with the same values.
-Per-micro-batch mode (``zero_hold: "micro_batch"``) calls none of this: every backward communicates, at m× the
-gradient traffic (and at stage 3 gathers per use), for the least memory.
+Per-micro-batch mode (``zero_hold: "micro_batch"``) calls none of this: every micro-batch communicates once (under
+interleaving its earlier chunk backwards hold and its last reduces them with its own: [Note: one reduction per
+micro-batch] in training/pipe_driver.py), at m× the gradient traffic (and at stage 3 gathers per use), for the least
+memory; at stages 0/1 it saves nothing (``micro_batch_warning``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HOLD_MODES", "FlatHold", "Stage3Hold", "holds_step", "unknown_name_error"]
+__all__ = ["HOLD_MODES", "FlatHold", "Stage3Hold", "holds_step", "micro_batch_warning", "unknown_name_error"]
 
 HOLD_MODES: tuple[str, ...] = ("step", "micro_batch")
 
@@ -63,6 +65,18 @@ def holds_step(mode: str, tied_keys: Sequence[str] = ()) -> bool:
             "reduction, which per-micro-batch mode runs inside every backward. Use zero_hold='step' (the default)."
         )
     return mode == "step"
+
+
+def micro_batch_warning(mode: str, zero_stage: int) -> str | None:
+    """The warning for ``zero_hold: "micro_batch"`` where it saves nothing: stages 0/1 accumulate in the full
+    gradient buffer they keep anyway, so reducing per micro-batch only multiplies the gradient traffic by m."""
+    if mode != "micro_batch" or zero_stage >= 2:
+        return None
+    return (
+        f"pipeline.zero_hold='micro_batch' at zero_optimization.stage {zero_stage} only multiplies the gradient "
+        "traffic by the micro-batches per step: stages 0/1 keep a full gradient buffer anyway, so there is no "
+        "memory to save (it is meant for ZeRO-2/3). Use zero_hold='step' (the default)."
+    )
 
 
 def unknown_name_error(name: str, names: list[str]) -> KeyError:
