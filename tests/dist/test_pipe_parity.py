@@ -58,6 +58,9 @@ class Case:
     offload: bool = False
     zero_hold: str = "step"
     bf16: bool = False
+    head_bias: bool = False
+    zero_init: bool = False
+    seed_layers: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -70,6 +73,8 @@ class Case:
         parts += ["offload"] if self.offload else []
         parts += ["micro_batch"] if self.zero_hold != "step" else []
         parts += ["bf16"] if self.bf16 else []
+        parts += ["head_bias"] if self.head_bias else []
+        parts += ["zero_init"] if self.zero_init else []
         return "-".join(parts)
 
 
@@ -95,7 +100,7 @@ def _engine(case: Case, layers_hook: Any = None) -> Any:
 
     topology = Topology.build(MeshShape(pipe=2, data=case.world // (2 * case.tp), tensor=case.tp))
     tp = TensorParallel.from_topology(topology) if case.tp > 1 else None
-    layers = gpt_layers(**MODEL, tied=case.tied, tp=tp)
+    layers = gpt_layers(**MODEL, tied=case.tied, tp=tp, head_bias=case.head_bias)
     if layers_hook is not None:
         layers = layers_hook(layers)
     module = PipelineModule(
@@ -126,7 +131,7 @@ def _train(rank: int, world: int, case: Case) -> dict[str, Any]:
     got = {n: t.float() for n, t in engine.module_state_dict().items()}
     local = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
-    ref = reference_model(**MODEL, tied=case.tied)
+    ref = reference_model(**MODEL, tied=case.tied, head_bias=case.head_bias)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_norms: list[float] = []
     optimizer = torch_optimizer(case.opt, ref.parameters(), LR[case.opt])
@@ -184,6 +189,7 @@ DEFAULT = [
     Case(world=4, zero=3),
     Case(world=4, tp=2),
     Case(world=4, tp=2, opt="lamb"),
+    Case(world=2, head_bias=True),
     Case(world=2, checkpoint_every=1, offload=True, zero=1),
 ]
 MESHES = [(2, 1, 0), (4, 1, 1), (4, 1, 2), (4, 1, 3), (4, 2, 0), (4, 2, 1), (8, 2, 1), (8, 2, 3)]
@@ -199,6 +205,8 @@ COMPOSED = [
     Case(world=4, zero=3, tied=False, zero_hold="micro_batch", schedule="gpipe"),
     Case(world=4, tp=2, zero=1, checkpoint_every=2, schedule="interleaved", virtual=2),
     Case(world=4, zero=2, opt="sgd", bf16=True),
+    Case(world=4, zero=3, head_bias=True),
+    Case(world=4, tp=2, head_bias=True, opt="lamb"),
 ]
 
 

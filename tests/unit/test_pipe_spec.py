@@ -239,7 +239,11 @@ class EmbeddingPipe(nn.Module):
 def test_tied_weight_attr_may_be_a_property_or_a_dotted_path() -> None:
     for attr in ("word_embeddings_weight", "word_embeddings.weight"):
         module = PipelineModule([TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=attr)], num_stages=1)
-        assert module.tied_weights()[0].names == ("tied_modules.embed.word_embeddings.weight",)
+        # the attribute first, then the module's other trainable parameters: the whole module is shared
+        assert module.tied_weights()[0].names == (
+            "tied_modules.embed.word_embeddings.weight",
+            "tied_modules.embed.positions",
+        )
 
 
 class HalfOfALinear(nn.Module):

@@ -29,7 +29,8 @@ __all__ = ["TiedWeight", "tie_groups", "tie_stages"]
 
 @dataclass(frozen=True)
 class TiedWeight:
-    """One tied key as this rank sees it: ``names`` (this rank's parameter names of the tied attributes),
+    """One tied key as this rank sees it: ``names`` (this rank's names of the tied module's trainable parameters,
+    ``tied_weight_attr`` first: the whole module is shared, [Note: the whole tied module is shared] in module.py),
     ``stages`` (pipe indices holding the key, ascending), ``owner`` (= min(stages)), ``axis`` (the tie group's ranks
     in stage order with this rank's data and tensor index; ``group`` None when one stage holds the key)."""
 
