@@ -60,7 +60,6 @@ class Case:
     bf16: bool = False
     head_bias: bool = False
     zero_init: bool = False
-    seed_layers: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -103,15 +102,22 @@ def _engine(case: Case, layers_hook: Any = None) -> Any:
     layers = gpt_layers(**MODEL, tied=case.tied, tp=tp, head_bias=case.head_bias)
     if layers_hook is not None:
         layers = layers_hook(layers)
-    module = PipelineModule(
-        layers,
-        topology=topology,
-        loss_fn=gpt_loss_fn,
-        seed_layers=True,
-        partition_method="uniform",
-        activation_checkpoint_interval=case.checkpoint_every,
-        virtual_stages=case.virtual,
-    )
+    def build() -> PipelineModule:
+        return PipelineModule(
+            layers,
+            topology=topology,
+            loss_fn=gpt_loss_fn,
+            seed_layers=True,
+            partition_method="uniform",
+            activation_checkpoint_interval=case.checkpoint_every,
+            virtual_stages=case.virtual,
+        )
+
+    if case.zero_init:  # each stage materializes its own copy of the tied module: synced by the engine
+        with shardspeed.zero.Init(config_dict_or_path=_config(case)):
+            module = build()
+    else:
+        module = build()
     if case.zero == 3:
         declare_tied_external(module)  # the tied head reads the embedding's weight outside its module
     engine, *_ = shardspeed.initialize(model=module, config=_config(case))
@@ -190,6 +196,7 @@ DEFAULT = [
     Case(world=4, tp=2),
     Case(world=4, tp=2, opt="lamb"),
     Case(world=2, head_bias=True),
+    Case(world=2, zero=3, zero_init=True),
     Case(world=2, checkpoint_every=1, offload=True, zero=1),
 ]
 MESHES = [(2, 1, 0), (4, 1, 1), (4, 1, 2), (4, 1, 3), (4, 2, 0), (4, 2, 1), (8, 2, 1), (8, 2, 3)]

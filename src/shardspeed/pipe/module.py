@@ -9,8 +9,9 @@ count. The executor calls ``module(inputs, chunk=c)`` so module hooks (ZeRO-3's)
 [Note: seeded layers] ``seed_layers=True`` seeds the build of global layer ``i`` with ``base_seed + i`` (through
 ``seed_fn`` if given), so a layer's initial weights are the same whichever stage builds it and whatever the stage
 count: a single-process reference built the same way matches. A tied module is built at its first occurrence on
-each stage; the owner's (lowest stage's) first occurrence is the global first one, and the other copies are
-overwritten from the owner (``sync_tied_weights``). With ``seed_layers=False`` each stage builds with the RNG as
+each stage, seeded with ``base_seed + i`` of its *global* first occurrence (the owner's), so every stage's copy
+starts equal even before the copies are overwritten from the owner (``sync_tied_weights``) — and where that sync
+cannot run at construction (``zero.Init``'s meta parameters; the engine syncs after materializing them). With ``seed_layers=False`` each stage builds with the RNG as
 it finds it; the engine's initial broadcast (data rank 0) and the tied sync make replicas and copies agree.
 Unlike DeepSpeed, forward does not reseed per layer and micro-batch: dropout draws from the running RNG (the
 activation checkpoint's recompute replays it exactly).
@@ -31,7 +32,7 @@ from shardspeed.checkpointing import checkpoint as default_checkpoint
 from shardspeed.pipe.construct import agree_construction, check_arguments, resolve_topology
 from shardspeed.pipe.partition import chunk_bounds, owner_of, partition_layers
 from shardspeed.pipe.spec import LayerSpec, TiedLayerSpec, layer_class_name
-from shardspeed.pipe.tied import TiedWeight, tie_groups, tie_stages
+from shardspeed.pipe.tied import TiedWeight, first_occurrences, tie_groups, tie_stages
 from shardspeed.topology import Topology
 
 __all__ = ["PipelineModule", "TiedWeight"]
@@ -86,6 +87,7 @@ class PipelineModule(nn.Module):
         self._tied_attrs: dict[str, list[str]] = {}  # key → its tied parameters' names within the module
         self._chunks: list[list[_Entry]] = []
         stages = tie_stages(specs, self.parts, self.num_stages)  # pure: raises alike on every rank
+        self._first_tied = first_occurrences(specs)
         failure: Exception | None = None
         try:
             self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
@@ -111,8 +113,8 @@ class PipelineModule(nn.Module):
         funcs: list[_Entry] = []
         for idx in range(start, stop):
             layer = self._layer_specs[idx]
-            if self.seed_layers:
-                self._seed(self.base_seed + idx)
+            if self.seed_layers:  # a tied module: its first occurrence's seed on every stage ([Note: seeded layers])
+                self._seed(self.base_seed + self._first_tied.get(getattr(layer, "key", None), idx))
             if isinstance(layer, PipelineModule):
                 raise TypeError(f"layer {idx} is a PipelineModule: nested pipeline modules are not supported")
             if isinstance(layer, TiedLayerSpec):

@@ -24,7 +24,7 @@ from shardspeed.pipe.partition import owner_of
 from shardspeed.pipe.spec import TiedLayerSpec
 from shardspeed.topology import AxisGroup, Topology, rank_of
 
-__all__ = ["TiedWeight", "tie_groups", "tie_stages"]
+__all__ = ["TiedWeight", "first_occurrences", "tie_groups", "tie_stages"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,15 @@ def tie_stages(layers: Sequence[Any], parts: Sequence[int], num_stages: int) -> 
             )
         stages.setdefault(layer.key, set()).add(owner_of(idx, parts, num_stages)[0])
     return {key: tuple(sorted(stages[key])) for key in sorted(stages)}
+
+
+def first_occurrences(layers: Sequence[Any]) -> dict[str, int]:
+    """Each tied key's global index of first occurrence (pure): the seed of its module on every stage."""
+    first: dict[str, int] = {}
+    for idx, layer in enumerate(layers):
+        if isinstance(layer, TiedLayerSpec):
+            first.setdefault(layer.key, idx)
+    return first
 
 
 def tie_groups(key_stages: dict[str, tuple[int, ...]], topology: Topology) -> dict[str, AxisGroup]:
