@@ -11,8 +11,9 @@ count. The executor calls ``module(inputs, chunk=c)`` so module hooks (ZeRO-3's)
 count: a single-process reference built the same way matches. A tied module is built at its first occurrence on
 each stage, seeded with ``base_seed + i`` of its *global* first occurrence (the owner's), so every stage's copy
 starts equal even before the copies are overwritten from the owner (``sync_tied_weights``) — and where that sync
-cannot run at construction (``zero.Init``'s meta parameters; the engine syncs after materializing them). With ``seed_layers=False`` each stage builds with the RNG as
-it finds it; the engine's initial broadcast (data rank 0) and the tied sync make replicas and copies agree.
+cannot run at construction (``zero.Init``'s meta parameters; the engine syncs after materializing them:
+pipe/tied_sync.py). With ``seed_layers=False`` each stage builds with the RNG as it finds it; the engine's
+initial broadcast (data rank 0) and the tied sync make replicas and copies agree.
 Unlike DeepSpeed, forward does not reseed per layer and micro-batch: dropout draws from the running RNG (the
 activation checkpoint's recompute replays it exactly).
 """
