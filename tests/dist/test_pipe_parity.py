@@ -164,8 +164,16 @@ def _train(rank: int, world: int, case: Case) -> dict[str, Any]:
         "ref_norms": ref_norms,
         "stage": engine.topology.pipe.rank,
         "tensor": engine.topology.tensor.rank,
-        "tied_local": local.get("tied_modules.embed.weight"),
+        "data": engine.topology.data.rank,
+        "tied_local": _tied_local(engine) if case.tied else None,
     }
+
+
+def _tied_local(engine: Any) -> torch.Tensor:
+    """This stage's own copy of the tied embedding (ZeRO-3: gathered whole, read-only)."""
+    param = engine.module.get_parameter("tied_modules.embed.weight")
+    with shardspeed.zero.GatheredParameters(param):
+        return param.detach().float().clone()
 
 
 def _check(results: list[dict[str, Any]], case: Case) -> None:
@@ -185,6 +193,8 @@ def _check(results: list[dict[str, Any]], case: Case) -> None:
             assert r["norms"] == pytest.approx(r["ref_norms"], rel=TOL), (r["norms"], r["ref_norms"])
             assert min(r["norms"]) > CLIP
     assert len({tuple(r["losses"]) for r in results}) == 1  # the loss is broadcast to every stage
+    if case.tied:
+        _check_tied_copies_identical(results)
 
 
 DEFAULT = [
@@ -214,6 +224,8 @@ COMPOSED = [
     Case(world=4, zero=2, opt="sgd", bf16=True),
     Case(world=4, zero=3, head_bias=True),
     Case(world=4, tp=2, head_bias=True, opt="lamb"),
+    Case(world=4, zero=3, zero_init=True, bf16=True, opt="sgd"),
+    Case(world=4, tp=2, zero=3, zero_init=True, schedule="interleaved", virtual=2),
 ]
 
 
@@ -223,20 +235,17 @@ def _id(case: Any) -> str:
 
 @pytest.mark.parametrize("case", DEFAULT, ids=_id)
 def test_pipe_parity(dist_run, case: Case) -> None:
-    results = dist_run(_train, case.world, case)
-    _check(results, case)
-    if case.opt == "lamb" and case.tied and case.zero < 3:
-        _check_tied_copies_identical(results)
+    _check(dist_run(_train, case.world, case), case)
 
 
 def _check_tied_copies_identical(results: list[dict[str, Any]]) -> None:
-    """Lamb under TP × PP (its per-parameter norms summed over data and tensor, never over the pipe axis): the
-    embedding on the first stage and its copy on the last stay *bit*-identical, per tensor rank ([Note: Lamb counts
-    tied copies] in precision/norm_weights.py)."""
-    by_tensor: dict[int, list[torch.Tensor]] = {}
+    """The embedding on the first stage and its copy on the last stay *bit*-identical within each model replica
+    (same data and tensor index): same gradient sum, same update — Lamb under TP × PP included ([Note: Lamb counts
+    tied copies] in precision/norm_weights.py), and zero.Init ([Note: tied sync after materialization])."""
+    by_replica: dict[tuple[int, int], list[torch.Tensor]] = {}
     for r in results:
-        by_tensor.setdefault(r["tensor"], []).append(r["tied_local"])
-    for copies in by_tensor.values():
+        by_replica.setdefault((r["data"], r["tensor"]), []).append(r["tied_local"])
+    for copies in by_replica.values():
         assert len(copies) == 2 and all(c is not None for c in copies)
         assert torch.equal(copies[0], copies[1]), (copies[0] - copies[1]).abs().max().item()
 
