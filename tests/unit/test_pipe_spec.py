@@ -262,3 +262,10 @@ def test_tensor_parallel_slices_count_their_global_size() -> None:
     """Partitions must agree over the tensor axis (and with the dense model) even when slices differ in size."""
     assert trainable_numel(LayerSpec(HalfOfALinear, 0)) == trainable_numel(LayerSpec(HalfOfALinear, 1)) == 20
     assert trainable_numel(HalfOfALinear(1)) == 20
+
+
+def test_first_occurrences_are_each_tied_keys_first_global_index() -> None:
+    from shardspeed.pipe.tied import first_occurrences
+
+    layers = [LayerSpec(Counted, 4, 4), *_layers(), TiedLayerSpec("other", nn.Linear, 2, 2)]
+    assert first_occurrences(layers) == {"embed": 1, "other": 7}
