@@ -135,6 +135,20 @@ def tied_head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
     return x @ embedding.weight.t()
 
 
+class BiasedEmbedding(TokenEmbedding):
+    """The tied embedding with a second parameter only the head reads (``head_bias=True``): a tied module whose
+    parameters are not all in ``tied_weight_attr`` ([Note: the whole tied module is shared] in pipe/module.py)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__(vocab, dim)
+        self.head_bias = nn.Parameter(torch.randn(vocab) * 0.02)
+
+
+def biased_tied_head(embedding: BiasedEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied LM head plus the module's own bias (trained by the last stage only)."""
+    return x @ embedding.weight.t() + embedding.head_bias
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One layer, framework-free: ``tie`` is the tie key (None: a plain layer); ``forward_fn`` a tied module's
@@ -160,10 +174,12 @@ def layer_plan(
     tp: TensorParallel | None = None,
     heads: int = 4,
     ffn: int = 64,
+    head_bias: bool = False,
 ) -> list[LayerPlan]:
-    """The GPT's layers in order (module docstring)."""
-    first = LayerPlan(TokenEmbedding, (vocab, dim), tie="embed" if tied else None)
-    last = LayerPlan(TokenEmbedding, (vocab, dim), "embed", tied_head) if tied else LayerPlan(Head, (dim, vocab))
+    """The GPT's layers in order (module docstring; ``head_bias``: the tied module is a ``BiasedEmbedding``)."""
+    emb, head = (BiasedEmbedding, biased_tied_head) if head_bias else (TokenEmbedding, tied_head)
+    first = LayerPlan(emb, (vocab, dim), tie="embed" if tied else None)
+    last = LayerPlan(emb, (vocab, dim), "embed", head) if tied else LayerPlan(Head, (dim, vocab))
     blocks = [LayerPlan(Block, (dim, heads, ffn, tp)) for _ in range(n_blocks)]
     return [first, LayerPlan(Positions, (seq, dim)), *blocks, LayerPlan(nn.LayerNorm, (dim,)), last]
 
@@ -178,11 +194,12 @@ def gpt_layers(
     tp: TensorParallel | None = None,
     heads: int = 4,
     ffn: int = 64,
+    head_bias: bool = False,
 ) -> list[Any]:
     """The GPT's layers as shardspeed's ``LayerSpec`` / ``TiedLayerSpec`` (DeepSpeed's API; module docstring)."""
     from shardspeed.pipe import LayerSpec, TiedLayerSpec
 
-    plan = layer_plan(vocab, dim, n_blocks, seq, tied=tied, tp=tp, heads=heads, ffn=ffn)
+    plan = layer_plan(vocab, dim, n_blocks, seq, tied=tied, tp=tp, heads=heads, ffn=ffn, head_bias=head_bias)
     return [
         TiedLayerSpec(p.tie, p.cls, *p.args, forward_fn=p.forward_fn) if p.tie else LayerSpec(p.cls, *p.args)
         for p in plan
@@ -262,9 +279,10 @@ def reference_model(
     heads: int = 4,
     ffn: int = 64,
     base_seed: int = BASE_SEED,
+    head_bias: bool = False,
 ) -> ReferenceGPT:
     """The dense GPT of ``gpt_layers(...)`` in one process (the parity reference for every mesh, TP included)."""
-    plan = layer_plan(vocab, dim, n_blocks, seq, tied=tied, tp=None, heads=heads, ffn=ffn)
+    plan = layer_plan(vocab, dim, n_blocks, seq, tied=tied, tp=None, heads=heads, ffn=ffn, head_bias=head_bias)
     return ReferenceGPT(plan, base_seed=base_seed)
 
 

@@ -52,6 +52,16 @@ def test_other_tensor_ranks_count_only_partitioned_parameters() -> None:
     assert counted_weights(_specs(1), NAMES) == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_lamb_counts_tied_copies_the_norm_leaves_out() -> None:
+    """Lamb's table is never summed over the pipe axis: a tied copy needs its own whole norms on its stage (else
+    its trust ratio falls back to 1 and the copies drift apart), while the global norm counts only the owner's."""
+    for tp_rank, replicated in ((0, 1.0), (1, 0.0)):
+        base = _specs(tp_rank)
+        specs = ParamSpecs(base._by_name, base._by_id, tp_rank, 2, frozenset({"norm.weight", "lin.weight"}))
+        assert {"norm.weight", "lin.weight"} <= excluded_names(specs, NAMES)
+        assert counted_weights(specs, NAMES) == [1.0, replicated, replicated, replicated]
+
+
 def test_without_a_tensor_axis_nothing_is_excluded() -> None:
     specs = ParamSpecs.collect(nn.Linear(3, 2), 0, 1)
     assert excluded_names(specs, ["weight", "bias"]) == frozenset()

@@ -97,7 +97,8 @@ def test_seed_layers_seeds_each_build_by_global_index() -> None:
     assert torch.equal(a.get_submodule("4").weight, Counted(4, 4).weight)  # layer 4 built under seed 11 + 4
     seeds: list[int] = []
     PipelineModule(_layers(), num_stages=1, seed_layers=True, base_seed=100, seed_fn=seeds.append)
-    assert seeds == [100, 101, 102, 103, 104, 105]
+    # the tied key's second occurrence (layer 5) gets its first occurrence's seed: the copies start equal
+    assert seeds == [100, 101, 102, 103, 104, 100]
 
 
 def test_forward_passes_tuples_between_layers() -> None:
@@ -239,7 +240,11 @@ class EmbeddingPipe(nn.Module):
 def test_tied_weight_attr_may_be_a_property_or_a_dotted_path() -> None:
     for attr in ("word_embeddings_weight", "word_embeddings.weight"):
         module = PipelineModule([TiedLayerSpec("embed", EmbeddingPipe, tied_weight_attr=attr)], num_stages=1)
-        assert module.tied_weights()[0].names == ("tied_modules.embed.word_embeddings.weight",)
+        # the attribute first, then the module's other trainable parameters: the whole module is shared
+        assert module.tied_weights()[0].names == (
+            "tied_modules.embed.word_embeddings.weight",
+            "tied_modules.embed.positions",
+        )
 
 
 class HalfOfALinear(nn.Module):
@@ -257,3 +262,10 @@ def test_tensor_parallel_slices_count_their_global_size() -> None:
     """Partitions must agree over the tensor axis (and with the dense model) even when slices differ in size."""
     assert trainable_numel(LayerSpec(HalfOfALinear, 0)) == trainable_numel(LayerSpec(HalfOfALinear, 1)) == 20
     assert trainable_numel(HalfOfALinear(1)) == 20
+
+
+def test_first_occurrences_are_each_tied_keys_first_global_index() -> None:
+    from shardspeed.pipe.tied import first_occurrences
+
+    layers = [LayerSpec(Counted, 4, 4), *_layers(), TiedLayerSpec("other", nn.Linear, 2, 2)]
+    assert first_occurrences(layers) == {"embed": 1, "other": 7}

@@ -35,10 +35,12 @@ from shardspeed.pipe.executor import PipeExecutor
 from shardspeed.pipe.links import build_links
 from shardspeed.pipe.p2p import PipeChannel
 from shardspeed.pipe.schedule import build_schedule
+from shardspeed.pipe.tied_sync import sync_tied_materialized
 from shardspeed.tensor_parallel.batch_check import BatchMismatchError
 from shardspeed.topology import Topology
 from shardspeed.training.pipe_driver import PIPELINE_ONLY, PipeDriver, StepHold
 from shardspeed.zero.hold import holds_step, micro_batch_warning
+from shardspeed.zero.stage3.init import has_deferred_tensors
 
 __all__ = ["PipelineEngine", "PipelineError", "PipelineModel", "is_pipeline_module"]
 
@@ -158,7 +160,10 @@ class PipelineEngine(ShardSpeedEngine):
             ) from None
         if config.zero_optimization.stage == 3:
             _gather_tied_with_the_stage(model)
+        deferred = has_deferred_tensors(model)  # zero.Init: tied copies synced once materialized
         super().__init__(model, config, topology, **kwargs)
+        if deferred:
+            sync_tied_materialized(self.module, self.collectives)  # [Note: tied sync after materialization]
         for warning in warnings if topology.global_rank == 0 else ():
             self.logger.warning(warning)
         self.pipeline = settings

@@ -9,9 +9,11 @@ count. The executor calls ``module(inputs, chunk=c)`` so module hooks (ZeRO-3's)
 [Note: seeded layers] ``seed_layers=True`` seeds the build of global layer ``i`` with ``base_seed + i`` (through
 ``seed_fn`` if given), so a layer's initial weights are the same whichever stage builds it and whatever the stage
 count: a single-process reference built the same way matches. A tied module is built at its first occurrence on
-each stage; the owner's (lowest stage's) first occurrence is the global first one, and the other copies are
-overwritten from the owner (``sync_tied_weights``). With ``seed_layers=False`` each stage builds with the RNG as
-it finds it; the engine's initial broadcast (data rank 0) and the tied sync make replicas and copies agree.
+each stage, seeded with ``base_seed + i`` of its *global* first occurrence (the owner's), so every stage's copy
+starts equal even before the copies are overwritten from the owner (``sync_tied_weights``) — and where that sync
+cannot run at construction (``zero.Init``'s meta parameters; the engine syncs after materializing them:
+pipe/tied_sync.py). With ``seed_layers=False`` each stage builds with the RNG as it finds it; the engine's
+initial broadcast (data rank 0) and the tied sync make replicas and copies agree.
 Unlike DeepSpeed, forward does not reseed per layer and micro-batch: dropout draws from the running RNG (the
 activation checkpoint's recompute replays it exactly).
 """
@@ -28,11 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.checkpointing import checkpoint as default_checkpoint
-from shardspeed.log import logger
 from shardspeed.pipe.construct import agree_construction, check_arguments, resolve_topology
 from shardspeed.pipe.partition import chunk_bounds, owner_of, partition_layers
 from shardspeed.pipe.spec import LayerSpec, TiedLayerSpec, layer_class_name
-from shardspeed.pipe.tied import TiedWeight, tie_groups, tie_stages
+from shardspeed.pipe.tied import TiedWeight, first_occurrences, tie_groups, tie_stages
 from shardspeed.topology import Topology
 
 __all__ = ["PipelineModule", "TiedWeight"]
@@ -87,6 +88,7 @@ class PipelineModule(nn.Module):
         self._tied_attrs: dict[str, list[str]] = {}  # key → its tied parameters' names within the module
         self._chunks: list[list[_Entry]] = []
         stages = tie_stages(specs, self.parts, self.num_stages)  # pure: raises alike on every rank
+        self._first_tied = first_occurrences(specs)
         failure: Exception | None = None
         try:
             self._chunks = [self._build_chunk(c) for c in range(virtual_stages)]
@@ -97,7 +99,7 @@ class PipelineModule(nn.Module):
         self._tied: list[TiedWeight] = [
             TiedWeight(
                 key=key,
-                names=tuple(f"tied_modules.{key}.{attr}" for attr in self._tied_attrs[key]),
+                names=self._shared_names(key),
                 stages=stages[key],
                 owner=min(stages[key]),
                 axis=axes[key],
@@ -105,7 +107,6 @@ class PipelineModule(nn.Module):
             for key in sorted(axes)
         ]
         self._sync_at_construction()
-        self._warn_untied_parameters()
 
     # --- building ----------------------------------------------------------------------------------------------
     def _build_chunk(self, chunk: int) -> list[_Entry]:
@@ -113,8 +114,8 @@ class PipelineModule(nn.Module):
         funcs: list[_Entry] = []
         for idx in range(start, stop):
             layer = self._layer_specs[idx]
-            if self.seed_layers:
-                self._seed(self.base_seed + idx)
+            if self.seed_layers:  # a tied module: its first occurrence's seed on every stage ([Note: seeded layers])
+                self._seed(self.base_seed + self._first_tied.get(getattr(layer, "key", None), idx))
             if isinstance(layer, PipelineModule):
                 raise TypeError(f"layer {idx} is a PipelineModule: nested pipeline modules are not supported")
             if isinstance(layer, TiedLayerSpec):
@@ -189,8 +190,9 @@ class PipelineModule(nn.Module):
 
     def tied_copy_names(self) -> frozenset[str]:
         """Parameter names here that copy a weight another stage owns (``params.TiedCopyProvider``): every
-        parameter of a tied module whose owner is another stage, its untied ones too — the owner's are the model's
-        (counted in the norm, written to checkpoints), as DeepSpeed marks the whole module ``ds_pipe_replicated``."""
+        parameter of a tied module whose owner is another stage — the whole module is shared ([Note: the whole
+        tied module is shared]), as DeepSpeed marks it ``ds_pipe_replicated``; the owner's are the model's
+        (counted in the norm, written to checkpoints)."""
         return frozenset(
             f"tied_modules.{tie.key}.{name}"
             for tie in self._tied
@@ -198,10 +200,27 @@ class PipelineModule(nn.Module):
             for name, _ in self.tied_modules[tie.key].named_parameters()
         )
 
+    def synced_names(self, tie: TiedWeight) -> list[str]:
+        """What the sync broadcasts for ``tie``: every parameter of its module (the frozen ones too: copies start
+        equal), in the module's order — the same on every stage of the tie."""
+        return [f"tied_modules.{tie.key}.{n}" for n, _ in self.tied_modules[tie.key].named_parameters()]
+
+    def _shared_names(self, key: str) -> tuple[str, ...]:
+        """[Note: the whole tied module is shared] Every trainable parameter of a tied module is one model weight
+        across its stages, not only ``tied_weight_attr`` (which is still checked, and listed first): the copies of a
+        bias or a scale that a stage's ``forward_fn`` reads are counted and checkpointed once (the owner's), like
+        the tied weight, so they must also get the summed gradient and stay equal. (DeepSpeed all-reduces only
+        ``tied_weight_attr`` and lets the others train apart on each stage while saving the owner's.) A parameter
+        one stage never uses gets a zero gradient there: the sum is the other stage's gradient, as intended."""
+        attrs = self._tied_attrs[key]
+        rest = [n for n, p in self.tied_modules[key].named_parameters() if p.requires_grad and n not in attrs]
+        return tuple(f"tied_modules.{key}.{n}" for n in [*attrs, *rest])
+
     def sync_tied_weights(self, collectives: Any) -> None:
-        """Broadcast each tied weight from its owner stage over its tie group (collective over the tie groups)."""
+        """Broadcast each tied module's parameters from its owner stage over its tie group (collective over the
+        tie groups)."""
         for tie in self._tied:
-            for name in tie.names:
+            for name in self.synced_names(tie):
                 with torch.no_grad():
                     collectives.broadcast(self.get_parameter(name).data, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
 
@@ -214,7 +233,7 @@ class PipelineModule(nn.Module):
 
         plain = Collectives()
         for tie in self._tied:
-            for name in tie.names:
+            for name in self.synced_names(tie):
                 param = self.get_parameter(name)
                 if tie.axis.group is None or param.is_meta or param.numel() == 0:
                     continue
@@ -223,28 +242,6 @@ class PipelineModule(nn.Module):
                     plain.broadcast(staged, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
                     if staged is not param.data:
                         param.data.copy_(staged)
-
-    def _warn_untied_parameters(self) -> None:
-        """A tied module held by several stages whose trainable parameters are not all in ``tied_weight_attr``:
-        those are per-stage copies nobody keeps equal (as in DeepSpeed; Megatron's position embeddings beside the
-        tied word embeddings get no gradient on the head's stage, so they stay equal). Said once, by the owner."""
-        for tie in self._tied:
-            if tie.owner != self.stage_id or len(tie.stages) == 1:
-                continue
-            tied = set(tie.names)
-            loose = [
-                f"tied_modules.{tie.key}.{n}"
-                for n, p in self.tied_modules[tie.key].named_parameters()
-                if p.requires_grad and f"tied_modules.{tie.key}.{n}" not in tied
-            ]
-            if loose and self.topology.data.rank == 0 and self.topology.tensor.rank == 0:
-                logger.warning(
-                    "tied key '%s' is held by stages %s but %s are not in its tied_weight_attr: each stage's copy "
-                    "of those trains on its own (the owner's is checkpointed and counted in the norm)",
-                    tie.key,
-                    list(tie.stages),
-                    loose,
-                )
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------------------
     def partitions(self) -> list[int]:

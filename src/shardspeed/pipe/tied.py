@@ -24,12 +24,13 @@ from shardspeed.pipe.partition import owner_of
 from shardspeed.pipe.spec import TiedLayerSpec
 from shardspeed.topology import AxisGroup, Topology, rank_of
 
-__all__ = ["TiedWeight", "tie_groups", "tie_stages"]
+__all__ = ["TiedWeight", "first_occurrences", "tie_groups", "tie_stages"]
 
 
 @dataclass(frozen=True)
 class TiedWeight:
-    """One tied key as this rank sees it: ``names`` (this rank's parameter names of the tied attributes),
+    """One tied key as this rank sees it: ``names`` (this rank's names of the tied module's trainable parameters,
+    ``tied_weight_attr`` first: the whole module is shared, [Note: the whole tied module is shared] in module.py),
     ``stages`` (pipe indices holding the key, ascending), ``owner`` (= min(stages)), ``axis`` (the tie group's ranks
     in stage order with this rank's data and tensor index; ``group`` None when one stage holds the key)."""
 
@@ -59,6 +60,15 @@ def tie_stages(layers: Sequence[Any], parts: Sequence[int], num_stages: int) -> 
             )
         stages.setdefault(layer.key, set()).add(owner_of(idx, parts, num_stages)[0])
     return {key: tuple(sorted(stages[key])) for key in sorted(stages)}
+
+
+def first_occurrences(layers: Sequence[Any]) -> dict[str, int]:
+    """Each tied key's global index of first occurrence (pure): the seed of its module on every stage."""
+    first: dict[str, int] = {}
+    for idx, layer in enumerate(layers):
+        if isinstance(layer, TiedLayerSpec):
+            first.setdefault(layer.key, idx)
+    return first
 
 
 def tie_groups(key_stages: dict[str, tuple[int, ...]], topology: Topology) -> dict[str, AxisGroup]:

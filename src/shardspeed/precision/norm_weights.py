@@ -45,10 +45,16 @@ def excluded_names(specs: ParamSpecs, names: Iterable[str]) -> frozenset[str]:
 
 
 def counted_weights(specs: ParamSpecs, names: Sequence[str]) -> list[float]:
-    """1.0 for each parameter of ``names`` this rank counts in a sum over the model, 0.0 for the others (Lamb's
-    per-parameter norm table, indexed like ``names``)."""
-    excluded = excluded_names(specs, names)
-    return [0.0 if n in excluded else 1.0 for n in names]
+    """1.0 for each parameter of ``names`` this rank counts in Lamb's per-parameter norm table (indexed like
+    ``names``), 0.0 for the others: only the tensor-replicated duplicates (tensor rank ≠ 0) are left out.
+
+    [Note: Lamb counts tied copies] Unlike the global norm, Lamb's table is summed over the data and tensor axes
+    only (``lamb_norm_axes``), never over the pipe axis: each pipeline stage needs the whole ‖w‖ and ‖update‖ of
+    every parameter it holds, a tied copy included. Leaving the copy out (``excluded_names``) would zero its norms
+    on the non-owner stage, its trust ratio would fall back to 1 while the owner's is ‖w‖/‖r‖, and the copies
+    would drift apart after one step. The copies are equal, so both stages compute the same ratio."""
+    replicated = frozenset() if specs.tp_rank == 0 else frozenset(n for n in names if not _partitioned(specs, n))
+    return [0.0 if n in replicated else 1.0 for n in names]
 
 
 def _partitioned(specs: ParamSpecs, name: str) -> bool:
