@@ -155,7 +155,8 @@ def _train(rank: int, world: int, case: Case) -> dict[str, Any]:
     # Under TP the tensor-replicated ones (the tied embedding among them) are whole too.
     local_diff = 0.0
     if case.zero < 3:
-        local_diff = max((local[n] - expected[n]).abs().max().item() for n in local if local[n].shape == expected[n].shape)
+        same_shape = [n for n in local if local[n].shape == expected[n].shape]
+        local_diff = max((local[n] - expected[n]).abs().max().item() for n in same_shape)
     by_name = {n: (got[n] - expected[n]).abs().max().item() for n in expected}
     return {
         "diff": max(by_name.values()),
@@ -325,7 +326,8 @@ def _fp16_overflow(rank: int, world: int, zero: int) -> dict[str, Any]:
         "skipped": engine.skipped_steps,
         "steps": engine.global_steps,
         "unchanged": unchanged,
-        "weights": min(t.numel() for t in before.values()) > 0 and len(before) == len(reference_model(**MODEL).state_dict()),
+        "weights": min(t.numel() for t in before.values()) > 0
+        and len(before) == len(reference_model(**MODEL).state_dict()),
         "moved_after": moved,
         "scales": (scale_before, scale_after),
     }
