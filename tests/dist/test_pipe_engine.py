@@ -246,7 +246,11 @@ def test_api_refuses_forward_backward_step_and_eval_batch_broadcasts(dist_run) -
 CONFIG_ERRORS = [
     ({"schedule": "interleaved"}, 1, "needs a PipelineModule with virtual_stages >= 2"),
     ({"schedule": "1f1b"}, 2, 'virtual_stages=2 (interleaved model chunks) but pipeline.schedule is "1f1b"'),
-    ({"zero_hold": "micro_batch"}, 1, "zero_hold='micro_batch' cannot be used with tied weights across pipeline stages (embed)"),
+    (
+        {"zero_hold": "micro_batch"},
+        1,
+        "zero_hold='micro_batch' cannot be used with tied weights across pipeline stages (embed)",
+    ),
     ({"stages": 4}, 1, "pipeline.stages is 4 but the pipeline module has 2 stages"),
     ({"schedule": "interleaved", "gas": 3}, 2, "gradient_accumulation_steps (the micro-batches of a train_batch)"),
 ]
@@ -271,7 +275,12 @@ def _config_errors(rank: int, world: int) -> tuple[list[str], list[str]]:
         pipeline = dict(pipeline)
         gas = pipeline.pop("gas", M)
         try:
-            _engine(world, world, {**_config(1, "sgd", 0.0, **pipeline), "gradient_accumulation_steps": gas}, virtual_stages=v)
+            _engine(
+                world,
+                world,
+                {**_config(1, "sgd", 0.0, **pipeline), "gradient_accumulation_steps": gas},
+                virtual_stages=v,
+            )
         except ValueError as err:
             messages.append(str(err))
         else:

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import error_of
 from torch import nn
 
+from harness import error_of
 from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.log import CommsLog
 from shardspeed.pipe import (
@@ -87,7 +87,9 @@ def _two_stages(rank: int, world: int) -> dict[str, Any]:
         "names": [n for n, _ in module.named_parameters()],
         "reference_names": [n for n, _ in reference.named_parameters()],
         "built": built,
-        "tied": [(t.key, t.names, t.stages, t.owner, t.axis.ranks, t.axis.group is not None) for t in module.tied_weights()],
+        "tied": [
+            (t.key, t.names, t.stages, t.owner, t.axis.ranks, t.axis.group is not None) for t in module.tied_weights()
+        ],
         "copies": sorted(module.tied_copy_names()),
     }
     ref_state = reference.state_dict()
@@ -269,7 +271,11 @@ def _loose_bias(rank: int, world: int) -> dict[str, Any]:
             records.append(record.getMessage())
 
     logging.getLogger("shardspeed").addHandler(Keep())
-    layers = [TiedLayerSpec("proj", nn.Linear, DIM, DIM), LayerSpec(Block, DIM), TiedLayerSpec("proj", nn.Linear, DIM, DIM)]
+    layers = [
+        TiedLayerSpec("proj", nn.Linear, DIM, DIM),
+        LayerSpec(Block, DIM),
+        TiedLayerSpec("proj", nn.Linear, DIM, DIM),
+    ]
     module = PipelineModule(layers, num_stages=2, partition_method="uniform")
     return {"copies": sorted(module.tied_copy_names()), "names": module.tied_weights()[0].names, "warnings": records}
 

@@ -108,6 +108,7 @@ def _engine(case: Case, layers_hook: Any = None) -> Any:
     layers = gpt_layers(**MODEL, tied=case.tied, tp=tp, head_bias=case.head_bias)
     if layers_hook is not None:
         layers = layers_hook(layers)
+
     def build() -> PipelineModule:
         return PipelineModule(
             layers,

@@ -44,9 +44,7 @@ def _zero_init_copies(rank: int, world: int) -> dict[str, Any]:
 
     torch.manual_seed(100 + rank)  # without seed_layers each stage draws differently: only the sync ties them
     with shardspeed.zero.Init(config_dict_or_path=CONFIG):
-        module = PipelineModule(
-            gpt_layers(**MODEL), topology=topology, loss_fn=gpt_loss_fn, partition_method="uniform"
-        )
+        module = PipelineModule(gpt_layers(**MODEL), topology=topology, loss_fn=gpt_loss_fn, partition_method="uniform")
         seeded = PipelineModule(
             gpt_layers(**MODEL), topology=topology, seed_layers=True, seed_fn=seed_fn, partition_method="uniform"
         )
