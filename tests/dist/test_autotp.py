@@ -160,7 +160,8 @@ def _indivisible(rank: int, world: int, family: str, overrides: dict[str, Any]) 
     ],
 )
 def test_indivisible_heads_are_an_error_naming_the_numbers(  # the same check without processes: test_tp_plan.py
-dist_run, family, overrides, numbers) -> None:
+    dist_run, family, overrides, numbers
+) -> None:
     messages = dist_run(_indivisible, 2, family, overrides)
     assert messages[0] == messages[1]
     assert numbers in messages[0] and "tensor-parallel size 2" in messages[0], messages[0]
@@ -345,7 +346,9 @@ def _engine_parity_dp(rank: int, world: int, stage: int, sp: bool, kind: str) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize(("stage", "kind"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"), (1, "adamw"), (3, "adamw")])
+@pytest.mark.parametrize(
+    ("stage", "kind"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"), (1, "adamw"), (3, "adamw")]
+)
 def test_tp2_dp2_engine_matches_dense_reference(dist_run, stage: int, kind: str, sp: bool) -> None:
     # AdamW at TP=2 × DP=2 ends 1.38e-5 from the reference (one gate_proj element), the same figure at every ZeRO
     # stage with and without SP, and SGD on the same runs is within 1e-5: Adam's normalisation amplifying round-off

@@ -143,9 +143,7 @@ def _assert_bf16_masters(results: list[dict]) -> None:
         assert all(dt == torch.bfloat16 for dt in r["buffers"].values()), r["buffers"]
 
 
-@pytest.mark.parametrize(
-    "stage", [pytest.param(s, marks=pytest.mark.slow) if s != 1 else 1 for s in (0, 1, 2, 3)]
-)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s != 1 else 1 for s in (0, 1, 2, 3)])
 def test_bf16_masters_match_plain_torch_bf16_adamw(dist_run, stage: int) -> None:
     results = dist_run(_train, 2, stage, "adamw", STEPS, False, None)
     reference = _mirrored_reference("adamw", global_batches(STEPS, MB * 2), 2, bf16_params=True, autocast=False)

@@ -4,7 +4,6 @@ during a save, corrupted files."""
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest

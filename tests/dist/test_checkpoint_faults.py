@@ -111,7 +111,10 @@ def _check_agreed_failure(results: list[dict[str, Any]], rank: str, culprit: str
         pytest.param("all", "0", "(and on 1 more rank(s): 1)", False, marks=pytest.mark.slow),
         pytest.param("index", "0", "index.json", False, marks=pytest.mark.slow),
         pytest.param(
-            "latest", "0", "is complete, but 'latest' could not be updated and still names 'first'", True,
+            "latest",
+            "0",
+            "is complete, but 'latest' could not be updated and still names 'first'",
+            True,
             marks=pytest.mark.slow,
         ),
     ],

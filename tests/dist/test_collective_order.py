@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import error_of
 from parity import TinyNet, global_batches, make_model, rank_slice
 
 import shardspeed
+from harness import error_of
 from shardspeed.comm import Collectives
 from shardspeed.comm.order_check import ENV_VAR
 from shardspeed.config import load_config
@@ -208,7 +208,9 @@ def _on_then_off(rank: int, world: int, stage: int) -> dict:
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=SLOW), pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
+@pytest.mark.parametrize(
+    "stage", [pytest.param(0, marks=SLOW), pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3]
+)
 def test_verified_training_is_bitwise_identical_and_logs_nothing_extra(dist_run, stage: int) -> None:
     for r in dist_run(_on_then_off, 2, stage):
         on, off = r["on"], r["off"]

@@ -105,7 +105,13 @@ SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize(
     ("stage", "bf16"),
-    [(0, False), (3, True), pytest.param(1, True, marks=SLOW), pytest.param(2, False, marks=SLOW), pytest.param(3, False, marks=SLOW)],
+    [
+        (0, False),
+        (3, True),
+        pytest.param(1, True, marks=SLOW),
+        pytest.param(2, False, marks=SLOW),
+        pytest.param(3, False, marks=SLOW),
+    ],
 )
 def test_engine_is_an_nn_module(dist_run, stage: int, bf16: bool) -> None:
     world = 2

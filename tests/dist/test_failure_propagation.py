@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import RankFailure
 from parity import global_batches, make_model, rank_slice, train_engine
 
 import shardspeed
+from harness import RankFailure
 
 MB = 2
 BOUND_S = 10.0  # the bound; each case asserts every rank's error came within it (generous on a loaded box)

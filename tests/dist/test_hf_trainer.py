@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from harness import run_ranks  # noqa: E402
-from hf_runs import GAS, STEPS, WORLD, run_trainer  # noqa: E402
+import torch
+from hf_runs import GAS, STEPS, WORLD, run_trainer
+
+from harness import run_ranks
 
 TOL = 1e-5
 _REFERENCES: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -65,15 +66,27 @@ CASES = [
     pytest.param("gpt2", {"stage": 3}, False, id="gpt2-zero3", marks=pytest.mark.slow),
     pytest.param("gpt2", {"stage": 3}, True, id="gpt2-zero3-gc", marks=pytest.mark.slow),
     pytest.param(
-        "gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="gpt2-zero3-offload-gc", marks=pytest.mark.slow
+        "gpt2",
+        {"stage": 3, "offload_param": {"device": "cpu"}},
+        True,
+        id="gpt2-zero3-offload-gc",
+        marks=pytest.mark.slow,
     ),
     pytest.param("llama", {"stage": 0}, False, id="llama-zero0", marks=pytest.mark.slow),
     pytest.param("llama", {"stage": 3}, False, id="llama-zero3", marks=pytest.mark.slow),
     pytest.param(
-        "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-zero3-offload-gc", marks=pytest.mark.slow
+        "llama",
+        {"stage": 3, "offload_param": {"device": "cpu"}},
+        True,
+        id="llama-zero3-offload-gc",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
-        "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="llama-zero3-offload", marks=pytest.mark.slow
+        "llama",
+        {"stage": 3, "offload_param": {"device": "cpu"}},
+        False,
+        id="llama-zero3-offload",
+        marks=pytest.mark.slow,
     ),
 ]
 
@@ -103,7 +116,14 @@ def test_config_optimizer_filled_from_the_training_arguments(
     hyper = {"weight_decay": 0.0, "learning_rate": 2e-3, "adam_beta2": 0.99, "adam_epsilon": 1e-7}
     ref = _reference(tmp_path_factory, "gpt2", **hyper)
     ranks = run_ranks(
-        run_trainer, WORLD, tmp_path, str(tmp_path / "run"), "gpt2", {"stage": 2}, extra_config=HF_STYLE_OPTIMIZER, **hyper
+        run_trainer,
+        WORLD,
+        tmp_path,
+        str(tmp_path / "run"),
+        "gpt2",
+        {"stage": 2},
+        extra_config=HF_STYLE_OPTIMIZER,
+        **hyper,
     )
     _check_parity(ref, ranks)
     assert ref["log"][1]["learning_rate"] == 2e-3  # the warmup reached the TrainingArguments' rate
@@ -115,8 +135,12 @@ INIT_CASES = [
     pytest.param("llama", {"stage": 3}, True, id="llama-gc"),
     pytest.param("gpt2", {"stage": 3}, True, id="gpt2-gc", marks=pytest.mark.slow),
     pytest.param("llama", {"stage": 3}, False, id="llama", marks=pytest.mark.slow),
-    pytest.param("llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-offload-gc", marks=pytest.mark.slow),
-    pytest.param("gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="gpt2-offload", marks=pytest.mark.slow),
+    pytest.param(
+        "llama", {"stage": 3, "offload_param": {"device": "cpu"}}, True, id="llama-offload-gc", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        "gpt2", {"stage": 3, "offload_param": {"device": "cpu"}}, False, id="gpt2-offload", marks=pytest.mark.slow
+    ),
 ]
 
 
@@ -204,7 +228,15 @@ def test_checkpoint_resume_and_from_pretrained(tmp_path: Path, kind: str, zero: 
     checkpoint = tmp_path / "a" / "checkpoint-2"
     assert {"latest", "global_step2", "model.safetensors", "trainer_state.json"} <= set(os.listdir(checkpoint))
     resumed = run_ranks(
-        run_trainer, WORLD, tmp_path, str(tmp_path / "b"), kind, zero, resume=str(checkpoint), evaluate=False, save_steps=2,
+        run_trainer,
+        WORLD,
+        tmp_path,
+        str(tmp_path / "b"),
+        kind,
+        zero,
+        resume=str(checkpoint),
+        evaluate=False,
+        save_steps=2,
         zero_init=zero_init,
     )
     for whole, tail in zip(first, resumed):

@@ -25,9 +25,7 @@ OPTIMIZER = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
 PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16": {"enabled": True}},
-    "bf16_masters": {
-        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-    },
+    "bf16_masters": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
 }
 
 

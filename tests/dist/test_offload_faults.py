@@ -56,7 +56,7 @@ def test_enospc_at_swap_setup_fails_every_rank(dist_run, tmp_path: Path) -> None
 def test_real_full_disk_at_swap_setup_fails_every_rank(dist_run, small_tmpfs: Path) -> None:  # noqa: F811
     swap = str(small_tmpfs / "swap")
     for r in dist_run(_setup_fails, 2, swap, None):
-        assert f"is unusable on data-parallel rank " in r["error"] and "cannot preallocate the swap file" in r["error"]
+        assert "is unusable on data-parallel rank " in r["error"] and "cannot preallocate the swap file" in r["error"]
         assert "No space left on device" in r["error"], r
         assert r["elapsed"] < BOUND_S
         assert r["named"] == ["filler"] and r["held"] == {}

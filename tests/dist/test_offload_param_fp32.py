@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import error_of
 from parity import full_params, global_batches, make_model, offload_engine, train_engine
 
 import shardspeed
+from harness import error_of
 
 STEPS, MB, GAS, LR = 5, 2, 2, 0.05
 

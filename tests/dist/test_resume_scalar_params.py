@@ -51,7 +51,9 @@ def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _run(rank: int, world: int, stage: int, optimizer: str, first: range, save: str | None, load: str | None) -> dict:
     torch.manual_seed(0)
     model = ScaledModel()
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, optimizer))
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(stage, optimizer)
+    )
     if load is not None:
         path, _ = engine.load_checkpoint(load)
         assert path is not None

@@ -84,7 +84,9 @@ def _read_all(rank: int, world: int, stage: int, offload: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage", [0, 3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_safe_get_full_matches_plain_torch(dist_run, stage: int, offload: bool = False) -> None:
     world = 2
     results = dist_run(_read_all, world, stage, offload)
@@ -151,7 +153,12 @@ def _write_all(rank: int, world: int, stage: int, bf16: bool) -> dict:
 
 @pytest.mark.parametrize(
     ("stage", "bf16"),
-    [(2, True), (3, True), pytest.param(0, False, marks=pytest.mark.slow), pytest.param(3, False, marks=pytest.mark.slow)],
+    [
+        (2, True),
+        (3, True),
+        pytest.param(0, False, marks=pytest.mark.slow),
+        pytest.param(3, False, marks=pytest.mark.slow),
+    ],
 )
 def test_safe_set_then_get_round_trips_and_reaches_the_model(dist_run, stage: int, bf16: bool) -> None:
     results = dist_run(_write_all, 2, stage, bf16)

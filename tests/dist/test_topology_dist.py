@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import error_of
 
+from harness import error_of
 from shardspeed.topology import MeshShape, Topology
 
 
@@ -139,7 +139,7 @@ def _device_mesh(rank: int, world: int, non_default: bool) -> dict:
 def test_device_mesh_over_our_groups(dist_run) -> None:
     for non_default in (False, True):
         results = dist_run(_device_mesh, 4, non_default)
-        for rank, r in enumerate(results):
+        for r in results:
             assert r["names"] == ("pipe", "data", "tensor")
             assert r["shape"] == (1, 2, 2)
             assert r["tensor"] == r["ours"]

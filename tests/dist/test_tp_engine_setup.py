@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from harness import error_of
 from torch import nn
 
 import shardspeed
+from harness import error_of
 from shardspeed.tensor_parallel import TensorParallel
 from shardspeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardspeed.topology import MeshShape, Topology

@@ -68,7 +68,9 @@ def dense_model() -> DenseMLP:
 
 def batches(global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(global_batch, H, generator=g), torch.randn(global_batch, H, generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randn(global_batch, H, generator=g), torch.randn(global_batch, H, generator=g)) for _ in range(STEPS)
+    ]
 
 
 def reference(kind: str, global_batch: int, clip: float = CLIP) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -195,8 +195,9 @@ SLOW = pytest.mark.slow
     ],
 )
 def test_engine_trains_a_tensor_parallel_lm_like_the_dense_one(dist_run, sp: bool, stage: int, kind: str, clip: float):
-    """TP=2 (world 2), 5 steps, ZeRO 0 and 2 (1 and 3: slow), with and without sequence parallelism, within 1e-5 of plain torch
-    on the dense model. Fails without the partial-gradient hooks (the SP norms would get half their gradient)."""
+    """TP=2 (world 2), 5 steps, ZeRO 0 and 2 (1 and 3: slow), with and without sequence parallelism, within 1e-5 of
+    plain torch on the dense model. Fails without the partial-gradient hooks (the SP norms would get half their
+    gradient)."""
     for rank, errors in enumerate(dist_run(_engine_vs_dense, 2, sp, stage, kind, clip)):
         bad = {n: e for n, e in errors.items() if not e <= 1e-5}
         assert not bad, f"rank {rank}: {bad}"

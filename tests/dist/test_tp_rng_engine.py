@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tp_gpt import GPTConfig, TPGPT
+from tp_gpt import TPGPT, GPTConfig
 
 import shardspeed
 from shardspeed import checkpointing
@@ -103,7 +103,7 @@ def _resume(rank: int, world: int, ckpt: str, explicit: bool) -> dict:
     first = _train(engine, 2)
     engine.save_checkpoint(ckpt, tag="step2")
     _train(engine, 1)  # move every stream on, so the load must put them back
-    engine, tracker = _engine(topology, explicit)
+    engine, _tracker = _engine(topology, explicit)
     engine.load_checkpoint(ckpt, tag="step2")
     resumed = _train(engine, 2)
     checkpointing.set_default_context(None)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from shardspeed.topology import MeshShape, Topology
 from shardspeed.zero import GatheredParameters
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_gpt import GPTConfig, TPGPT, solo_tp  # noqa: E402
+from tp_gpt import TPGPT, GPTConfig, solo_tp
 
 V, H, B, S = 37, 8, 3, 5  # 37 rows: 19 per rank at TP=2 (one padding row), 10 per rank at TP=4 (three)
 IGNORE = -100
@@ -247,8 +246,6 @@ def _engine_steps(rank: int, world: int, stage: int, optimizer: str, sequence_pa
         "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "moved": _max_err(final, start),
     }
-
-
 
 
 @pytest.mark.parametrize("stage", [0, 3])

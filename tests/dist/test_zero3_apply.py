@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from harness import error_of
 from parity import global_batches, make_model, rank_slice
 
 import shardspeed
+from harness import error_of
 from shardspeed import zero
 
 STEPS, MB, LR = 3, 2, 0.05

@@ -338,7 +338,9 @@ def _build_unreplayable(rank: int, world: int, case: str) -> None:
     shardspeed.initialize(model=model, config=_config(0))
 
 
-@pytest.mark.parametrize(("case", "names"), [("outside", ["'offsets'", "outside"]), ("after", ["'lin.weight'", "after"])])
+@pytest.mark.parametrize(
+    ("case", "names"), [("outside", ["'offsets'", "outside"]), ("after", ["'lin.weight'", "after"])]
+)
 def test_unreplayable_value_is_an_error_naming_it(dist_run, case: str, names: list[str]) -> None:
     with pytest.raises(AssertionError) as failure:
         dist_run(_build_unreplayable, 2, case)

@@ -12,11 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import RankFailure
 
 import shardspeed
-from shardspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-from shardspeed.utils import z3_leaf_parameter
+from harness import RankFailure
+from shardspeed.utils import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from shardspeed.zero.stage3.leaves import granularity, granularity_leaves, leaf_paths
 from shardspeed.zero.stage3.plan import plan_units
 

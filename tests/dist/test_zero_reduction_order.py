@@ -100,7 +100,11 @@ def _overlap_one(rank: int, world: int, stage: int, reverse: bool, comm: str = "
         fractions.append(early / sum(b for _, b in launches))
     peak = engine.memory_breakdown()["peak_bucket_bytes"]
     engine.destroy()
-    return {"fractions": fractions, "peak_staging": peak, "grad_bytes": sum(p.numel() for p in model.parameters()) * FP32}
+    return {
+        "fractions": fractions,
+        "peak_staging": peak,
+        "grad_bytes": sum(p.numel() for p in model.parameters()) * FP32,
+    }
 
 
 def _overlap(rank: int, world: int) -> dict:

@@ -171,8 +171,9 @@ class TPGPT(nn.Module):
         specs = self.specs()
         own = dict(self.named_parameters())
         if set(sd) != set(own):
-            raise KeyError(f"load_global_state_dict: missing {sorted(set(own) - set(sd))}, unexpected "
-                           f"{sorted(set(sd) - set(own))}")
+            raise KeyError(
+                f"load_global_state_dict: missing {sorted(set(own) - set(sd))}, unexpected {sorted(set(sd) - set(own))}"
+            )
         with torch.no_grad():
             for name, p in own.items():
                 p.copy_(specs.of(p, name).slice_global(sd[name], self.tp.rank, self.tp.size))
@@ -193,9 +194,11 @@ def sum_partial_grads(model: TPGPT, grads: dict[str, torch.Tensor]) -> dict[str,
 def gather_global(model: TPGPT, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Dense tensors from every tensor rank's local pieces, placed by the specs' boxes (padding left out)."""
     tp, specs = model.tp, model.specs()
-    pieces = tp.collectives.all_gather_object({n: t.cpu() for n, t in local.items()}, tp.axis) if tp.size > 1 else [
-        {n: t.cpu() for n, t in local.items()}
-    ]
+    pieces = (
+        tp.collectives.all_gather_object({n: t.cpu() for n, t in local.items()}, tp.axis)
+        if tp.size > 1
+        else [{n: t.cpu() for n, t in local.items()}]
+    )
     # Undeclared parameters are replicated with the local tensor's shape (not the parameter's: under ZeRO-3 the
     # parameter is an empty placeholder between uses).
     return {
