@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pipe_models import BASE_SEED, declare_tied_external, gpt_layers, gpt_loss_fn, make_batches, rank_iterator
+from pipe_models import BASE_SEED, gpt_layers, gpt_loss_fn, make_batches, rank_iterator
 
 import shardspeed
 from shardspeed.topology import MeshShape, Topology
@@ -48,7 +48,6 @@ def _zero_init_copies(rank: int, world: int) -> dict[str, Any]:
         seeded = PipelineModule(
             gpt_layers(**MODEL), topology=topology, seed_layers=True, seed_fn=seed_fn, partition_method="uniform"
         )
-    declare_tied_external(module)
     engine, *_ = shardspeed.initialize(model=module, config=CONFIG)
     start = _local_copy(engine)
     it = rank_iterator(make_batches(2, 2, 2, 1, vocab=MODEL["vocab"], seq=MODEL["seq"]), 2, 0, 1)
