@@ -204,7 +204,7 @@ class PipelineEngine(ShardSpeedEngine):
         )
         driver: PipeDriver = self._driver  # type: ignore[assignment]
         driver.bind_pipeline(
-            hold=StepHold(self.states, config.zero_optimization.stage),
+            hold=StepHold(self.states),
             per_micro_batch=not hold,
             tied=model.tied_weights(),
             topology=topology,

@@ -51,13 +51,8 @@ PIPELINE_ONLY = "Only train_batch() is accessible in pipeline mode."
 class StepHold:
     """The step-scoped hold of one stage's ``ModelStates`` ([Note: step-scoped hold] in zero/hold.py)."""
 
-    def __init__(self, states: Any, zero_stage: int) -> None:
-        if not all(hasattr(states, m) for m in ("begin_hold", "held_grad", "reduce_held", "abort_hold")):
-            raise NotImplementedError(
-                f"zero_optimization.stage {zero_stage} under pipeline parallelism needs the stage's step-scoped "
-                "gradient hold (ModelStates.begin_hold/held_grad/reduce_held/abort_hold), which it does not have"
-            )
-        self.states = states
+    def __init__(self, states: Any) -> None:
+        self.states = states  # every stage's ModelStates has the hold (zero/states.py's protocol)
 
     def begin(self) -> None:
         self.states.begin_hold()
