@@ -218,30 +218,28 @@ class PipelineModule(nn.Module):
 
     def sync_tied_weights(self, collectives: Any) -> None:
         """Broadcast each tied module's parameters from its owner stage over its tie group (collective over the
-        tie groups)."""
+        tie groups). Parameters without storage (built under ``zero.Init``: synced after materialization,
+        pipe/tied_sync.py) are skipped — alike on every stage of a tie, which are built the same way."""
         for tie in self._tied:
-            for name in self.synced_names(tie):
-                with torch.no_grad():
-                    collectives.broadcast(self.get_parameter(name).data, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
-
-    def _sync_at_construction(self) -> None:
-        """Copies equal from the start, as DeepSpeed's constructor makes them (the engine syncs again through its
-        logged collectives). Skipped for parameters without storage (built under ``zero.Init``)."""
-        if not any(tie.axis.group is not None for tie in self._tied):
-            return
-        from shardspeed.comm.collectives import Collectives
-
-        plain = Collectives()
-        for tie in self._tied:
+            if tie.axis.group is None:
+                continue
             for name in self.synced_names(tie):
                 param = self.get_parameter(name)
-                if tie.axis.group is None or param.is_meta or param.numel() == 0:
+                if param.is_meta or param.numel() == 0:
                     continue
                 with torch.no_grad():
                     staged = _staged_for(param.data, tie.axis.group)
-                    plain.broadcast(staged, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
+                    collectives.broadcast(staged, tie.axis, 0, tag=f"pipe.tied.{tie.key}")
                     if staged is not param.data:
                         param.data.copy_(staged)
+
+    def _sync_at_construction(self) -> None:
+        """Copies equal from the start, as DeepSpeed's constructor makes them (the engine syncs again through its
+        logged collectives, after any change a script made in between)."""
+        if any(tie.axis.group is not None for tie in self._tied):
+            from shardspeed.comm.collectives import Collectives
+
+            self.sync_tied_weights(Collectives())
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------------------
     def partitions(self) -> list[int]:
