@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.log import CommsLog
 from shardspeed.comm.order_check import OrderChecker
 from shardspeed.faults.board import FailureBoard
@@ -31,18 +32,26 @@ class Work:
     raises ``PeerFailedError`` instead of waiting for a peer that failed."""
 
     def __init__(
-        self, handle: dist.Work | None, board: FailureBoard | None = None, doing: Callable[[], str] = str
+        self,
+        handle: dist.Work | None,
+        board: FailureBoard | None = None,
+        doing: Callable[[], str] = str,
+        *,
+        blocked: BlockedTime | None = None,
+        key: str = "",
     ) -> None:
         self._handle = handle
         self._board = board
         self._doing = doing
+        self._blocked, self._key = blocked, key  # [Note: exposed communication] in comm/blocked.py
 
     def wait(self) -> None:
         if self._handle is not None:
-            if self._board is None:
-                self._handle.wait()
+            handle, board = self._handle, self._board
+            if board is None:
+                timed_wait(self._blocked, self._key, handle.wait)
             else:
-                self._board.wait(self._handle, self._doing)
+                timed_wait(self._blocked, self._key, lambda: board.wait(handle, self._doing))
             self._handle = None
 
     def done(self) -> bool:
@@ -61,14 +70,17 @@ class P2PWork(Work):
         board: FailureBoard | None,
         doing: Callable[[], str],
         keep: Sequence[torch.Tensor] = (),
+        blocked: BlockedTime | None = None,
+        tag: str = "",
     ) -> None:
         super().__init__(None, board, doing)
         self._keep = list(keep)  # the batch's tensors, alive until this Work is dropped (gloo reads them async)
+        sends, recvs = (blocked, f"send:{tag}" if tag else "send"), (blocked, f"recv:{tag}" if tag else "recv")
         if len(handles) == len(is_send):  # gloo: one request per message
-            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing)
-            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing)
+            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing, *sends)
+            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing, *recvs)
         else:  # NCCL: one request for the whole batch
-            self.sends = self.recvs = _Works(handles, board, doing)
+            self.sends = self.recvs = _Works(handles, board, doing, blocked, f"p2p:{tag}" if tag else "p2p")
 
     def wait(self) -> None:
         self.recvs.wait()
@@ -81,9 +93,16 @@ class P2PWork(Work):
 class _Works(Work):
     """Several requests waited in order, each through the failure board when there is one."""
 
-    def __init__(self, handles: list[dist.Work], board: FailureBoard | None, doing: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        handles: list[dist.Work],
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        blocked: BlockedTime | None = None,
+        key: str = "",
+    ) -> None:
         super().__init__(None, board, doing)
-        self._works = [Work(h, board, doing) for h in handles]
+        self._works = [Work(h, board, doing, blocked=blocked, key=key) for h in handles]
 
     def wait(self) -> None:
         while self._works:
@@ -102,6 +121,8 @@ class Collectives:
     ) -> None:
         self.log = log or CommsLog(enabled=False)
         self.board = board
+        self.blocked = BlockedTime()
+        """Wall time this process's calls spent blocked waiting on communication ([Note: exposed communication])."""
         # [Note: collective-order verification] in comm/order_check.py: None (the default) costs one attribute
         # check per collective. Every rank must pass the same flag (engine_setup.engine_collectives agrees it).
         self.order: OrderChecker | None = (
@@ -116,9 +137,11 @@ class Collectives:
         def doing() -> str:  # built only for an error message: this runs for every collective
             return f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
 
-        if self.board is None:
-            return Work(launch(async_op), None, doing)  # type: ignore[operator]
-        work = Work(launch(True), self.board, doing)  # type: ignore[operator]
+        key = f"{op}:{tag}" if tag else op
+        if self.board is None and not async_op:  # torch's own synchronous call: all of it is blocked time
+            timed_wait(self.blocked, key, lambda: launch(False))  # type: ignore[operator]
+            return Work(None)
+        work = Work(launch(True), self.board, doing, blocked=self.blocked, key=key)  # type: ignore[operator]
         if not async_op:
             work.wait()
         return work
@@ -255,7 +278,8 @@ class Collectives:
             return f"waiting in p2p{f' {tag!r}' if tag else ''} (sends to ranks {to}, receives from ranks {frm})"
 
         handles = dist.batch_isend_irecv(ops)
-        return P2PWork(handles, is_send, self.board, doing, keep=[op.tensor for op in ops])
+        keep = [op.tensor for op in ops]
+        return P2PWork(handles, is_send, self.board, doing, keep=keep, blocked=self.blocked, tag=tag)
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""

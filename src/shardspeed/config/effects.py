@@ -102,6 +102,9 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "activation_checkpointing.number_checkpoints": _acts("checkpointing/settings.py"),
     "activation_checkpointing.synchronize_checkpoint_boundary": _acts("checkpointing/settings.py"),
     "activation_checkpointing.profile": _acts("checkpointing/settings.py"),
+    # --- communication (shardspeed's own section) ------------------------------------------------------------------
+    "communication.collectives": _acts("comm/algorithms.py: the call behind each collective"),
+    "communication.calibration_cache": _acts("comm/algorithms.py: where calibrations are cached"),
     # --- fault_tolerance (shardspeed's own section) --------------------------------------------------------------
     "fault_tolerance.propagate_failures": _acts("faults/: failure published and watched"),
     "fault_tolerance.watch_interval_s": _acts("faults/: the watcher's poll interval"),
@@ -164,6 +167,7 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     # --- zero_optimization ----------------------------------------------------------------------------------------
     f"{_Z}.stage": _acts("which model states (zero/__init__.py)"),
     f"{_Z}.overlap_comm": _acts("reducers launch asynchronously or one bucket at a time"),
+    f"{_Z}.overlap_param_gather": _acts("stages 1/2: parameter all-gather waited by the next forward"),
     f"{_Z}.reduce_bucket_size": _acts(
         "bucket size (stages 0-2); stage 3 reduce-scatters each unit in pieces of at most this many elements"
     ),

@@ -12,6 +12,7 @@ from .activation import ActivationCheckpointingConfig
 from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
+from .communication import CommunicationConfig
 from .fault_tolerance import FaultToleranceConfig
 from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
@@ -119,6 +120,10 @@ class ShardSpeedConfig(ConfigModel):
     """Pipeline parallelism (config/pipeline.py): read by the pipeline engine for a ``PipelineModule``; the module's
     own arguments decide partitioning, seeding and activation checkpointing. DeepSpeed default: every key at its
     default."""
+
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """Which torch.distributed call carries each engine collective, and the measured default bucket sizes
+    (config/communication.py). Not a DeepSpeed key (shardspeed's own section)."""
 
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,

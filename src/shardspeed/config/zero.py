@@ -102,6 +102,12 @@ class ZeroConfig(Stage3Options):
     true for every stage. DeepSpeed defaults it to false below stage 3 because its overlap needs extra bucket
     copies; ours does not, so we do not make the common case slower (it never changes numerics)."""
 
+    overlap_param_gather: bool = True
+    """Stages 1/2: the updated parameters' all-gather after the optimizer step is launched bucket by bucket and
+    waited for by the first module of the next forward that uses a parameter in the bucket (as Megatron-Core's
+    distributed optimizer does), instead of at the end of ``step()`` (DeepSpeed). Engine calls that expose
+    parameters wait for pending gathers first. Not a DeepSpeed key (shardspeed's own). Default: true."""
+
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from
     the 16-bit model weights. DeepSpeed default: true."""

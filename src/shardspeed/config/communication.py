@@ -1,0 +1,27 @@
+"""``communication``: shardspeed's own section (not a DeepSpeed key): how the engine's collectives are carried out.
+
+[Note: collective algorithms] The same collective can be carried by different torch.distributed calls whose cost
+depends on the backend, not on the bytes: on gloo a reduce-scatter runs as an all-reduce underneath (so
+all-reduce-then-slice costs the same and needs no output copy), and an all-gather is several times slower than
+one broadcast per owner for the same bytes. Which call wins is measured, not assumed from the backend's name:
+see ``shardspeed/comm/algorithms.py``. NCCL always gets its native, coalesced ops.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .base import ConfigModel
+
+
+class CommunicationConfig(ConfigModel):
+    """``communication``: the algorithm behind each collective and the default bucket sizes."""
+
+    collectives: Literal["auto", "native", "calibrate"] = "auto"
+    """``"native"``: torch's call for every collective. ``"auto"`` (default): NCCL native; gloo per the measured
+    choice cached for this host, world size and dtype if one exists, else the documented table in
+    ``comm/algorithms.py``. ``"calibrate"``: gloo measures at start-up when no cached choice exists (rank 0
+    decides, broadcasts, logs and caches it), then behaves as ``"auto"``."""
+
+    calibration_cache: str | None = None
+    """Directory of cached calibrations. Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``."""
