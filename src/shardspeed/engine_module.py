@@ -62,6 +62,14 @@ class EngineModule(torch.nn.Module):
                     f"{type(module).__name__})"
                 ) from None
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """nn.Module's (``parameters()`` calls it), once pending post-step parameter gathers have landed ([Note:
+        overlapped parameter gather] in zero/param_gather.py): the values handed out are the updated ones."""
+        states = self.__dict__.get("states")  # absent while the engine is being built
+        if states is not None:
+            states.wait_params()
+        return super().named_parameters(*args, **kwargs)
+
     # --- state dict -----------------------------------------------------------------------------------------------
     def _partitioned(self) -> bool:
         """Whether the module's own state dict is not the dense model's: ZeRO-3 placeholders, tensor slices, or one
@@ -73,6 +81,7 @@ class EngineModule(torch.nn.Module):
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
         """nn.Module's state dict (keys ``module.<name>``). ZeRO-3: gathered unit by unit, every rank must call it."""
+        self.states.wait_params()  # [Note: overlapped parameter gather] in zero/param_gather.py
         if not self._partitioned():
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if args:
@@ -103,6 +112,7 @@ class EngineModule(torch.nn.Module):
         tensor is assembled over the tensor axis ([Note: full weights under tensor parallelism]); with a pipe axis
         each stage's is completed with the other stages' ([Note: checkpoints across pipeline degrees]): every rank
         must call this."""
+        self.states.wait_params()  # [Note: overlapped parameter gather] in zero/param_gather.py
         full_state_dict = getattr(self.states, "full_state_dict", None)
         split, piped = tensor_split(self), self.topology.pipe.size > 1
         if full_state_dict is None and not split and not piped:

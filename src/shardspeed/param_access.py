@@ -66,6 +66,7 @@ def assemble(
     """The whole fp32 tensor of parameter ``name`` from ``read(piece)`` (this piece's range, 1-D; None when this
     rank has nothing to contribute there). Collective over the data axis unless the parameter is replicated.
     Raises KeyError when no rank could read anything (``what`` names it)."""
+    engine.states.wait_params()  # [Note: overlapped parameter gather]: the pieces may be parameter-buffer slices
     shape = full_shapes(engine.module)[name]
     numel = math.prod(shape)
     replicated = is_replicated(engine, name)
@@ -92,6 +93,7 @@ def write_values(engine: ShardSpeedEngine, values: Mapping[str, torch.Tensor]) -
     """Make ``values`` (canonical parameter name → whole tensor, the same on every rank) the parameters' values:
     fp32 masters and optimizer-held values first, then the model's parameters (collective at stages 1-3: every rank
     must call it with the same names)."""
+    engine.states.wait_params()  # a gather landing after these writes would undo them
     pieces = [p for p in _all_pieces(engine) if p.name in values]
     for piece in _resident(engine, pieces, writing=True):
         source = values[piece.name].detach().reshape(-1)[piece.start : piece.end]
@@ -100,6 +102,7 @@ def write_values(engine: ShardSpeedEngine, values: Mapping[str, torch.Tensor]) -
     if after_load is not None:  # an offloaded optimizer keeps the fp32 values in its store: write them there
         after_load()
     engine.states.after_optimizer_step()  # push the fp32 values into the model's parameters
+    engine.states.wait_params()  # whole before returning: the caller may read them directly
 
 
 def piece_slice(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -109,6 +109,7 @@ def save(
     """``exclude_frozen``: parameters with ``requires_grad=False`` are left out (DeepSpeed's
     ``exclude_frozen_parameters``; loading such a checkpoint needs ``load_module_strict=False``)."""
     axis, comm = engine.topology.world, engine.collectives  # one checkpoint, one commit for the whole world
+    engine.states.wait_params()  # [Note: overlapped parameter gather] in zero/param_gather.py
     tag = tag or f"global_step{engine.global_steps}"
     save_dir = Path(save_dir)
     _check_same_destination(save_dir, tag, axis, comm)
@@ -286,6 +287,7 @@ def load(
     custom_load_fn: Any = None,
 ) -> tuple[Path | None, dict | None]:
     axis, comm = engine.topology.world, engine.collectives
+    engine.states.wait_params()  # a pending parameter gather landing after the load would overwrite loaded values
     load_dir = Path(load_dir)
     # Agreed before branching: a rank that sees no 'latest' (a directory that is not shared, a lagging NFS cache)
     # must not return while its peers go on into the load's collectives.
@@ -339,6 +341,7 @@ def load(
             failure, gather, axis.ranks, f"{what} (writing the offload store)", own_error=own, agreed=False
         )
     engine.states.after_optimizer_step()  # push the loaded fp32 values into the model's parameters
+    engine.states.wait_params()  # landed here, not by the next forward: custom_load_fn and the caller read them
     engine.states.zero_grads()
     if custom_load_fn is not None:
         from shardspeed.engine_module import apply_custom_load

@@ -135,6 +135,7 @@ class StepCore:
             coef = clip_coefficient(norm, self.gradient_clipping) / loss_scale
             if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
                 (self.optimizer.scale_grads if self.host_grads else self.states.scale_grads)(coef)
+            self.states.wait_params()  # fp32 steps the parameter buffer's own slices: no gather may be writing it
             self.optimizer.step()
             self.states.after_optimizer_step()
             if self.lr_scheduler is not None:

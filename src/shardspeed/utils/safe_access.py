@@ -53,6 +53,17 @@ def register_engine_parameters(engine: Any) -> None:
         OWNERS.set(p, (ref, name))
 
 
+def engines_of(params: Any) -> list[Any]:
+    """The live engines owning any of ``params`` (each once)."""
+    found: dict[int, Any] = {}
+    for p in params:
+        entry = OWNERS.get(p)
+        engine = entry[0]() if entry is not None else None
+        if engine is not None:
+            found.setdefault(id(engine), engine)
+    return list(found.values())
+
+
 def _owner(param: torch.Tensor) -> tuple[Any, str]:
     entry = OWNERS.get(param)
     engine = entry[0]() if entry is not None else None
@@ -61,6 +72,7 @@ def _owner(param: torch.Tensor) -> tuple[Any, str]:
             f"parameter of shape {tuple(param.shape)} belongs to no live shardspeed engine: pass a parameter of the "
             "model given to shardspeed.initialize()"
         )
+    engine.states.wait_params()  # [Note: overlapped parameter gather] in zero/param_gather.py
     return engine, entry[1]
 
 

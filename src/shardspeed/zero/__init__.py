@@ -71,7 +71,17 @@ def build_model_states(
     if stage == 0:
         return ReplicatedStates(packed, planner, ctx, device, overlap, master_dtype)
     if stage in (1, 2):
-        return PartitionedStates(stage, packed, planner, ctx, device, overlap, master_dtype)
+        return PartitionedStates(
+            stage,
+            packed,
+            planner,
+            ctx,
+            device,
+            overlap,
+            master_dtype,
+            module=module,
+            overlap_param_gather=zero.overlap_param_gather,
+        )
     raise ValueError(f"ZeRO stage {stage} is not implemented")
 
 

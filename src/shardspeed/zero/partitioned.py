@@ -12,7 +12,9 @@ flat, padded buffer; this rank owns the same 1/N slice of every bucket. What liv
   optimizer states        K·Ψ/N (Adam: 8Ψ/N; bf16 masters: 4Ψ/N)
 
 The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
-step every bucket is all-gathered back into the parameter buffer in one equal-split collective. With a streamed
+step every bucket is all-gathered back into the parameter buffer in one equal-split collective, launched by the step
+and waited by the next forward with ``overlap_param_gather`` ([Note: overlapped parameter gather] in
+zero/param_gather.py), else waited before ``step()`` returns. With a streamed
 offload optimizer under mixed precision the master shard moves into the optimizer's store
 (``hand_masters_to_optimizer``): 0 bytes here.
 """
@@ -25,7 +27,6 @@ from typing import Any
 import torch
 
 from shardspeed.checkpoint.pieces import Piece
-from shardspeed.comm import Work
 from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.norm_weights import NormScope, counted_views
@@ -34,6 +35,7 @@ from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter, StagingMeter
 from shardspeed.zero.layout import ShardLayout, intersect
+from shardspeed.zero.param_gather import ParamGather, launch_order
 from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.reducer import GradReducer
 from shardspeed.zero.relayout_state import carry_shard_states, reshard
@@ -51,7 +53,12 @@ class PartitionedStates(FlatLayoutStates):
         device: torch.device,
         overlap: bool,
         master_dtype: torch.dtype = torch.float32,
+        *,
+        module: torch.nn.Module | None = None,
+        overlap_param_gather: bool = False,
     ) -> None:
+        """``module``/``overlap_param_gather``: the model whose owning modules wait for their buckets' gathers in
+        forward pre-hooks; without overlap (or a module) every gather is waited inside ``after_optimizer_step``."""
         assert stage in (1, 2), stage
         self.master_dtype = master_dtype  # [Note: low-precision masters]
         self.stage, self.planner, self.ctx, self.device = stage, planner, ctx, device
@@ -64,6 +71,8 @@ class PartitionedStates(FlatLayoutStates):
         self.meter = StagingMeter()
         self.norm_scope = NormScope()
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
+        self.overlap_param_gather = overlap_param_gather and module is not None
+        self.param_gather = ParamGather(module if self.overlap_param_gather else None, packed.params)
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
         self._set_markers()
@@ -87,6 +96,9 @@ class PartitionedStates(FlatLayoutStates):
         """Every buffer that follows the layout; parameter values are copied from the parameters as they are."""
         self.layout = layout
         packed, device, rank = self.packed, self.device, self.ctx.axis.rank
+        self.param_gather.bind(
+            [layout.span(i) for i in range(len(packed.params))], [(b.start, b.end) for b in layout.buckets]
+        )
         mixed = self.compute_dtype != self.master_dtype  # a separate master shard only then
         # Parameters become views of one padded flat buffer (the all-gather destination).
         self.param_flat = torch.zeros(layout.total, dtype=self.compute_dtype, device=device)
@@ -286,22 +298,40 @@ class PartitionedStates(FlatLayoutStates):
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """All-gather every bucket's updated shards into the parameter buffer (launched together, then waited)."""
-        rank = self.ctx.axis.rank
-        pending: list[tuple[Work, torch.Tensor]] = []
-        for k, bucket in enumerate(self.layout.buckets):
+        """All-gather every bucket's updated shards into the parameter buffer, last bucket first. With
+        ``overlap_param_gather`` only launched: the next forward waits per bucket, every other reader through
+        ``wait_params`` ([Note: overlapped parameter gather]); otherwise waited here."""
+        self.wait_params()  # a gather still pending into this buffer (a second push without a forward)
+        rank, gather = self.ctx.axis.rank, self.param_gather
+        for k in launch_order(len(self.layout.buckets)):
+            bucket = self.layout.buckets[k]
             lo, hi = self.layout.shard_offset(k)
             if self.master_shard is not None:
-                shard = self.master_shard[lo:hi].to(self.compute_dtype)
+                shard = self.master_shard[lo:hi].to(self.compute_dtype)  # a temporary: kept until the gather lands
             else:
                 start, end = self.layout.rank_slice(k, rank)
                 shard = self.param_flat[start:end].clone()  # input must not alias the output on every backend
             out = self.param_flat[bucket.start : bucket.end]
-            pending.append(
-                (self.ctx.collectives.all_gather(out, shard, self.ctx.axis, async_op=True, tag="params"), shard)
-            )
-        for work, _ in pending:
-            work.wait()
+            work = self.ctx.collectives.all_gather(out, shard, self.ctx.axis, async_op=True, tag="params")
+            gather.launch(k, work, shard)
+        if not self.overlap_param_gather:
+            gather.wait_all()
+
+    def wait_params(self) -> None:
+        """Block until every pending parameter gather of the last step has landed (idempotent, cheap when none)."""
+        self.param_gather.wait_all()
+
+    @property
+    def pending_gathers(self) -> int:
+        """Buckets whose parameter gather was launched and not yet waited."""
+        return self.param_gather.pending
+
+    def close(self) -> None:
+        """``engine.destroy()``: land pending gathers, then remove the forward hooks (even if a peer failed)."""
+        try:
+            self.wait_params()
+        finally:
+            self.param_gather.remove_hooks()
 
     def zero_grads(self) -> None:
         self.reducer.zero()

@@ -71,6 +71,12 @@ class ModelStates(Protocol):
         """Make the model's parameters reflect the optimizer's update (copy back / all-gather)."""
         ...
 
+    def wait_params(self) -> None:
+        """Block until every pending parameter gather of the last step has landed ([Note: overlapped parameter
+        gather] in zero/param_gather.py). Idempotent, cheap when nothing is pending; everything that reads or writes
+        parameters outside a forward calls it first. Only stages 1/2 leave gathers pending."""
+        ...
+
     def zero_grads(self) -> None: ...
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -159,6 +165,9 @@ class FlatLayoutStates(FlatHold):
 
     def verify_unit_order(self) -> None:
         """Nothing to verify: stages 0-2 have no units."""
+
+    def wait_params(self) -> None:
+        """Nothing pending: stage 0 copies back in place; stages 1/2 override it (zero/param_gather.py)."""
 
     def _stepped_grads(self) -> SteppedGrads:
         """The optimizer's tensors whose ``.grad`` are the stage's (stage 0 fp32: the parameters, whose markers

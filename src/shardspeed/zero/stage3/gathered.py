@@ -56,6 +56,10 @@ class GatheredParameters:
     def __enter__(self) -> None:
         if not self.enabled:
             return
+        from shardspeed.utils.safe_access import engines_of
+
+        for engine in engines_of(self.params):  # stages 1/2: a pending post-step gather lands first
+            engine.states.wait_params()
         by_unit: dict[int, tuple[ParamUnit, PartitionedParam]] = {}
         for p in self.params:
             record = partitioned(p)

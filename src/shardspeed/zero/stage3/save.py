@@ -76,6 +76,7 @@ def save_16bit_model(
     """Write the full model (training dtype) to ``save_dir/save_filename`` from global rank 0. Collective under
     ZeRO-3: every rank must call it. True when written (on every rank); False under stage 3 without
     ``stage3_gather_16bit_weights_on_model_save``."""
+    engine.states.wait_params()  # [Note: overlapped parameter gather] in zero/param_gather.py
     zero = engine.config.zero_optimization
     writer_rank = engine.topology.global_rank == 0
     path = Path(save_dir) / save_filename

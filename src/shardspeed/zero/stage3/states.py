@@ -395,6 +395,9 @@ class Stage3States(Stage3Hold):
         """The step boundary: read the queued unit-id checks of this step (one host read; see id_check.py)."""
         self.id_check.verify()
 
+    def wait_params(self) -> None:
+        """Nothing pending between steps: units are gathered by their own forward hooks."""
+
     @property
     def peak_staging_bytes(self) -> int:
         """Peak wire-dtype bytes staged for gradient reduce-scatters: at most reduce_bucket_size × dtype size."""
