@@ -112,6 +112,9 @@ class StepCore:
         ``clearings``: how many times user code cleared gradients since the last step ([Note: gradient markers]);
         it must be the same on every rank (checked with the unused-parameter check, in one collective).
         ``lr_kwargs`` go to the LR scheduler's ``step`` (DeepSpeed's ``engine.step(lr_kwargs=...)``)."""
+        # [Note: overlapped parameter gather]: the last step's gathers (stages 1/2) land before anything here; fp32
+        # steps the parameter buffer's own slices, which a pending gather is still writing
+        self.states.wait_params()
         self._agree_before_step(clearings)
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         scaler = self.loss_scaler
@@ -135,7 +138,6 @@ class StepCore:
             coef = clip_coefficient(norm, self.gradient_clipping) / loss_scale
             if coef != 1.0:  # offload with host copies of the gradients: the optimizer scales those
                 (self.optimizer.scale_grads if self.host_grads else self.states.scale_grads)(coef)
-            self.states.wait_params()  # fp32 steps the parameter buffer's own slices: no gather may be writing it
             self.optimizer.step()
             self.states.after_optimizer_step()
             if self.lr_scheduler is not None:
