@@ -1,0 +1,109 @@
+"""The overlapped parameter gather's pure helpers and state machine (zero/param_gather.py), without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardspeed.zero.param_gather import (
+    BucketGather,
+    GatherPhase,
+    ParamGather,
+    buckets_of_params,
+    launch_order,
+    module_buckets,
+    owning_modules,
+)
+
+
+class FakeWork:
+    def __init__(self, log: list[int], k: int) -> None:
+        self.log, self.k = log, k
+
+    def wait(self) -> None:
+        self.log.append(self.k)
+
+
+def test_buckets_of_params() -> None:
+    spans = [(0, 4), (4, 10), (12, 20), (20, 20)]  # the last: an empty parameter
+    buckets = [(0, 10), (10, 12), (12, 24)]
+    assert buckets_of_params(spans, buckets) == [(0,), (0,), (2,), ()]
+    assert buckets_of_params([(5, 15)], [(0, 10), (10, 20)]) == [(0, 1)]  # straddling (not made by the layout)
+
+
+def test_module_buckets_and_launch_order() -> None:
+    per_param = [(2,), (2,), (1,), (0,), (0, 1)]
+    assert module_buckets([[0, 1], [2, 4], [3], []], per_param) == [(2,), (0, 1), (0,), ()]
+    assert launch_order(4) == [3, 2, 1, 0]  # backward arrival order reversed: the forward's first bucket first
+    assert launch_order(0) == []
+
+
+def test_owning_modules_lists_tied_parameters_under_each_owner() -> None:
+    root = torch.nn.Module()
+    root.embed = torch.nn.Embedding(5, 3)
+    root.head = torch.nn.Linear(3, 5, bias=False)
+    root.head.weight = root.embed.weight
+    root.scale = torch.nn.Parameter(torch.ones(1))
+    params = [root.scale, root.embed.weight]
+    owners = {type(m).__name__: idx for m, idx in owning_modules(root, params)}
+    assert owners == {"Module": [0], "Embedding": [1], "Linear": [1]}
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))
+
+
+def test_state_machine_waits_per_bucket_in_forward() -> None:
+    model = _model()
+    params = list(model.parameters())  # 0: w0, 1: b0, 2: w1, 3: b1
+    gather = ParamGather(model, params)
+    # bucket 0 holds the last layer (backward arrival order), bucket 1 the first
+    gather.bind([(6, 10), (10, 12), (0, 4), (4, 6)], [(0, 6), (6, 12)])
+    assert gather.phase is GatherPhase.IDLE and gather.pending == 0
+    log: list[int] = []
+    for k in launch_order(2):
+        gather.launch(k, FakeWork(log, k), torch.zeros(1))
+    assert gather.phase is GatherPhase.LAUNCHED and gather.pending_buckets() == [0, 1]
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, a: seen.append(gather.pending_buckets()))
+    model(torch.ones(1, 2))
+    assert log == [1, 0]  # the first layer's bucket, then the second's, each in its module's pre-hook
+    assert seen == [[]]  # the second layer ran with its bucket landed
+    assert gather.phase is GatherPhase.IDLE and gather.waited == [1, 0]
+    model(torch.ones(1, 2))  # nothing pending: hooks return at once
+    assert log == [1, 0]
+
+
+def test_root_forward_lands_unused_buckets_and_hooks_are_removed() -> None:
+    model = _model()
+    extra = torch.nn.Parameter(torch.zeros(3))  # read by nobody: no owning module in the model
+    params = [*model.parameters(), extra]
+    gather = ParamGather(model, params)
+    gather.bind([(0, 4), (4, 6), (6, 10), (10, 12), (12, 15)], [(0, 12), (12, 16)])
+    log: list[int] = []
+    for k in launch_order(2):
+        gather.launch(k, FakeWork(log, k), torch.zeros(1))
+    model(torch.ones(1, 2))
+    assert log == [0, 1]  # bucket 0 by the first layer, bucket 1 when the root forward returned
+    gather.remove_hooks()
+    gather.launch(0, FakeWork(log, 0), torch.zeros(1))
+    model(torch.ones(1, 2))
+    assert gather.pending == 1  # no hooks any more
+    gather.wait_all()
+    gather.wait_all()  # idempotent
+    assert log == [0, 1, 0] and gather.phase is GatherPhase.IDLE
+
+
+def test_launch_twice_and_relayout_while_pending_are_refused() -> None:
+    gather = ParamGather(None, [])
+    gather.bind([], [(0, 4)])
+    gather.launch(0, FakeWork([], 0), torch.zeros(1))
+    assert gather._buckets[0] is BucketGather.PENDING
+    with pytest.raises(AssertionError, match="pending"):
+        gather.launch(0, FakeWork([], 0), torch.zeros(1))
+    with pytest.raises(AssertionError, match="pending"):
+        gather.bind([], [(0, 4)])
+    gather.wait_bucket(0)
+    gather.wait_bucket(0)  # not pending: no-op
+    assert gather.waited == [0]
