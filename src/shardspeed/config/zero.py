@@ -106,7 +106,12 @@ class ZeroConfig(Stage3Options):
     """Stages 1/2: the updated parameters' all-gather after the optimizer step is launched bucket by bucket and
     waited for by the first module of the next forward that uses a parameter in the bucket (as Megatron-Core's
     distributed optimizer does), instead of at the end of ``step()`` (DeepSpeed). Engine calls that expose
-    parameters wait for pending gathers first. Not a DeepSpeed key (shardspeed's own). Default: true."""
+    parameters (state dicts, checkpoints, ``engine.parameters()``, ``GatheredParameters``, ``safe_get_*``) wait for
+    pending gathers first; anything the forward's modules did not wait for is waited when the model's forward
+    returns. Hazard: a parameter read directly between ``step()`` and the next forward (``layer.weight.data``, the
+    wrapped model's own ``state_dict()``, a parent reading ``self.child.weight`` before the child's forward) may see
+    a bucket still being written: call ``engine.states.wait_params()`` first, or set this to false. Not a DeepSpeed
+    key (shardspeed's own). Default: true."""
 
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from
