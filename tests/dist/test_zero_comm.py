@@ -164,7 +164,9 @@ def _data_dependent(rank: int, world: int, stage: int) -> list[torch.Tensor]:
             h = torch.tanh(model.mid2(h))
         engine.backward(F.mse_loss(model.out(h), ys))
         engine.step()
-    return [p.detach().clone() for p in engine.module.parameters()]
+    # through the engine: submodules called on their own leave the last step's parameter gathers pending
+    # ([Note: overlapped parameter gather]); engine.parameters() waits for them
+    return [p.detach().clone() for p in engine.parameters()]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

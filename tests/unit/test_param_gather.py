@@ -107,3 +107,16 @@ def test_launch_twice_and_relayout_while_pending_are_refused() -> None:
     gather.wait_bucket(0)
     gather.wait_bucket(0)  # not pending: no-op
     assert gather.waited == [0]
+
+
+def test_wrapped_model_state_dict_and_load_wait() -> None:
+    model = _model()
+    gather = ParamGather(model, list(model.parameters()))
+    gather.bind([(0, 4), (4, 6), (6, 10), (10, 12)], [(0, 12)])
+    log: list[int] = []
+    gather.launch(0, FakeWork(log, 0), torch.zeros(1))
+    state = model.state_dict()
+    assert log == [0] and gather.pending == 0
+    gather.launch(0, FakeWork(log, 0), torch.zeros(1))
+    model.load_state_dict(state)
+    assert log == [0, 0] and gather.pending == 0

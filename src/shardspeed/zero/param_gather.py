@@ -29,9 +29,13 @@ outside a forward calls ``ModelStates.wait_params()`` first (state dicts, checkp
 slice in place). Recompute under activation checkpointing re-runs the pre-hooks: everything is LANDED by then,
 so they return at once.
 
+The wrapped model's own ``state_dict()`` and ``load_state_dict()`` wait too (hooks on the root module).
+
 What is not covered: a parameter read, between ``step()`` and the forward that lands its bucket, other than
-through its owning module's forward or the engine's API — ``module.weight.data`` read directly, a parent's forward
-using ``self.child.weight`` before the child's forward ran. Such a read can see a partly written bucket. A tied
+through its owning module's forward, the root's state-dict methods or the engine's API — ``model.parameters()`` /
+``module.weight.data`` read directly, a parent's forward using ``self.child.weight`` before the child's forward
+ran, a submodule called on its own while another submodule's bucket is pending. Such a read can see a partly
+written bucket (a rank's peers may launch their half of the gather much later than it returns from ``step()``). A tied
 parameter registered in several modules (a tied embedding / LM head) is owned by each of them, so it is waited
 for by whichever runs first. ``overlap_param_gather: false`` waits every gather inside ``step()``.
 """
@@ -106,6 +110,10 @@ class ParamGather:
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(slot)))
         if root is not None:  # last: a root that owns parameters itself waits for them in its pre-hook first
             self._handles.append(root.register_forward_hook(lambda *_: self.wait_all()))
+            # the wrapped model's own state_dict() / load_state_dict() (a load landing under a pending gather would
+            # be overwritten by it)
+            self._handles.append(root.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+            self._handles.append(root.register_load_state_dict_pre_hook(lambda *_: self.wait_all()))
 
     def _pre_hook(self, slot: int) -> Callable[[torch.nn.Module, object], None]:
         def hook(module: torch.nn.Module, args: object) -> None:
