@@ -137,6 +137,7 @@ def test_real_full_disk_during_save_keeps_latest(dist_run, small_tmpfs: Path) ->
 
 def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
     """This rank's parameters, fp32 master shards and optimizer states, copied."""
+    engine.states.wait_params()  # direct reads below: land pending parameter gathers first
     out = {f"param/{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
     for i, piece in enumerate(engine.states.checkpoint_pieces()):
         out[f"piece{i}/{piece.name}"] = piece.value.detach().clone()

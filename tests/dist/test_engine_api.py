@@ -136,6 +136,7 @@ def _custom_optimizer(rank: int, world: int, cls: type, allow: bool) -> object:
     for x, y in global_batches(3, MB * world):
         engine.backward(F.mse_loss(engine(x[rank * MB : (rank + 1) * MB]), y[rank * MB : (rank + 1) * MB]))
         engine.step()
+    engine.states.wait_params()  # direct reads below: land pending parameter gathers first
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 

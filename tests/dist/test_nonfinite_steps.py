@@ -79,6 +79,7 @@ def _listen(engine: Any) -> Records:
 def _snapshot(engine: Any) -> list[torch.Tensor]:
     """Everything a step may change on this rank: the model's (local) parameters, the stepped tensors and their
     optimizer states, bitwise."""
+    engine.states.wait_params()  # direct reads below: land pending parameter gathers first
     out = [p.detach().clone() for p in engine.module.parameters()]
     for group in engine.optimizer.param_groups:
         for t in group["params"]:

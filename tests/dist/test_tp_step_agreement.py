@@ -51,6 +51,7 @@ def _overflow_run(rank: int, world: int, stage: int, fp16: bool) -> dict:
         applied.append(engine.was_step_applied())
         scales.append(engine.get_loss_scale() if fp16 else 1.0)
         norms.append(engine.get_global_grad_norm())
+    engine.states.wait_params()  # direct reads below: land pending parameter gathers first
     up = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if n.startswith("norm")}
     return {"applied": applied, "scales": scales, "norms": norms, "skipped": engine.skipped_steps, "norm": up}
 

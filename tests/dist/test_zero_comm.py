@@ -185,7 +185,7 @@ def _overlap(rank: int, world: int, overlap: bool) -> dict:
         engine.step()
     biggest = max(b.numel for b in engine.states.layout.buckets) * 4
     return {
-        "params": [p.detach().clone() for p in engine.module.parameters()],
+        "params": [p.detach().clone() for p in engine.parameters()],  # waits for the last step's gathers
         "peak": engine.memory_breakdown()["peak_bucket_bytes"],
         "biggest_bucket": biggest,
     }

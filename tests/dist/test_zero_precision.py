@@ -83,7 +83,7 @@ def _fp16_step(rank: int, world: int, inject_inf_on: int | None, stage: int) -> 
         "masters_before": masters_before,
         "masters_after": torch.cat([t.detach().flatten() for t in stepped]),
         "scaled_grads": scaled_grads,
-        "params": torch.cat([p.detach().float().flatten() for p in engine.module.parameters()]),
+        "params": torch.cat([p.detach().float().flatten() for p in engine.parameters()]),  # waits for the gathers
         "masters_as_fp16": torch.cat([t.detach().half().float().flatten() for t in stepped]),
     }
 
