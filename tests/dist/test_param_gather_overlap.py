@@ -172,9 +172,17 @@ def _structure(rank: int, world: int, stage: int, overlap: bool) -> dict:
     return out
 
 
+def _structure_both(rank: int, world: int, stage: int) -> tuple[dict, dict]:
+    return _structure(rank, world, stage, True), _structure(rank, world, stage, False)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_step_launches_and_forward_waits_bucket_by_bucket(dist_run, stage: int) -> None:
-    for r in dist_run(_structure, 2, stage, True):
+    """With overlap on: step() launches and returns, the forward lands bucket by bucket. With it off (same
+    processes, to save a start-up): every gather is waited inside step() (``_check_overlap_off``)."""
+    results = dist_run(_structure_both, 2, stage)
+    _check_overlap_off([off for _, off in results])
+    for r, _ in results:
         n = r["buckets"]
         assert n >= 3
         assert r["pending_after_step"] == n  # step() launched every bucket's gather and returned
@@ -190,9 +198,9 @@ def test_step_launches_and_forward_waits_bucket_by_bucket(dist_run, stage: int) 
         assert r["waited"] == expected_order  # first-use order, one bucket at a time
 
 
-@pytest.mark.parametrize("stage", [2])
-def test_overlap_off_waits_inside_step(dist_run, stage: int) -> None:
-    for r in dist_run(_structure, 2, stage, False):
+def _check_overlap_off(results: list[dict]) -> None:
+    """``overlap_param_gather: false``: the parameter waits are recorded inside step(), none in the forward."""
+    for r in results:
         assert r["pending_after_step"] == 0
         assert r["waits_in_step"] == r["buckets"]
         assert r["waits_in_forward"] == 0
@@ -363,16 +371,28 @@ def _model_case(rank: int, world: int, which: str, stage: int) -> dict:
     return out
 
 
+def _model_cases(rank: int, world: int, cases: list[tuple[str, int]]) -> list[dict]:
+    return [_model_case(rank, world, which, stage) for which, stage in cases]
+
+
 @pytest.mark.parametrize(
-    ("which", "stage"), [("tied", 1), pytest.param("tied", 2, marks=pytest.mark.slow), ("checkpointed", 2)]
+    "cases",
+    [
+        [("tied", 1), ("checkpointed", 2)],  # one start-up for both
+        pytest.param([("tied", 2), ("checkpointed", 1)], marks=pytest.mark.slow),
+    ],
 )
-def test_tied_and_checkpointed_models(dist_run, which: str, stage: int) -> None:
-    for r in dist_run(_model_case, 2, which, stage):
-        on, off = r[True], r[False]
-        assert on["pending_at_end"] == on["buckets"]
-        for name, p in on["params"].items():
-            assert torch.equal(p, off["params"][name]), name
-            assert (p - r["ref"][name]).abs().max().item() <= 1e-5, name
+def test_tied_and_checkpointed_models(dist_run, cases: list[tuple[str, int]]) -> None:
+    """A tied embedding / LM head (one parameter owned by two modules, read again in the root's forward) and
+    non-reentrant activation checkpointing (recompute re-runs the pre-hooks): equal to overlap off bit for bit and
+    to the single-process reference to 1e-5."""
+    for per_rank in dist_run(_model_cases, 2, cases):
+        for r in per_rank:
+            on, off = r[True], r[False]
+            assert on["pending_at_end"] == on["buckets"]
+            for name, p in on["params"].items():
+                assert torch.equal(p, off["params"][name]), name
+                assert (p - r["ref"][name]).abs().max().item() <= 1e-5, name
 
 
 # --- pipeline engine at stage 1 ---------------------------------------------------------------------------------
