@@ -263,15 +263,16 @@ def run_checks(
     budget_s: float = DEFAULT_BUDGET_S,
     bench_has_device: Callable[[], bool] = bench_has_device_flag,
     echo: Callable[[str], None] = print,
+    min_start_s: float = 10.0,
 ) -> list[Result]:
     """Each check in order, skipped with its reason where the host lacks what it needs; a check gets at most what
-    is left of the budget, and none starts with under 10 s left."""
+    is left of the budget, and none starts with under ``min_start_s`` left."""
     deadline = time.monotonic() + budget_s
     results = []
     for check in checks:
         reason = skip_reason(check, host, bench_has_device=bench_has_device)
         left = deadline - time.monotonic()
-        if not reason and left < 10:
+        if not reason and left < min_start_s:
             reason = f"the {budget_s:.0f} s budget is spent"
         if reason:
             results.append(Result(check.name, "skipped", "", 0.0, reason))
