@@ -182,6 +182,7 @@ def _env() -> dict[str, str]:
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["SHARDSPEED_TEST_CUDA"] = "1"  # tests/conftest.py hides CUDA from the (CPU) suite otherwise
     return env
 
 

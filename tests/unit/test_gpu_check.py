@@ -155,3 +155,21 @@ def test_probe_on_this_host_reads_torch_from_a_subprocess() -> None:
     assert host.torch_version == torch.__version__ and host.probe_error == ""
     if not torch.cuda.is_available():
         assert (host.cuda_available, host.gpus, host.gpu_names) == (False, 0, ())
+
+
+@pytest.mark.slow  # three pytest / python processes: about 15 s on a quiet machine
+def test_the_real_checks_run_their_commands(tmp_path: Path) -> None:
+    """The real plan against a host that claims one GPU: the pytest commands collect the CUDA tests (paths, marker,
+    ignores right) — which then skip here, with the reason, as torch sees no CUDA — and the bench check is asked
+    for its flag. Guards the commands that otherwise only ever run on a GPU host."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: `make gpu-check` runs the checks for real")
+    results = gpu_check.run_checks(gpu_check.plan_checks(quick=True), ONE_GPU, echo=lambda _: None)
+    world1, gloo, nccl, bench = results
+    for r in (world1, gloo):
+        assert r.result == "skipped" and "torch.cuda.is_available() is False" in r.reason, r
+    assert "skipped" in world1.figures and int(world1.figures.split()[0]) >= 29  # tests/cuda + the unit ones
+    assert nccl.reason.startswith("1 CUDA device(s)")
+    assert bench.result == "skipped" if bench.reason else bench.result in ("passed", "failed", "timeout")
