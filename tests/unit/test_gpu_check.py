@@ -173,3 +173,15 @@ def test_the_real_checks_run_their_commands(tmp_path: Path) -> None:
     assert "skipped" in world1.figures and int(world1.figures.split()[0]) >= 29  # tests/cuda + the unit ones
     assert nccl.reason.startswith("1 CUDA device(s)")
     assert bench.result == "skipped" if bench.reason else bench.result in ("passed", "failed", "timeout")
+
+
+def test_the_cpu_suite_hides_cuda_unless_asked() -> None:
+    """tests/conftest.py: without SHARDSPEED_TEST_CUDA=1 the suite never sees a GPU, so on a GPU host forked gloo
+    ranks stay on the CPU (the engine would put them on cuda:LOCAL_RANK, where a forked child cannot start CUDA);
+    gpu_check opts its pytest runs in."""
+    import torch
+
+    if os.environ.get("SHARDSPEED_TEST_CUDA") == "1":
+        pytest.skip("this run asked for CUDA (SHARDSPEED_TEST_CUDA=1)")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+    assert gpu_check._env()["SHARDSPEED_TEST_CUDA"] == "1"
