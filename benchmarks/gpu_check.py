@@ -105,6 +105,9 @@ def probe_host(python: str = sys.executable, timeout_s: float = 120.0) -> Host:
         done = subprocess.run(
             [python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=_env()
         )
+    except (subprocess.TimeoutExpired, OSError) as error:
+        return Host("unknown", False, 0, probe_error=f"probing torch failed: {error}")
+    try:
         found = json.loads(done.stdout.strip().splitlines()[-1])
         return Host(
             torch_version=found["torch_version"],
@@ -113,9 +116,9 @@ def probe_host(python: str = sys.executable, timeout_s: float = 120.0) -> Host:
             nccl_available=bool(found["nccl_available"]),
             gpu_names=tuple(found["gpu_names"]),
         )
-    except (subprocess.TimeoutExpired, OSError, ValueError, KeyError, IndexError) as error:
-        detail = getattr(error, "stderr", None) or ""
-        return Host("unknown", False, 0, probe_error=f"probing torch failed: {error} {str(detail)[-300:]}".strip())
+    except (ValueError, KeyError, IndexError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return Host("unknown", False, 0, probe_error=f"probing torch failed (exit status {done.returncode}): {last}")
 
 
 def skip_reason(check: Check, host: Host, *, bench_has_device: Callable[[], bool]) -> str:
@@ -209,7 +212,7 @@ def judge(check: Check, returncode: int, output: str, seconds: float) -> Result:
     tail = output[-TAIL_CHARS:]
     if check.kind != "pytest":
         ok = returncode == 0
-        figures = "rows timed" if ok else f"exit status {returncode}"
+        figures = "rows timed" if ok and check.kind == "bench" else f"exit status {returncode}"
         return Result(check.name, "passed" if ok else "failed", figures, seconds, "", returncode, tail)
     counts = pytest_counts(output)
     figures = ", ".join(f"{n} {word}" for word, n in counts.items()) or f"exit status {returncode}"
@@ -336,6 +339,8 @@ def main(
             print(f"\n--- {r.name}: {r.result}; last lines of its output ---\n{r.output_tail[-2000:]}")
         elif r.name in benches and r.result == "passed":  # the benchmark's own table of rows
             print(f"\n--- {r.name} ---\n{r.output_tail[-3000:]}")
+        if r.notes and r.result != "skipped":  # tests skipped inside a check that ran: e.g. ops gloo refuses on CUDA
+            print(f"\n--- {r.name}: skipped tests ---\n" + "\n".join(dict.fromkeys(r.notes)))
     print()
     print(format_table(results, host))
     if args.json:

@@ -51,6 +51,8 @@ def test_skip_reasons_for_one_gpu_no_nccl_and_no_bench_flag() -> None:
         "bench_engine has no --device (helper E's flag is not on this branch)"
     )
     assert gpu_check.skip_reason(bench, ONE_GPU, bench_has_device=lambda: True) == ""
+    failed_probe = gpu_check.probe_host(python=sys.executable + "-missing")
+    assert failed_probe.probe_error.startswith("probing torch failed: ") and not failed_probe.cuda_available
     failed_probe = Host("unknown", False, 0, probe_error="probing torch failed: boom")
     assert gpu_check.skip_reason(bench, failed_probe, bench_has_device=_never) == "probing torch failed: boom"
 
@@ -126,18 +128,27 @@ def test_a_check_past_its_timeout_is_reported_as_such_and_its_children_killed() 
 def test_a_failing_check_makes_the_exit_status_nonzero_and_json_records_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    checks = [_plain("ok", "print('fine')"), _plain("bad", "import sys; print('broken'); sys.exit(3)")]
+    pytest_like = "print('SKIPPED [1] tests/cuda/t.py:3: gloo refuses x'); print('2 passed, 1 skipped in 1.0s')"
+    checks = [
+        Check("ok", (sys.executable, "-c", pytest_like), 60.0),
+        _plain("bad", "import sys; print('broken'); sys.exit(3)"),
+    ]
     out_file = tmp_path / "gpu.json"
     status = gpu_check.main(["--json", str(out_file)], checks=checks, host=ONE_GPU, bench_has_device=_never)
     assert status == 1
     printed = capsys.readouterr().out
     assert "--- bad: failed; last lines of its output ---\nbroken" in printed
+    assert "--- ok: skipped tests ---\ntests/cuda/t.py:3: gloo refuses x" in printed  # reasons inside a passed check
     payload = json.loads(out_file.read_text())
     assert payload["exit_status"] == 1
     assert payload["host"]["gpu_names"] == ["NVIDIA H200"]
     assert [(r["name"], r["result"], r["returncode"]) for r in payload["results"]] == [
         ("ok", "passed", 0),
         ("bad", "failed", 3),
+    ]
+    assert [r["figures"] for r in payload["results"]] == [
+        "2 passed, 1 skipped",
+        "exit status 3",
     ]
 
 
