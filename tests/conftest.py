@@ -6,6 +6,12 @@ import os
 import sys
 from pathlib import Path
 
+# The suite runs on CPU (gloo, forked ranks) even on a GPU host: the engine would put every forked rank on
+# cuda:LOCAL_RANK, and CUDA does not survive fork ([Note: CUDA tests and forked ranks] in tests/cuda/cuda_support.py).
+# Hidden before torch is asked anything; `make gpu-check` sets SHARDSPEED_TEST_CUDA=1 for the tests/cuda path.
+if os.environ.get("SHARDSPEED_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 import torch._dynamo  # ZeRO-3 registers its hooks through torch.compiler.disable, which imports dynamo (seconds)

@@ -105,6 +105,29 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def rank_device(local_rank: int, cuda_devices: int) -> torch.device:
+    """The device a rank trains on, DeepSpeed's rule: ``cuda:LOCAL_RANK`` when CUDA devices are visible (one GPU
+    per rank of a node), else the CPU. A LOCAL_RANK past the visible devices is an error naming both, instead of
+    CUDA's "invalid device ordinal" at the model's first copy. Pure: callers pass ``LOCAL_RANK`` and
+    ``torch.cuda.device_count()`` (0 without CUDA)."""
+    if cuda_devices <= 0:
+        return torch.device("cpu")
+    if not 0 <= local_rank < cuda_devices:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this process sees {cuda_devices} CUDA device(s): shardspeed trains each "
+            "rank of a node on cuda:LOCAL_RANK (one GPU per rank; NCCL refuses two ranks on one GPU). Start at most "
+            f"{cuda_devices} process(es) per node, or make CUDA_VISIBLE_DEVICES show every rank its GPU as "
+            "cuda:LOCAL_RANK"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def local_rank_device() -> torch.device:
+    """``rank_device`` for this process (``LOCAL_RANK``, default 0; CUDA's visible devices)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return rank_device(int(os.environ.get("LOCAL_RANK", "0")), count)
+
+
 # The default process group init_distributed created, if any (see [Note: clean exit]).
 _created_group: dist.ProcessGroup | None = None
 _exit_hook_registered = False

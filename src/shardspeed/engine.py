@@ -29,6 +29,7 @@ from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
+from shardspeed.distributed import local_rank_device
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import (
     build_engine_optimizer,
@@ -222,11 +223,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
     # --- construction helpers ----------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            import os
-
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        device = local_rank_device()  # cuda:LOCAL_RANK, or the CPU; a LOCAL_RANK past the GPUs is a clear error
+        if device.type == "cuda":  # as DeepSpeed's engine: current_device() (NCCL's small tensors, streams) is ours
+            torch.cuda.set_device(device)
+        return device
 
     @torch.no_grad()
     def _broadcast_module_state(self) -> None:

@@ -86,6 +86,7 @@ def test_snapshot_replays_and_then_restores_every_stream() -> None:
     assert torch.equal(after_fork, draws(3, 4)[2:])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tracker_and_checkpointed_cuda_dropout() -> None:
     device = torch.device("cuda", torch.cuda.current_device())

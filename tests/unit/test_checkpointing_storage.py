@@ -62,6 +62,7 @@ def test_contiguous_packs_one_checkpoints_slices_into_one_buffer() -> None:
     assert torch.equal(sc.data, c[3:])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cpu_checkpointing_moves_cuda_inputs_to_host_and_back() -> None:
     x = torch.randn(4, 4, device="cuda", requires_grad=True)

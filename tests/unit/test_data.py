@@ -285,6 +285,7 @@ def test_on_cpu_the_batch_is_not_copied() -> None:
     loader.close()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_prefetch_copies_from_pinned_memory() -> None:
     loader = build_dataloader(

@@ -15,13 +15,13 @@ the low-precision shards, and frozen parts' checkpoint values are upcast copies 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from shardspeed.checkpoint.pieces import Piece
+from shardspeed.distributed import local_rank_device
 from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.grad_markers import SteppedGrads
@@ -447,6 +447,4 @@ class Stage3States(Stage3Hold):
 
 def _default_device() -> torch.device:
     """The engine's device rule, for a meta model (it carries no device of its own) when none was passed."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return local_rank_device()
