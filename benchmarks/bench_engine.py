@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_exposed import per_step_ms
-from bench_report import format_cross_set, format_report
+from bench_report import BEFORE_SUFFIX, format_cross_set, format_report
 from bench_rows import (
     DEEPSPEED_ROWS,
     MODEL_SIZES,
@@ -172,6 +172,8 @@ def _torchrun(
     env = child_env(paths=[BENCH_DIR], cpu_only=args.device == "cpu")
     if args.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's own accelerator choice, for the DeepSpeed processes
+    if python != sys.executable:  # DeepSpeed 0.19 calls torch's deprecated collectives: one warning per call site
+        env["PYTHONWARNINGS"] = "ignore::FutureWarning"
     completed = subprocess.run(command, env=env, check=False)
     if completed.returncode != 0:
         what = f"memory run for row {memory_row!r}" if memory_row else what
@@ -228,7 +230,9 @@ def run_model(args: argparse.Namespace, model: str, ds_python: str | None, world
             out["timing"] = _torchrun(args, model, local, scratch / "timing.json", None)
             if out["timing"] is None:
                 raise SystemExit(1)
-            out["memory"] = _memory_runs(args, model, local, list(out["timing"]["step_ms"]), scratch, sys.executable)
+            # Memory is not what the before rows are about (same buffers, other timing): their runs are skipped.
+            measured = [name for name in out["timing"]["step_ms"] if not name.endswith(BEFORE_SUFFIX)]
+            out["memory"] = _memory_runs(args, model, local, measured, scratch, sys.executable)
         if remote and ds_python is not None:
             remote = [row.name for row in resolve_rows(remote)]
             ds_timing = _torchrun(
