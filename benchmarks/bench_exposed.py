@@ -8,6 +8,10 @@ slowest rank's step time is the step time, but blocked time is per thread and ra
 mean is the fairer "what a rank pays"). Keys fall into three groups by tag: ``grads`` (gradient reduction),
 ``params`` (parameter gathers: stage 3's units, stages 1/2's post-step gather) and everything else (``other``:
 the step's norm / overflow checks, loss averaging, ...). The report prints the median over rounds of each.
+
+A wait ends when the peers' bytes have arrived, so it also holds the time the peers arrived late (rank skew):
+on a loaded machine the first synchronous collective after a step (the step checks, stage 3's unit-id check)
+absorbs the skew of everything before it. Compare before/after rows of the same run, not figures across runs.
 """
 
 from __future__ import annotations
