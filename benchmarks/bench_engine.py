@@ -259,7 +259,7 @@ def run_model(args: argparse.Namespace, model: str, ds_python: str | None, world
             f"\n--- DeepSpeed {ds.get('deepspeed_version', '?')} rows: a second set of processes "
             f"({out['deepspeed']['python']}), timed in their own interleaved rounds against the same torch peers ---"
         )
-        print(format_report(ds, out["deepspeed"]["memory"]))
+        print(format_report(ds, out["deepspeed"]["memory"], notes=out["timing"] is None))
         if out["timing"] is not None:
             print()
             print(format_cross_set(out["timing"], ds))

@@ -148,8 +148,9 @@ def before_after_pairs(with_meter: list[str], timed: list[str]) -> list[tuple[st
     return [(name + BEFORE_SUFFIX, name) for name in with_meter if name + BEFORE_SUFFIX in with_meter and name in timed]
 
 
-def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | None]) -> str:
-    """The final table, per-round ratios, and notes on what was measured."""
+def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | None], *, notes: bool = True) -> str:
+    """The final table, per-round ratios, and (``notes``) what was measured: a second table of the same run
+    (DeepSpeed's process set) leaves the notes to the first."""
     lines = _aligned(HEADER, table_rows(timing, memory))
     lines.append("")
     exposed = exposed_lines(timing)
@@ -171,6 +172,9 @@ def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | Non
             f"{row['name']}: {row['description']}; ms per round: "
             + " ".join(f"{value:.1f}" for value in timing["step_ms"][row["name"]])
         )
+    skipped = [f"{name}: skipped ({reason})" for name, reason in timing.get("skipped", {}).items()]
+    if not notes:
+        return "\n".join([*lines, *skipped])
     lines.append("")
     lines.append(
         "step ms = mean step time of each round's timed block (barrier-synchronized, slowest rank), median "
@@ -186,15 +190,13 @@ def format_report(timing: dict[str, Any], memory: dict[str, dict[str, Any] | Non
     lines.append(
         (CUDA_MEMORY_NOTE if cuda else MEMORY_NOTE)
         if memory
-        else "peak RSS: not measured (run without torchrun to measure it per row)."
+        else "peak memory: not measured (--skip-memory, or a rank run directly under torchrun)."
     )
     lines.append(
         "loss = rank 0's loss at the last step: rows start from the same weights and data and take the same "
         "number of steps, so equal losses show they train the same thing."
     )
-    for name, reason in timing.get("skipped", {}).items():
-        lines.append(f"{name}: skipped ({reason})")
-    return "\n".join(lines)
+    return "\n".join([*lines, *skipped])
 
 
 def format_cross_set(timing: dict[str, Any], deepspeed: dict[str, Any]) -> str:
