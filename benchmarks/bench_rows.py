@@ -281,3 +281,30 @@ def resolve_rows(requested: list[str]) -> list[Row]:
             if needed is not None and needed not in names:
                 names.append(needed)
     return [ROWS[name] for name in names]
+
+
+def timing_order(rows: list[Row]) -> list[Row]:
+    """The order rows are timed in within a round: each reference row (a peer) in the middle of the rows
+    compared with it, so a row and its peer run close together in time and the round's ratio sees nearly the
+    same machine (a round of a dozen rows lasts a minute or more, and a loaded machine drifts within it).
+
+    Groups follow the order their reference row first appears (as itself or as a peer); inside a group the
+    rows keep their order, the first half before the peer and the rest after it.
+    """
+    by_name = {row.name: row for row in rows}
+    references: list[str] = []
+    for row in rows:
+        reference = row.name if row.peer is None or row.peer not in by_name else row.peer
+        if reference not in references:
+            references.append(reference)
+    ordered: list[Row] = []
+    for reference in references:
+        members = [row for row in rows if row.peer == reference and row.name != reference]
+        half = (len(members) + 1) // 2
+        ordered += [*members[:half], by_name[reference], *members[half:]]
+    # A peer that has a peer itself (a chain) would be placed twice: keep its first place.
+    unique: list[Row] = []
+    for row in [*ordered, *rows]:  # then any row no group took
+        if row not in unique:
+            unique.append(row)
+    return unique

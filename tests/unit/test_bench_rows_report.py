@@ -17,7 +17,17 @@ from bench_engine import models_of, parse_args, plan_world, requested_rows, spli
 from bench_exposed import by_category, category, median_over_rounds, per_step_ms, summarize
 from bench_models import MODEL_SIZES, build_template_model, make_setup
 from bench_report import before_after_pairs, exposed_lines, format_cross_set, format_report, target_verdict
-from bench_rows import BEFORE_EXTRA, BEFORE_ZERO, DEEPSPEED_ROWS, ROWS, default_rows, engine_config
+from bench_rows import (
+    BEFORE_EXTRA,
+    BEFORE_ZERO,
+    DEEPSPEED_ROWS,
+    ROWS,
+    Row,
+    default_rows,
+    engine_config,
+    resolve_rows,
+    timing_order,
+)
 from launch_util import REPO_SRC, child_env, free_port
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -63,6 +73,37 @@ def test_default_rows_per_model() -> None:
     assert not [name for name in mlp if "nopersist" in name]
     assert {"stage3_nopersist", "stage3_nopersist_before"} <= set(small)
     assert not set(DEEPSPEED_ROWS) & set(small)
+
+
+def test_timing_order_puts_each_peer_amid_its_rows() -> None:
+    names = [row.name for row in timing_order(resolve_rows(list(default_rows("mlp"))))]
+    # ddp's rows stage0, stage2, stage0_before, stage2_before: two before it, two after; then the other groups
+    assert names == [
+        "stage0",
+        "stage2",
+        "ddp",
+        "stage0_before",
+        "stage2_before",
+        "stage1",
+        "zero_redundancy",
+        "stage1_before",
+        "stage3",
+        "fsdp2",
+        "stage3_before",
+    ]
+    # a DeepSpeed set: the peers come from resolve_rows, each amid its rows
+    ds = [row.name for row in timing_order(resolve_rows(list(DEEPSPEED_ROWS)))]
+    assert ds == ["deepspeed0", "ddp", "deepspeed2", "deepspeed1", "zero_redundancy", "deepspeed3", "fsdp2"]
+
+
+def test_timing_order_places_every_row_once_even_for_a_chain_of_peers() -> None:
+    def row(name: str, peer: str | None) -> Row:
+        return Row(name, name, lambda setup: None, peer)  # type: ignore[arg-type,return-value]
+
+    chain = [row("a", "b"), row("b", "c"), row("c", None), row("d", None)]
+    names = [r.name for r in timing_order(chain)]
+    assert sorted(names) == ["a", "b", "c", "d"] and len(names) == 4
+    assert names.index("a") < names.index("b")  # a next to its peer b
 
 
 # --- exposed communication ------------------------------------------------------------------------------------
