@@ -32,8 +32,11 @@ test-all: lint
 demo: $(STAMP)
 	$(PY) -m shardspeed.demo $(ARGS)
 
+# The engine rows (ZeRO 0-3 vs DDP / ZeroRedundancyOptimizer / FSDP2, before/after issue #16, exposed
+# communication); DS_PYTHON names a venv's python with deepspeed 0.19.x for DeepSpeed's rows. E.g.
+# `make bench ARGS="--model all"`.
 bench: $(STAMP)
-	$(PY) benchmarks/bench_engine.py $(ARGS)
+	$(PY) benchmarks/bench_engine.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
 
 # Tensor parallelism (TP=2, 2 gloo ranks) against torch DTensor parallelize_module on the same GPT.
 bench-tp: $(STAMP)

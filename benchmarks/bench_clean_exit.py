@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_SRC = Path(__file__).resolve().parents[1] / "src"
+from launch_util import child_env, free_port
+
 ABORT_SIGNATURE = "terminate called"
 # The rendezvous port is picked free just before the launch; on a busy machine another process can take it in
 # between. That is a property of the harness, not of the exit: such a launch is retried on a fresh port.
@@ -58,12 +57,6 @@ for _ in range(2):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_once(directory: Path, nproc: int, baseline: bool) -> tuple[int, str, int]:
     """One run; returns (exit code, stderr, launches retried because the rendezvous port was taken)."""
     for retry in range(PORT_RETRIES + 1):
@@ -76,9 +69,8 @@ def run_once(directory: Path, nproc: int, baseline: bool) -> tuple[int, str, int
 def launch(directory: Path, nproc: int, baseline: bool) -> tuple[int, str]:
     """One launch; returns (exit code, stderr)."""
     command = [sys.executable, "-m", "shardspeed.launcher.cli", "--num_procs", str(nproc)]
-    command += ["--master_port", str(_free_port()), "train.py", *(["--baseline"] if baseline else [])]
-    pythonpath = os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    command += ["--master_port", str(free_port()), "train.py", *(["--baseline"] if baseline else [])]
+    env = child_env(cpu_only=False, force_one_thread=True)
     completed = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=300)
     return completed.returncode, completed.stderr
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_rows import MODEL_SIZES, BenchSetup, engine_config, make_setup
+from launch_util import child_env, free_port
 from stats import summarize_ratios
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,23 +56,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # --- launcher -----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launcher_main(args: argparse.Namespace, argv: list[str]) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), CUDA_VISIBLE_DEVICES="")
-    env.pop("SHARDSPEED_VERIFY_COLLECTIVES", None)  # the benchmark sets the option per engine itself
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), env.get("PYTHONPATH")]))
+    env = child_env(unset=["SHARDSPEED_VERIFY_COLLECTIVES"])  # the benchmark sets the option per engine itself
     with tempfile.TemporaryDirectory(prefix="bench_order_") as scratch:
         result = Path(scratch) / "result.json"
         command = [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            *("--nproc_per_node", str(args.nproc), "--master_port", str(_free_port())),
+            *("--nproc_per_node", str(args.nproc), "--master_port", str(free_port())),
             str(Path(__file__).resolve()),
             *argv,
             *("--result-file", str(result)),

@@ -44,7 +44,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests" / "dist"))  # pipe_models: torch-only at import
 
 from bench_pipe_report import SIDES  # noqa: E402
+from launch_util import child_env, free_port  # noqa: E402
 from pipe_models import BASE_SEED, gpt_loss_fn, layer_plan, make_batches, rank_iterator  # noqa: E402
 from proc_status import read_status_mib  # noqa: E402
 
@@ -352,24 +352,12 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 # --- launcher ----------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["DS_ACCELERATOR"] = "cpu"
-    paths = [str(REPO_ROOT / "src"), str(REPO_ROOT / "benchmarks"), str(REPO_ROOT / "tests" / "dist")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
-    return env
+    return child_env(paths=[REPO_ROOT / "benchmarks", REPO_ROOT / "tests" / "dist"], DS_ACCELERATOR="cpu")
 
 
 def _torchrun(python: str, script: Path, forwarded: list[str], result_file: Path, what: str) -> dict[str, Any]:
-    command = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    command = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     command += [str(script), *forwarded, "--result-file", str(result_file)]
     completed = subprocess.run(command, env=_child_env(), check=False)
     if completed.returncode != 0:

@@ -36,7 +36,6 @@ import copy
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,11 +49,11 @@ import torch
 import torch.distributed as dist
 from bench_rows import ADAMW_PARAMS
 from bench_tp_report import SIDES, format_report
+from launch_util import child_env, free_port
 from proc_status import read_status_mib
 from stats import median
 from tp_model import TP_MODEL_SIZES, TPModelSize, build_dense, make_batches, parallelize_for_torch, slice_for_shardspeed
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BATCH_COUNT = 4  # steps cycle through these; distinct batches make the loss check more than one repeated sample
 
 
@@ -314,22 +313,6 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 # --- launcher (no RANK in the environment) ---------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _child_env(device: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the shardspeed engine would otherwise pick a visible GPU
-    src = str(REPO_ROOT / "src")  # works from a checkout without `pip install -e .`
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    return env
-
-
 def _torchrun(args: argparse.Namespace, result_file: Path, memory_side: str | None) -> dict[str, Any]:
     forwarded = [
         *("--tp", str(args.tp), "--repeats", str(args.repeats), "--steps", str(args.steps)),
@@ -338,8 +321,8 @@ def _torchrun(args: argparse.Namespace, result_file: Path, memory_side: str | No
         *(("--memory-side", memory_side) if memory_side else ()),
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp)]
-    command += ["--master_port", str(_free_port()), str(Path(__file__).resolve()), *forwarded]
-    completed = subprocess.run(command, env=_child_env(args.device), check=False)
+    command += ["--master_port", str(free_port()), str(Path(__file__).resolve()), *forwarded]
+    completed = subprocess.run(command, env=child_env(cpu_only=args.device == "cpu"), check=False)
     if completed.returncode != 0:
         what = f"memory run of the {memory_side} side" if memory_side else "timing run"
         raise SystemExit(f"bench_tp_dtensor: the {what} failed (exit code {completed.returncode}); see above")

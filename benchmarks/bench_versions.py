@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_engine import _child_env, _free_port
+from launch_util import child_env, free_port
 from stats import summarize_ratios
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def timing_run(tree: Path, args: argparse.Namespace, result: Path) -> dict[str, float]:
     """One bench_engine timing run from ``tree`` (its own src/ and benchmarks/); ms per step by row."""
-    env = _child_env()
+    env = child_env()
     env["PYTHONPATH"] = str(tree / "src")  # the tree's own package, never this checkout's
     command = [
         sys.executable,
@@ -53,7 +53,7 @@ def timing_run(tree: Path, args: argparse.Namespace, result: Path) -> dict[str, 
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(tree / "benchmarks" / "bench_engine.py"),
         *("--rounds", "1", "--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--model", args.model, "--rows", args.rows, "--result-file", str(result)),

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from fault_report import last_error_line
+from launch_util import child_env, free_port
 
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_SRC = BENCH_DIR.parent / "src"
 SCRIPT = BENCH_DIR / "fault_table_script.py"
 NPROC = 2
 VERIFY_TIMEOUT_S = 120.0
@@ -101,12 +100,6 @@ def _kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @dataclass
 class Launch:
     """What one launched job did."""
@@ -125,10 +118,7 @@ class Launch:
 
 
 def _child_env() -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
-    env.pop("SHARDSPEED_INJECT", None)  # faults come from the spec only
-    return env
+    return child_env(cpu_only=False, force_one_thread=True, unset=["SHARDSPEED_INJECT"])  # faults: the spec only
 
 
 def launch(
@@ -153,7 +143,7 @@ def launch(
 def _launch_once(spec_path: Path, run_dir: Path, *, resume: bool, timeout_s: float, sigterm: bool) -> Launch:
     log_dir = run_dir / "logs"
     command = [sys.executable, "-m", "shardspeed.launcher.cli", "--num_procs", str(NPROC)]
-    command += ["--master_port", str(_free_port()), "--enable_each_rank_log", str(log_dir)]
+    command += ["--master_port", str(free_port()), "--enable_each_rank_log", str(log_dir)]
     command += [str(SCRIPT), "--spec", str(spec_path), "--rundir", str(run_dir), *(["--resume"] if resume else [])]
     stderr_path = run_dir / "launcher.log"
     started = time.time()
@@ -222,7 +212,7 @@ def verify_latest(spec_path: Path, ckpt: Path, timeout_s: float = VERIFY_TIMEOUT
     if not (ckpt / "latest").exists():
         return {"loads": False, "error": "no latest"}
     env = {**_child_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     command = [sys.executable, str(SCRIPT), "--spec", str(spec_path), "--verify", str(ckpt)]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
