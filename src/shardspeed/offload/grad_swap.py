@@ -72,8 +72,7 @@ class GradSwap:
             self.written.add(chunk.name)
         nbytes = grad.numel() * grad.element_size()
         self.bytes_written += nbytes
-        while self._in_flight and all(getattr(h, "done", lambda: True)() for h in self._in_flight[0][0]):
-            self._retire_oldest()  # finished: its memory can go now, not when the window fills
+        self.retire_done()
         self._in_flight.append((handles, nbytes))
         self.in_flight_bytes += nbytes
         self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self.in_flight_bytes)
@@ -107,6 +106,11 @@ class GradSwap:
                 if self.failure is None:
                     self.failure = error
         return ok
+
+    def retire_done(self) -> None:
+        """Drop the oldest writes that have finished: their memory can go now, not when the window fills."""
+        while self._in_flight and all(getattr(h, "done", lambda: True)() for h in self._in_flight[0][0]):
+            self._retire_oldest()
 
     def _retire_oldest(self) -> None:
         handles, nbytes = self._in_flight.popleft()

@@ -63,6 +63,7 @@ class UnitGradSink:
 
     # --- a unit's shard in memory ---------------------------------------------------------------------------------
     def allocated(self, nbytes: int) -> None:
+        self.swap.retire_done()
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.swap.in_flight_bytes)
 
