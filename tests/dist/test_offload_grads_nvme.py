@@ -61,7 +61,9 @@ def _parity(rank: int, world: int, tmp: str, gas: int, bf16: bool) -> dict[str, 
         run = _train(engine, rank, world, batches, gas)
         run["params"] = full_params(engine)
         run["sink"] = engine.states.grad_sink is not None
-        run["padded_shards"] = sum(u.shard_numel for u, g in zip(engine.states.units, engine.states.grads) if g.trainable)
+        run["padded_shards"] = sum(
+            u.shard_numel for u, g in zip(engine.states.units, engine.states.grads) if g.trainable
+        )
         run["peak"] = engine.states.grad_sink.peak_bytes if engine.states.grad_sink is not None else None
         run["largest"] = max(u.shard_numel for u in engine.states.units)
         run["stepped"] = sum(t.numel() for ts in engine.states.group_tensors.values() for t in ts)

@@ -81,9 +81,7 @@ def size_stream(rates: DiskRates, chunk_numel: int, grads_in_store: bool) -> Str
     return StreamSizing(read_ahead, (read_ahead + 2) * 3, window, disk_bound)
 
 
-def sized_offload_config(
-    offload: OffloadOptimizerConfig, sizing: StreamSizing | None
-) -> OffloadOptimizerConfig:
+def sized_offload_config(offload: OffloadOptimizerConfig, sizing: StreamSizing | None) -> OffloadOptimizerConfig:
     """``offload`` with ``buffer_count`` / ``pipeline_read`` / ``pipeline_write`` from ``sizing`` where the config
     did not set them (``model_fields_set``); unchanged without a measurement."""
     if sizing is None:

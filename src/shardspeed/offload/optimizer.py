@@ -240,7 +240,7 @@ class StreamedAdam:
                         sizes,
                         on_chunk_done=writer.write,
                         pipeline=self.pipeline,
-                        read_grad=lambda i, out: swap.read(offloaded[i], out),
+                        read_grad=lambda i, out, swap=swap, chunks=offloaded: swap.read(chunks[i], out),
                         grad_scale=swap.scale,
                         **hyper,  # type: ignore[arg-type]
                     )

@@ -9,10 +9,10 @@ import torch
 from shardspeed.config.offload import OffloadOptimizerConfig
 
 from .aio_config import AioSettings
+from .disk_probe import MIN_WINDOW, measure, size_stream, sized_offload_config
 from .host_store import HostStore
 from .optimizer import StreamedAdam, check_streamable
 from .setup import open_swapper_on_every_rank
-from .disk_probe import MIN_WINDOW, measure, size_stream, sized_offload_config
 from .stepped_access import SteppedAccess
 from .stream import plan_pipeline
 from .swapper import TensorSwapper

@@ -55,8 +55,6 @@ def nonfinite_grad_names(
         owned_range = (unit.rank_start, unit.rank_start + unit.shard_numel)
         for i in sorted(g.trainable):
             owned = intersect((unit.offsets[i], unit.offsets[i] + unit.numels[i]), owned_range)
-            if owned is not None and has_nonfinite(
-                shard[owned[0] - unit.rank_start : owned[1] - unit.rank_start]
-            ):
+            if owned is not None and has_nonfinite(shard[owned[0] - unit.rank_start : owned[1] - unit.rank_start]):
                 names.append(unit.names[i])
     return names

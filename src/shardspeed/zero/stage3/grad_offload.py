@@ -81,7 +81,9 @@ class UnitGradSink:
         """Unit ``u``'s reduced shard is complete: keep its norm parts, write it behind; the caller drops it."""
         unit = self.units[u]
         excluded = self.scope().excluded
-        spans = [(unit.offsets[i], unit.offsets[i] + unit.numels[i]) for i in self.trainable[u] if unit.names[i] in excluded]
+        spans = [
+            (unit.offsets[i], unit.offsets[i] + unit.numels[i]) for i in self.trainable[u] if unit.names[i] in excluded
+        ]
         views = counted_views([shard], [(unit.rank_start, unit.rank_start + unit.shard_numel)], spans)
         self.sq_parts[u] = [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
         self.live_bytes -= shard.numel() * shard.element_size()
