@@ -62,7 +62,9 @@ class GradSwap:
         self.written.clear()
 
     def chunks(self, tensor: torch.Tensor) -> list[Chunk]:
-        return self.chunks_of[id(tensor)]
+        """``tensor``'s chunks; none for a stepped tensor the optimizer does not step (a trainable parameter left
+        out of ``model_parameters``): its gradient is never read, so it is not written."""
+        return self.chunks_of.get(id(tensor), [])
 
     def write(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Start writing ``grad`` (1-D CPU, ``tensor``'s size) as ``tensor``'s gradient; keep it alive until done."""

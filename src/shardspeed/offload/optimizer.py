@@ -57,7 +57,15 @@ from .host_store import HostStore as HostStore  # re-exported: the parameter off
 from .host_store import StateStore as StateStore
 from .step_outcome import run_agreed
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
-from .stream import STREAM_STATES, ZeroUntilWritten, init_stream_state, plan_pipeline, state_key, stream_step
+from .stream import (
+    STREAM_STATES,
+    StreamTimings,
+    ZeroUntilWritten,
+    init_stream_state,
+    plan_pipeline,
+    state_key,
+    stream_step,
+)
 from .swapped_state import SwappedState
 from .swapper import TensorSwapper
 
@@ -103,6 +111,7 @@ class StreamedAdam:
         self.host_grads: HostGradients | None = None
         self.grad_window_bytes = grad_window_bytes
         self.grad_swap: GradSwap | None = None
+        self.timings = StreamTimings()  # where the streamed steps' time went (the scale benchmark reports it)
         self.state = SwappedState(self)
         self._bind(store, access)
 
@@ -231,7 +240,15 @@ class StreamedAdam:
                 swap = self.grad_swap
                 if swap is None:
                     grads = [self._host_grad(chunk) for chunk in offloaded]
-                    stream_step(self.store, names, grads, on_chunk_done=writer.write, pipeline=self.pipeline, **hyper)  # type: ignore[arg-type]
+                    stream_step(
+                        self.store,
+                        names,
+                        grads,
+                        on_chunk_done=writer.write,
+                        pipeline=self.pipeline,
+                        timings=self.timings,
+                        **hyper,
+                    )  # type: ignore[arg-type]
                 else:  # gradients read from the store with the states; ``grads`` only give the chunks' sizes
                     sizes = [chunk.of(chunk.tensor) for chunk in offloaded]
                     stream_step(
@@ -242,6 +259,7 @@ class StreamedAdam:
                         pipeline=self.pipeline,
                         read_grad=lambda i, out, swap=swap, chunks=offloaded: swap.read(chunks[i], out),
                         grad_scale=swap.scale,
+                        timings=self.timings,
                         **hyper,  # type: ignore[arg-type]
                     )
             finally:
