@@ -63,7 +63,7 @@ class GradSwap:
 
     def chunks(self, tensor: torch.Tensor) -> list[Chunk]:
         """``tensor``'s chunks; none for a stepped tensor the optimizer does not step (a trainable parameter left
-        out of ``model_parameters``): its gradient is never read, so it is not written."""
+        out of ``model_parameters``): its gradient is never read by the step, so the stage keeps it itself."""
         return self.chunks_of.get(id(tensor), [])
 
     def write(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:

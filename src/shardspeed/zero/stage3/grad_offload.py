@@ -53,6 +53,10 @@ class UnitGradSink:
         self.trainable = list(trainable)
         self.scope = scope
         self.sq_parts: dict[int, list[torch.Tensor]] = {}  # unit → its counted views' Σ g² at its last write
+        # gradients of stepped tensors the optimizer does not step (trainable parameters left out of
+        # model_parameters): never read by the step, but they count in the norm and accumulate over micro-steps,
+        # so they are kept in memory (what the in-memory path holds for them), keyed by (unit, shard-local start)
+        self.unstepped: dict[tuple[int, int], torch.Tensor] = {}
         self.live_bytes = 0  # shards allocated and not yet handed to the swap
         self.peak_bytes = 0  # peak of live shards + writes in flight
 
@@ -68,13 +72,17 @@ class UnitGradSink:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.swap.in_flight_bytes)
 
     def has(self, u: int) -> bool:
-        return any(self.swap.has(t) for t, _, _ in self._slices(u))
+        return any(self.swap.has(t) or (u, a) in self.unstepped for t, a, _ in self._slices(u))
 
     def read_back(self, u: int, shard: torch.Tensor) -> list[Handle]:
         """Start reading unit ``u``'s gradient of this step into ``shard`` (zeros where none was written)."""
         handles: list[Handle] = []
         for tensor, a, b in self._slices(u):
-            handles += self.swap.read_into(tensor, shard[a:b])
+            kept = self.unstepped.get((u, a))
+            if kept is not None:
+                shard[a:b].copy_(kept)
+            else:
+                handles += self.swap.read_into(tensor, shard[a:b])
         return handles
 
     def write(self, u: int, shard: torch.Tensor) -> None:
@@ -88,7 +96,10 @@ class UnitGradSink:
         self.sq_parts[u] = [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
         self.live_bytes -= shard.numel() * shard.element_size()
         for tensor, a, b in self._slices(u):
-            self.swap.write(tensor, shard[a:b])
+            if self.swap.chunks(tensor):
+                self.swap.write(tensor, shard[a:b])
+            else:
+                self.unstepped[(u, a)] = shard[a:b].clone()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + self.swap.in_flight_bytes)
 
     # --- the step ---------------------------------------------------------------------------------------------------
@@ -110,6 +121,8 @@ class UnitGradSink:
         """Unit ``u`` holds no gradient now (zero_grads, the step is over)."""
         self.swap.forget([c.name for t, _, _ in self._slices(u) for c in self.swap.chunks(t)])
         self.sq_parts.pop(u, None)
+        for _, a, _ in self._slices(u):
+            self.unstepped.pop((u, a), None)
 
     def forget_range(self, u: int, a: int, b: int) -> None:
         """Zero shard-local [a, b) of unit ``u``'s stored gradient (one parameter cleared by user code)."""
