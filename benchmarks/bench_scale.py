@@ -113,6 +113,7 @@ def main() -> int:
     parser.add_argument("--disk-headroom", type=float, default=0.15, help="fraction of free disk left unused")
     parser.add_argument("--confirm-ddp", action="store_true", help="with --largest: still run the DDP step")
     parser.add_argument("--grads", choices=("nvme", "ram"), default="nvme", help="where gradient shards live")
+    parser.add_argument("--fast-init", action="store_true", help="offload_optimizer.fast_init (--largest: on)")
     args = parser.parse_args()
 
     swap_root = args.swap_dir or tempfile.gettempdir()
@@ -127,13 +128,15 @@ def main() -> int:
             f"-> {args.layers} layers of {args.hidden} x {args.hidden + 1}"
         )
         args.skip_ddp = args.skip_ddp or not args.confirm_ddp
+        args.fast_init = True  # Adam's zero moments (8 of the 20 bytes per parameter) are not written at start
     params = args.layers * args.hidden * (args.hidden + 1)
     print(
         f"NVMe offload: {params / 1e9:.2f}B parameters, fp32 Adam model states {16 * params / GIB:.1f} GiB, "
         f"{DISK_BYTES_PER_PARAM * params / 1e9:.1f} GB on disk, gradients in {args.grads}"
     )
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as out:
-        worker_args = (out, swap, str(args.hidden), str(args.layers), "1", args.grads)
+        init = "fast" if args.fast_init else "full"
+        worker_args = (out, swap, str(args.hidden), str(args.layers), "1", args.grads, init)
         wall = _torchrun(args.nproc, HERE / "offload_worker.py", *worker_args)
         for rank in range(args.nproc):
             report = json.loads((Path(out) / f"rank{rank}.json").read_text())

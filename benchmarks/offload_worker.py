@@ -5,8 +5,9 @@ RssAnon, and writes its baseline (right after imports), peak, losses, step times
 (forward, backward, optimizer; inside the optimizer: blocked on reads, CPU Adam, blocked on writes; the swap
 files' I/O seconds and bytes) to ``<out_dir>/rank<r>.json``.
 
-Usage: ``offload_worker.py OUT_DIR SWAP_DIR HIDDEN LAYERS STEPS [GRADS]``; GRADS ``nvme`` (default: gradients
-written behind to the swap file, zero/stage3/grad_offload.py) or ``ram`` (``offload_gradients: false``).
+Usage: ``offload_worker.py OUT_DIR SWAP_DIR HIDDEN LAYERS STEPS [GRADS [INIT]]``; GRADS ``nvme`` (default:
+gradients written behind to the swap file, zero/stage3/grad_offload.py) or ``ram`` (``offload_gradients:
+false``); INIT ``fast`` sets ``offload_optimizer.fast_init`` (Adam's zero moments are not written at start).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     out_dir, swap_dir = Path(sys.argv[1]), sys.argv[2]
     hidden, layers, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     grads_on_nvme = (sys.argv[6] if len(sys.argv) > 6 else "nvme") == "nvme"
+    fast_init = (sys.argv[7] if len(sys.argv) > 7 else "") == "fast"
     # torch imports its optimizer machinery (dynamo and friends, ~70 MB) on the first optimizer it builds: an
     # import cost, not training memory, so it happens before the baseline.
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
@@ -116,7 +118,12 @@ def main() -> None:
             "stage3_max_reuse_distance": 0,
             "sub_group_size": 1 << 20,
             "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},  # every shard to NVMe
-            "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir, "offload_gradients": grads_on_nvme},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": swap_dir,
+                "offload_gradients": grads_on_nvme,
+                "fast_init": fast_init,
+            },
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
         "steps_per_print": 1000,
