@@ -120,3 +120,38 @@ def test_enospc_writing_a_gradient_behind_fails_every_rank(dist_run, tmp_path: P
         ), r["error"]
         assert "/grad' at byte " in r["error"] and "-rank1/swap.bin, unlinked at creation)" in r["error"], r["error"]
         assert r["elapsed"] < 30.0
+
+
+def _clearing(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Per step: a throw-away backward, a clearing (``module.zero_grad()``: one parameter at a time, each read back,
+    zeroed and rewritten; ``engine.zero_grad()``: every unit forgotten), two backward passes and a step; on step 2
+    rank 1's input holds a NaN, and the non-finite names are read back from the swap file."""
+    out: dict[str, Any] = {}
+    for on_nvme in (False, True):
+        for clear in ("module", "engine"):
+            engine = _engine(os.path.join(tmp, f"{on_nvme}-{clear}"), on_nvme, 1, False)
+            names = []
+            for step, (x, y) in enumerate(global_batches(3, MB * world)):
+                xs, ys = rank_slice(x, 0, rank, world, MB).clone(), rank_slice(y, 0, rank, world, MB)
+                engine(xs * 3).square().mean().backward()
+                (engine.module.mid if clear == "module" else engine).zero_grad()
+                if step == 1 and rank == 1:
+                    xs[1, 3] = float("nan")
+                for half in (slice(0, MB // 2), slice(MB // 2, MB)):
+                    engine.backward(F.mse_loss(engine(xs[half]), ys[half]) / 2)
+                if step == 1:
+                    names = engine.states.nonfinite_grad_names()
+                engine.step()
+            out[(on_nvme, clear)] = {"params": full_params(engine), "names": names, "skipped": engine.skipped_steps}
+            engine.destroy()
+    return out
+
+
+def test_cleared_and_non_finite_gradients_on_nvme_as_in_memory(dist_run, tmp_path: Path) -> None:
+    for r in dist_run(_clearing, 2, str(tmp_path)):
+        for clear in ("module", "engine"):
+            ram, nvme = r[(False, clear)], r[(True, clear)]
+            assert ram["skipped"] == nvme["skipped"] == 1
+            assert ram["names"] == nvme["names"] and "inp.weight" in nvme["names"]
+            for name, value in ram["params"].items():
+                assert torch.isfinite(value).all() and torch.equal(value, nvme["params"][name]), (clear, name)
