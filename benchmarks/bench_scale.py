@@ -135,8 +135,8 @@ def main() -> int:
         f"{DISK_BYTES_PER_PARAM * params / 1e9:.1f} GB on disk, gradients in {args.grads}"
     )
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as out:
-        init = "fast" if args.fast_init else "full"
-        worker_args = (out, swap, str(args.hidden), str(args.layers), "1", args.grads, init)
+        worker_args = [out, swap, str(args.hidden), str(args.layers), "1", "--grads", args.grads]
+        worker_args += ["--fast-init"] if args.fast_init else []
         wall = _torchrun(args.nproc, HERE / "offload_worker.py", *worker_args)
         for rank in range(args.nproc):
             report = json.loads((Path(out) / f"rank{rank}.json").read_text())

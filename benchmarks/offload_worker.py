@@ -5,17 +5,19 @@ RssAnon, and writes its baseline (right after imports), peak, losses, step times
 (forward, backward, optimizer; inside the optimizer: blocked on reads, CPU Adam, blocked on writes; the swap
 files' I/O seconds and bytes) to ``<out_dir>/rank<r>.json``.
 
-Usage: ``offload_worker.py OUT_DIR SWAP_DIR HIDDEN LAYERS STEPS [GRADS [INIT]]``; GRADS ``nvme`` (default:
-gradients written behind to the swap file, zero/stage3/grad_offload.py) or ``ram`` (``offload_gradients:
-false``); INIT ``fast`` sets ``offload_optimizer.fast_init`` (Adam's zero moments are not written at start).
+Usage: ``offload_worker.py OUT_DIR SWAP_DIR HIDDEN LAYERS STEPS [--grads nvme|ram] [--fast-init]
+[--buffer-count N]``: ``--grads ram`` sets ``offload_gradients: false`` (default nvme: gradients written behind to
+the swap file, zero/stage3/grad_offload.py); ``--fast-init`` sets ``offload_optimizer.fast_init``;
+``--buffer-count`` fixes ``offload_optimizer.buffer_count`` (default: sized from the measured disk, which makes
+host memory depend on the disk's speed at that moment: the memory tests fix it).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -90,10 +92,24 @@ def build_model(hidden: int, layers: int) -> torch.nn.Module:
 
 
 def main() -> None:
-    out_dir, swap_dir = Path(sys.argv[1]), sys.argv[2]
-    hidden, layers, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    grads_on_nvme = (sys.argv[6] if len(sys.argv) > 6 else "nvme") == "nvme"
-    fast_init = (sys.argv[7] if len(sys.argv) > 7 else "") == "fast"
+    parser = argparse.ArgumentParser()
+    for name in ("out_dir", "swap_dir"):
+        parser.add_argument(name)
+    for name in ("hidden", "layers", "steps"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--grads", choices=("nvme", "ram"), default="nvme")
+    parser.add_argument("--fast-init", action="store_true")
+    parser.add_argument("--buffer-count", type=int, default=None)
+    args = parser.parse_args()
+    out_dir, swap_dir, hidden, layers, steps = Path(args.out_dir), args.swap_dir, args.hidden, args.layers, args.steps
+    optimizer_offload = {
+        "device": "nvme",
+        "nvme_path": swap_dir,
+        "offload_gradients": args.grads == "nvme",
+        "fast_init": args.fast_init,
+    }
+    if args.buffer_count is not None:
+        optimizer_offload["buffer_count"] = args.buffer_count
     # torch imports its optimizer machinery (dynamo and friends, ~70 MB) on the first optimizer it builds: an
     # import cost, not training memory, so it happens before the baseline.
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
@@ -118,12 +134,7 @@ def main() -> None:
             "stage3_max_reuse_distance": 0,
             "sub_group_size": 1 << 20,
             "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},  # every shard to NVMe
-            "offload_optimizer": {
-                "device": "nvme",
-                "nvme_path": swap_dir,
-                "offload_gradients": grads_on_nvme,
-                "fast_init": fast_init,
-            },
+            "offload_optimizer": optimizer_offload,
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
         "steps_per_print": 1000,

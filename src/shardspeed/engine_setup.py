@@ -166,7 +166,7 @@ def _offload(
     if hasattr(states, "master_store") and hasattr(streamed, "reseed"):
         states.master_store = streamed  # it holds the fp32 values: GatheredParameters edits must reach it
     host_grads = getattr(streamed, "host_grads", None)
-    if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
+    if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once (not with grad_swap)
         states.set_final_grads_hook(streamed.stage_grads)
     grad_swap = getattr(streamed, "grad_swap", None)
     if grad_swap is not None:  # ZeRO-3: each unit's reduced gradient is written behind to the swap file

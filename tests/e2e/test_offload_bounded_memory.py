@@ -45,7 +45,8 @@ def run_worker(tmp_path: Path, hidden: int, layers: int, steps: int, grads: str 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
         "--master_port", str(free_port()),
-        str(WORKER), str(out_dir), str(swap_dir), str(hidden), str(layers), str(steps), grads,
+        str(WORKER), str(out_dir), str(swap_dir), str(hidden), str(layers), str(steps), "--grads", grads,
+        "--buffer-count", "9",  # fixed, not sized from the disk's speed at the moment: the runs compare memory
     ]  # fmt: skip
     # no MALLOC_MMAP_THRESHOLD_ (and any inherited one removed): shardspeed pins the threshold itself
     environment = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
@@ -82,7 +83,10 @@ def test_nvme_offload_trains_a_model_4x_larger_than_peak_memory_and_peak_is_inde
             f"MiB); step time {', '.join(f'{s:.2f}' for s in report['step_seconds'])} s; losses {report['losses']}"
         )
         assert model_state_bytes >= 4 * peak, report["phase_peaks_kib"]
-        assert abs(peak - small_peak) <= 0.1 * min(peak, small_peak), (peak, small_peak)
+        assert abs(peak - small_peak) <= 0.1 * min(peak, small_peak), (
+            report["phase_peaks_kib"],
+            small[rank]["phase_peaks_kib"],
+        )
         losses = report["losses"]
         assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
 

@@ -185,3 +185,10 @@ def test_measure_is_cached_per_directory(tmp_path: Path) -> None:
     first = measure(tmp_path)
     assert first is not None and first.read_bps > 0 and first.write_bps > 0 and first.adam_eps > 0
     assert measure(tmp_path) is first and list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_write_behind_window_capped_at_two_stepped_tensors() -> None:
+    fast = DiskRates(read_bps=1e10, write_bps=1e10, adam_eps=1e9)
+    assert size_stream(fast, 1 << 20, True).grad_window_bytes == MAX_WINDOW
+    assert size_stream(fast, 1 << 20, True, largest_tensor_bytes=100 * MIB).grad_window_bytes == 200 * MIB
+    assert size_stream(fast, 1 << 20, True, largest_tensor_bytes=MIB).grad_window_bytes == MIN_WINDOW

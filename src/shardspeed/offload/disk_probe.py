@@ -15,8 +15,10 @@ writes its three states back. Per chunk the disk needs ``t_io = 4n·s / read_bps
 Buffer sets are read-ahead + 2 (the chunk being stepped and the one being written behind), so host memory is
 ``(read_ahead + 2) × s × 4n`` bytes whatever the model size. The gradient write-behind during backward
 (grad_swap.py) may hold ``write_bps × WRITE_BEHIND_S`` bytes in flight, clamped to [``MIN_WINDOW``,
-``MAX_WINDOW``]: a tenth of a second of disk writes keeps the disk busy through the gaps between units without
-letting gradients accumulate when it is slower than backward.
+``MAX_WINDOW``] and to two of the largest stepped tensors (a unit's gradient shard; never below ``MIN_WINDOW``):
+a tenth of a second of disk writes keeps the disk busy through the gaps between units, two units in flight are
+enough for that (they are written one after another), and gradients never accumulate when the disk is slower
+than backward.
 
 DeepSpeed's ``buffer_count`` / ``pipeline_read`` / ``pipeline_write`` still win when the config sets them
 (``sized_offload_config`` only fills the fields the config did not set: pydantic's ``model_fields_set``).
@@ -68,8 +70,10 @@ class StreamSizing:
     disk_bound: bool
 
 
-def size_stream(rates: DiskRates, chunk_numel: int, grads_in_store: bool) -> StreamSizing:
-    """[Note: stream sizing], pure."""
+def size_stream(
+    rates: DiskRates, chunk_numel: int, grads_in_store: bool, largest_tensor_bytes: int | None = None
+) -> StreamSizing:
+    """[Note: stream sizing], pure. ``largest_tensor_bytes``: the largest stepped tensor (caps the window)."""
     if min(rates.read_bps, rates.write_bps, rates.adam_eps) <= 0 or chunk_numel < 1:
         raise ValueError(f"rates must be positive and chunk_numel >= 1, got {rates}, {chunk_numel}")
     reads = 4 if grads_in_store else 3
@@ -78,6 +82,8 @@ def size_stream(rates: DiskRates, chunk_numel: int, grads_in_store: bool) -> Str
     disk_bound = t_io > t_adam
     read_ahead = min(MAX_READ_AHEAD, math.ceil(t_io / t_adam)) if disk_bound else 1
     window = int(min(MAX_WINDOW, max(MIN_WINDOW, rates.write_bps * WRITE_BEHIND_S)))
+    if largest_tensor_bytes is not None:
+        window = min(window, max(MIN_WINDOW, 2 * largest_tensor_bytes))
     return StreamSizing(read_ahead, (read_ahead + 2) * 3, window, disk_bound)
 
 

@@ -152,7 +152,7 @@ class StreamedAdam:
         # where they are. A rebind keeps the object (the engine and the stage's final-gradient hook hold it).
         if self.host_grads is not None:
             self.host_grads.rebind(offloaded_tensors)
-        elif on_device or self.FORCE_HOST_GRADS:
+        elif (on_device or self.FORCE_HOST_GRADS) and self.grad_window_bytes is None:  # grad_swap: none to copy
             self.host_grads = HostGradients(offloaded_tensors, pin=on_device)
         fresh = {state_key(c.name, key) for c in every if c.offloaded for key in ("exp_avg", "exp_avg_sq")}
         self.store: StateStore = ZeroUntilWritten(store, fresh) if offload.fast_init else store  # type: ignore[assignment]

@@ -54,7 +54,8 @@ def offload_optimizer(
     nvme_path = offload.nvme_path
     largest = max((t.numel() for g in inner.param_groups for t in g["params"]), default=1)
     rates = measure(nvme_path)  # local: every rank sizes its own stream (nothing here must agree)
-    sizing = size_stream(rates, max(1, min(chunk_numel, largest)), offload_grads) if rates is not None else None
+    chunk = max(1, min(chunk_numel, largest))
+    sizing = size_stream(rates, chunk, offload_grads, 4 * largest) if rates is not None else None
     offload = sized_offload_config(offload, sizing)
     grad_window_bytes = (sizing.grad_window_bytes if sizing is not None else MIN_WINDOW) if offload_grads else None
 

@@ -75,7 +75,13 @@ class UnitGradSink:
         return any(self.swap.has(t) or (u, a) in self.unstepped for t, a, _ in self._slices(u))
 
     def read_back(self, u: int, shard: torch.Tensor) -> list[Handle]:
-        """Start reading unit ``u``'s gradient of this step into ``shard`` (zeros where none was written)."""
+        """Start reading unit ``u``'s gradient of this step into ``shard`` (zeros where none was written). A device
+        shard is filled through a host copy, synchronously (untested: no GPU was available)."""
+        if shard.device.type != "cpu":
+            host = torch.zeros(shard.numel(), dtype=shard.dtype)
+            self.swap.wait_deferred(self.read_back(u, host))
+            shard.copy_(host)
+            return []
         handles: list[Handle] = []
         for tensor, a, b in self._slices(u):
             kept = self.unstepped.get((u, a))
@@ -95,6 +101,8 @@ class UnitGradSink:
         views = counted_views([shard], [(unit.rank_start, unit.rank_start + unit.shard_numel)], spans)
         self.sq_parts[u] = [torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views]
         self.live_bytes -= shard.numel() * shard.element_size()
+        if shard.device.type != "cpu":  # the swap file takes host memory: one copy (untested: no GPU was available)
+            shard = shard.to("cpu")
         for tensor, a, b in self._slices(u):
             if self.swap.chunks(tensor):
                 self.swap.write(tensor, shard[a:b])
