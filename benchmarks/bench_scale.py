@@ -127,6 +127,15 @@ def main() -> int:
             f"(fp32 param shard + fp32 values, Adam m, v and gradient); leaving {args.disk_headroom:.0%} + 5 GiB "
             f"-> {args.layers} layers of {args.hidden} x {args.hidden + 1}"
         )
+        # Construction still holds every unit's fp32 parameter shard at once (4 bytes per parameter over all
+        # ranks) until offload_param has moved them: never plan past 70% of the memory available now.
+        memory_layers = int((0.7 * mem_available() - args.nproc * 0.5 * GIB) // (4 * per_layer))
+        if memory_layers < args.layers:
+            print(
+                f"memory: construction holds 4 bytes per parameter (all ranks) for a moment; {args.layers} layers "
+                f"would not fit in 70% of MemAvailable ({mem_available() / GIB:.1f} GiB): {memory_layers} layers"
+            )
+            args.layers = max(1, memory_layers)
         args.skip_ddp = args.skip_ddp or not args.confirm_ddp
         args.fast_init = True  # Adam's zero moments (8 of the 20 bytes per parameter) are not written at start
     params = args.layers * args.hidden * (args.hidden + 1)
