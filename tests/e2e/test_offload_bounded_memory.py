@@ -75,7 +75,7 @@ def test_nvme_offload_trains_a_model_4x_larger_than_peak_memory_and_peak_is_inde
     behind to NVMe ([Note: gradients on NVMe]) each rank's peak while training stays within 10% although the
     model is 2× larger (with the fp32 gradient shards in memory it grew by 4Ψ/N). Construction is not bounded yet:
     until offload_param has moved them, every unit's parameter shard is in memory at once."""
-    small = run_worker(tmp_path, HIDDEN, LAYERS // 2, 2)
+    small = run_worker(tmp_path, HIDDEN, LAYERS // 2, STEPS)  # as many steps: memory creeps a little per step
     reports = run_worker(tmp_path, HIDDEN, LAYERS, STEPS)
     params = HIDDEN * (HIDDEN + 1) * LAYERS
     model_state_bytes = 16 * params  # fp32 values + gradients + Adam's two moments
