@@ -150,9 +150,11 @@ def main() -> int:
         for rank in range(args.nproc):
             report = json.loads((Path(out) / f"rank{rank}.json").read_text())
             peak = (report["peak_kib"] - report["baseline_kib"]) / 2**20
+            train = (report["train_peak_kib"] - report["baseline_kib"]) / 2**20
             print(
-                f"  rank {rank}: peak RssAnon above baseline {peak:.2f} GiB, step {report['step_seconds'][0]:.1f} s, "
-                f"loss {report['losses'][0]:.4f}"
+                f"  rank {rank}: peak RssAnon above baseline {peak:.2f} GiB (construction: every parameter shard "
+                f"until offload_param moves it), while training {train:.2f} GiB; step "
+                f"{report['step_seconds'][0]:.1f} s, loss {report['losses'][0]:.4f}"
             )
             print("    " + _where_time_went(report["breakdown"][0]))
         print(f"  whole run (launch, zero.Init materialization, swap-file writes, step): {wall:.0f} s")
