@@ -2,11 +2,20 @@
 offload, against plain DDP's limit from the memory model, confirmed by a DDP step at 90% of that limit.
 
     python benchmarks/bench_scale.py [--hidden 8192] [--layers 12] [--nproc 2] [--swap-dir DIR] [--skip-ddp]
+    python benchmarks/bench_scale.py --largest [--hidden 8192] [--swap-dir /tmp] [--disk-headroom 0.15]
 
 The NVMe run uses benchmarks/offload_worker.py (fp32 Adam, ZeRO-3, offload_param + offload_optimizer nvme,
-one unit resident at a time). DDP's limit: every process holds 16 bytes of model states per parameter (fp32
-params, grads, Adam momentum + variance), so Ψ_max = (MemAvailable − headroom − N·baseline) / (16·N). The DDP
-confirmation never probes for the OOM: it trains one step at 90% of Ψ_max.
+one unit resident at a time; gradients written behind to the swap file as they are reduced, so host memory does
+not grow with the model). ``--largest`` sizes the model from the swap directory's free disk space instead:
+``DISK_BYTES_PER_PARAM`` = 20 (fp32 values in the parameter swap file; fp32 values, Adam's m and v and the
+gradient in the optimizer's), leaving ``--disk-headroom`` of the free space plus 5 GiB unused, rounds down to whole
+``--hidden``-wide layers and trains one step; it prints where the step's time went (forward, backward, optimizer:
+blocked on reads / CPU Adam / blocked on writes; swap-file I/O) and skips the DDP confirmation (it would allocate
+most of this machine's memory) unless ``--confirm-ddp``.
+
+DDP's limit: every process holds 16 bytes of model states per parameter (fp32 params, grads, Adam momentum +
+variance), so Ψ_max = (MemAvailable − headroom − N·baseline) / (16·N). The DDP confirmation never probes for the
+OOM: it trains one step at 90% of Ψ_max.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GIB = 2**30
+DISK_BYTES_PER_PARAM = 4 + 4 * 4
+"""fp32 parameter shard (offload_param's file) + fp32 values, exp_avg, exp_avg_sq and gradient (offload_optimizer's)."""
 
 
 def _free_port() -> int:
@@ -73,6 +85,22 @@ dist.destroy_process_group()
 """
 
 
+def _where_time_went(parts: dict[str, float]) -> str:
+    """One line: the step's phases, the optimizer's stream (waits, Adam) and the swap files' I/O."""
+    line = (
+        f"forward {parts['forward_s']:.1f} s, backward {parts['backward_s']:.1f} s, optimizer "
+        f"{parts['optimizer_s']:.1f} s (blocked on reads {parts['opt_wait_read_s']:.1f}, CPU Adam + write-back "
+        f"{parts['opt_adam_s']:.1f}, blocked on writes {parts['opt_wait_write_s']:.1f})"
+    )
+    for store in ("params", "opt"):
+        if f"{store}_read_bytes" in parts:
+            line += (
+                f"; {store} swap: read {parts[f'{store}_read_bytes'] / 1e9:.2f} GB in {parts[f'{store}_io_read_s']:.1f}"
+                f" s, wrote {parts[f'{store}_write_bytes'] / 1e9:.2f} GB in {parts[f'{store}_io_write_s']:.1f} s"
+            )
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=8192)
@@ -81,19 +109,54 @@ def main() -> int:
     parser.add_argument("--swap-dir", default=None)
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--headroom-gib", type=float, default=2.0)
+    parser.add_argument("--largest", action="store_true", help="size the model from the free disk space")
+    parser.add_argument("--disk-headroom", type=float, default=0.15, help="fraction of free disk left unused")
+    parser.add_argument("--confirm-ddp", action="store_true", help="with --largest: still run the DDP step")
+    parser.add_argument("--grads", choices=("nvme", "ram"), default="nvme", help="where gradient shards live")
+    parser.add_argument("--fast-init", action="store_true", help="offload_optimizer.fast_init (--largest: on)")
     args = parser.parse_args()
 
+    swap_root = args.swap_dir or tempfile.gettempdir()
+    if args.largest:
+        free = shutil.disk_usage(swap_root).free
+        budget = free * (1 - args.disk_headroom) - 5 * GIB
+        per_layer = args.hidden * (args.hidden + 1)
+        args.layers = max(1, int(budget // (DISK_BYTES_PER_PARAM * per_layer)))
+        print(
+            f"disk: {free / 1e9:.1f} GB free under {swap_root}; {DISK_BYTES_PER_PARAM} bytes per parameter on disk "
+            f"(fp32 param shard + fp32 values, Adam m, v and gradient); leaving {args.disk_headroom:.0%} + 5 GiB "
+            f"-> {args.layers} layers of {args.hidden} x {args.hidden + 1}"
+        )
+        # Construction still holds every unit's fp32 parameter shard at once (4 bytes per parameter over all
+        # ranks) until offload_param has moved them: never plan past 70% of the memory available now.
+        memory_layers = int((0.7 * mem_available() - args.nproc * 0.5 * GIB) // (4 * per_layer))
+        if memory_layers < args.layers:
+            print(
+                f"memory: construction holds 4 bytes per parameter (all ranks) for a moment; {args.layers} layers "
+                f"would not fit in 70% of MemAvailable ({mem_available() / GIB:.1f} GiB): {memory_layers} layers"
+            )
+            args.layers = max(1, memory_layers)
+        args.skip_ddp = args.skip_ddp or not args.confirm_ddp
+        args.fast_init = True  # Adam's zero moments (8 of the 20 bytes per parameter) are not written at start
     params = args.layers * args.hidden * (args.hidden + 1)
-    print(f"NVMe offload: {params / 1e9:.2f}B parameters, fp32 Adam model states {16 * params / GIB:.1f} GiB")
+    print(
+        f"NVMe offload: {params / 1e9:.2f}B parameters, fp32 Adam model states {16 * params / GIB:.1f} GiB, "
+        f"{DISK_BYTES_PER_PARAM * params / 1e9:.1f} GB on disk, gradients in {args.grads}"
+    )
     with tempfile.TemporaryDirectory(dir=args.swap_dir) as swap, tempfile.TemporaryDirectory() as out:
-        wall = _torchrun(args.nproc, HERE / "offload_worker.py", out, swap, str(args.hidden), str(args.layers), "1")
+        worker_args = [out, swap, str(args.hidden), str(args.layers), "1", "--grads", args.grads]
+        worker_args += ["--fast-init"] if args.fast_init else []
+        wall = _torchrun(args.nproc, HERE / "offload_worker.py", *worker_args)
         for rank in range(args.nproc):
             report = json.loads((Path(out) / f"rank{rank}.json").read_text())
             peak = (report["peak_kib"] - report["baseline_kib"]) / 2**20
+            train = (report["train_peak_kib"] - report["baseline_kib"]) / 2**20
             print(
-                f"  rank {rank}: peak RssAnon above baseline {peak:.2f} GiB, step {report['step_seconds'][0]:.1f} s, "
-                f"loss {report['losses'][0]:.4f}"
+                f"  rank {rank}: peak RssAnon above baseline {peak:.2f} GiB (construction: every parameter shard "
+                f"until offload_param moves it), while training {train:.2f} GiB; step "
+                f"{report['step_seconds'][0]:.1f} s, loss {report['losses'][0]:.4f}"
             )
+            print("    " + _where_time_went(report["breakdown"][0]))
         print(f"  whole run (launch, zero.Init materialization, swap-file writes, step): {wall:.0f} s")
 
     available = mem_available()

@@ -161,13 +161,28 @@ def _offload(
         # stand-in tensors: ZeRO-3 fp32 offload_param, or mixed precision whose masters the optimizer holds
         access=masters if masters is not None else getattr(states, "stepped_access", None),
         values_in_store=masters is not None,
+        offload_grads=_grads_on_nvme(offload, states),
     )
     if hasattr(states, "master_store") and hasattr(streamed, "reseed"):
         states.master_store = streamed  # it holds the fp32 values: GatheredParameters edits must reach it
     host_grads = getattr(streamed, "host_grads", None)
-    if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once
+    if host_grads is not None:  # each bucket's final gradient starts its copy to the host at once (not with grad_swap)
         states.set_final_grads_hook(streamed.stage_grads)
-    return streamed, host_grads is not None
+    grad_swap = getattr(streamed, "grad_swap", None)
+    if grad_swap is not None:  # ZeRO-3: each unit's reduced gradient is written behind to the swap file
+        states.offload_grads(grad_swap)
+    return streamed, getattr(streamed, "scales_grads", False)
+
+
+def _grads_on_nvme(offload: Any, states: Any) -> bool:
+    """ZeRO-Infinity's gradients on NVMe (zero/stage3/grad_offload.py): stage 3, the nvme device, every chunk
+    offloaded, and ``offload_gradients`` not switched off."""
+    return (
+        hasattr(states, "offload_grads")
+        and offload.device == "nvme"
+        and offload.ratio == 1.0
+        and offload.offload_gradients
+    )
 
 
 def log_engine_summary(

@@ -186,6 +186,7 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     f"{_Z}.offload_optimizer.ratio": _acts("offload/optimizer.py"),
     f"{_Z}.offload_optimizer.pipeline_read": _acts("offload/stream.py"),
     f"{_Z}.offload_optimizer.pipeline_write": _acts("offload/stream.py"),
+    f"{_Z}.offload_optimizer.offload_gradients": _acts("stage3/grad_offload.py (ZeRO-3, nvme)"),
     f"{_Z}.offload_optimizer.super_offload": _warns(
         "no SuperOffload (superchip) path: the standard offload runs, same numerics", True
     ),

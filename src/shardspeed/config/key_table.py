@@ -30,6 +30,7 @@ _STATUS_OF_EFFECT: dict[str, Status] = {"acts": "implemented", "warns": "ignored
 SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
     {"seed", "fault_tolerance", "tensor_parallel.sequence_parallel", "pipeline.schedule", "pipeline.zero_hold"}
     | {"zero_optimization.overlap_param_gather", "communication"}
+    | {"zero_optimization.offload_optimizer.offload_gradients"}
     | {f"communication.{k}" for k in ("collectives", "calibration_cache")}
     | {
         f"fault_tolerance.{k}"

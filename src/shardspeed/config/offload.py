@@ -86,6 +86,13 @@ class OffloadOptimizerConfig(_OffloadCommon):
     """Write a stepped sub-group back to NVMe while the next ones are stepped. DeepSpeed default: false; ours is
     true (deliberate)."""
 
+    offload_gradients: bool = True
+    """shardspeed only. ZeRO-3 with ``device: "nvme"`` (and ``ratio`` 1): each unit's reduced fp32 gradient shard
+    is written behind to the swap file as its reduce-scatter completes and freed, and the streamed step reads it
+    back with the states (ZeRO-Infinity's bound: host memory independent of model size; zero/stage3/
+    grad_offload.py). False keeps the gradient shards in host memory (4 bytes per parameter / N). Stages 1/2 keep
+    their gradients in memory either way."""
+
     super_offload: bool = False
     """DeepSpeed's "SuperOffload" path for CPU-GPU superchips (ZeRO-3 only). DeepSpeed default: false."""
 

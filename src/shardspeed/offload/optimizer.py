@@ -51,12 +51,21 @@ from shardspeed.config.offload import OffloadOptimizerConfig
 from .aio_config import AioSettings
 from .chunks import Chunk, by_tensor, chunk_bounds, offloaded_mask, to_host
 from .cpu_adam import cpu_adamw_step
+from .grad_swap import GradSwap
 from .host_grads import HostGradients
 from .host_store import HostStore as HostStore  # re-exported: the parameter offloader imports it from here
 from .host_store import StateStore as StateStore
 from .step_outcome import run_agreed
 from .stepped_access import ChunkWriter, DirectAccess, SteppedAccess
-from .stream import STREAM_STATES, ZeroUntilWritten, init_stream_state, plan_pipeline, state_key, stream_step
+from .stream import (
+    STREAM_STATES,
+    StreamTimings,
+    ZeroUntilWritten,
+    init_stream_state,
+    plan_pipeline,
+    state_key,
+    stream_step,
+)
 from .swapped_state import SwappedState
 from .swapper import TensorSwapper
 
@@ -77,13 +86,16 @@ class StreamedAdam:
         values_in_store: bool = False,
         reopen: Callable[[], StateStore] | None = None,
         agree: Callable[[object], list[object]] | None = None,
+        grad_window_bytes: int | None = None,
     ) -> None:
         """``access``: how to reach the stepped tensors' values (default: the tensors themselves). ``offload``:
         the ``offload_optimizer`` section (``buffer_count``, ``pipeline_read``/``pipeline_write``, ``fast_init``,
         ``ratio``); default: its defaults. ``values_in_store``: mixed precision whose fp32 masters this optimizer
         holds (see [Note: masters in the store]); ``access`` then reaches the low-precision copies. ``reopen``: a
         fresh, empty store sized for the groups' current tensors (``relayout``). ``agree``: the data-parallel
-        all-gather every step's outcome goes through (NVMe: [Note: agreed offload step] in step_outcome.py)."""
+        all-gather every step's outcome goes through (NVMe: [Note: agreed offload step] in step_outcome.py).
+        ``grad_window_bytes``: gradients live in the store too (``grad_swap``, grad_swap.py; the store must have
+        been sized with ``bytes_needed(..., grads=True)``), with at most this many bytes of writes in flight."""
         check_streamable(inner)
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel = {chunk_numel}; valid: a positive number of elements")
@@ -97,6 +109,9 @@ class StreamedAdam:
         self.chunk_numel, self._offload = chunk_numel, offload
         self.reopen, self.agree = reopen, agree
         self.host_grads: HostGradients | None = None
+        self.grad_window_bytes = grad_window_bytes
+        self.grad_swap: GradSwap | None = None
+        self.timings = StreamTimings()  # where the streamed steps' time went (the scale benchmark reports it)
         self.state = SwappedState(self)
         self._bind(store, access)
 
@@ -137,10 +152,15 @@ class StreamedAdam:
         # where they are. A rebind keeps the object (the engine and the stage's final-gradient hook hold it).
         if self.host_grads is not None:
             self.host_grads.rebind(offloaded_tensors)
-        elif on_device or self.FORCE_HOST_GRADS:
+        elif (on_device or self.FORCE_HOST_GRADS) and self.grad_window_bytes is None:  # grad_swap: none to copy
             self.host_grads = HostGradients(offloaded_tensors, pin=on_device)
         fresh = {state_key(c.name, key) for c in every if c.offloaded for key in ("exp_avg", "exp_avg_sq")}
         self.store: StateStore = ZeroUntilWritten(store, fresh) if offload.fast_init else store  # type: ignore[assignment]
+        if self.grad_window_bytes is not None:  # gradients in the store: a rebind keeps the object (the stage holds it)
+            if self.grad_swap is None:
+                self.grad_swap = GradSwap(self.store, self.chunks_of, self.grad_window_bytes)
+            else:
+                self.grad_swap.rebind(self.store, self.chunks_of)
         self.state.forget()
         self._write_values(first=True)
 
@@ -164,8 +184,11 @@ class StreamedAdam:
         self._store_loaded(id(tensor))
 
     @staticmethod
-    def bytes_needed(inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings, ratio: float = 1.0) -> int:
-        """Swap-file size for ``inner``'s tensors cut into chunks: three fp32 states per offloaded chunk."""
+    def bytes_needed(
+        inner: torch.optim.Optimizer, chunk_numel: int, settings: AioSettings, ratio: float = 1.0, grads: bool = False
+    ) -> int:
+        """Swap-file size for ``inner``'s tensors cut into chunks: three fp32 states per offloaded chunk, four with
+        ``grads`` (the chunk's gradient too: grad_swap.py)."""
         sizes = [
             end - start
             for group in inner.param_groups
@@ -173,7 +196,8 @@ class StreamedAdam:
             for start, end in chunk_bounds(tensor.numel(), chunk_numel)
         ]
         offloaded = [4 * size for size, keep in zip(sizes, offloaded_mask(sizes, ratio)) if keep]
-        return max(TensorSwapper.bytes_needed([n for n in offloaded for _ in STREAM_STATES], settings), 1)
+        per_chunk = len(STREAM_STATES) + (1 if grads else 0)
+        return max(TensorSwapper.bytes_needed([n for n in offloaded for _ in range(per_chunk)], settings), 1)
 
     @property
     def resident_state_bytes(self) -> int:
@@ -192,6 +216,8 @@ class StreamedAdam:
 
     def _step_groups(self) -> None:
         self.state.forget()
+        if self.grad_swap is not None:
+            self.grad_swap.raise_failure()  # [Note: deferred gradient I/O failures]: inside the agreed outcome
         for g, (group, chunks) in enumerate(zip(self.param_groups, self.group_chunks)):
             if not chunks:
                 continue
@@ -210,9 +236,32 @@ class StreamedAdam:
             try:
                 # CPU tensors are used in place; device gradients are copied to the host first (cpu/nvme offload
                 # with an accelerator), and updated values go back to the device tensor in the writer.
-                grads = [self._host_grad(chunk) for chunk in offloaded]
                 names = [chunk.name for chunk in offloaded]
-                stream_step(self.store, names, grads, on_chunk_done=writer.write, pipeline=self.pipeline, **hyper)  # type: ignore[arg-type]
+                swap = self.grad_swap
+                if swap is None:
+                    grads = [self._host_grad(chunk) for chunk in offloaded]
+                    stream_step(
+                        self.store,
+                        names,
+                        grads,
+                        on_chunk_done=writer.write,
+                        pipeline=self.pipeline,
+                        timings=self.timings,
+                        **hyper,
+                    )  # type: ignore[arg-type]
+                else:  # gradients read from the store with the states; ``grads`` only give the chunks' sizes
+                    sizes = [chunk.of(chunk.tensor) for chunk in offloaded]
+                    stream_step(
+                        self.store,
+                        names,
+                        sizes,
+                        on_chunk_done=writer.write,
+                        pipeline=self.pipeline,
+                        read_grad=lambda i, out, swap=swap, chunks=offloaded: swap.read(chunks[i], out),
+                        grad_scale=swap.scale,
+                        timings=self.timings,
+                        **hyper,  # type: ignore[arg-type]
+                    )
             finally:
                 writer.finish()
             self._step_resident([chunk for chunk in chunks if not chunk.offloaded], hyper)
@@ -227,6 +276,11 @@ class StreamedAdam:
         return grad
 
     # --- gradients staged to the host ([host_grads.py]); the engine wires these when host_grads is set --------
+    @property
+    def scales_grads(self) -> bool:
+        """Whether this optimizer, not the stage, scales and forgets the gradients (host copies or the store)."""
+        return self.host_grads is not None or self.grad_swap is not None
+
     def stage_grads(self, tensors: list[torch.Tensor]) -> None:
         """The stage's reduced gradients of ``tensors`` are final for this step: start their host copies."""
         assert self.host_grads is not None
@@ -234,7 +288,11 @@ class StreamedAdam:
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        """Scale this step's gradients: the host copies lazily, those ``ratio`` keeps on the device now."""
+        """Scale this step's gradients: the host copies (or the store's) lazily, those ``ratio`` keeps on the device
+        now."""
+        if self.grad_swap is not None:
+            self.grad_swap.scale *= factor
+            return  # every chunk is offloaded (grad_swap needs ratio 1)
         assert self.host_grads is not None
         self.host_grads.scale_(factor)
         for chunks in self.group_chunks:
@@ -246,6 +304,8 @@ class StreamedAdam:
         """The step is over (taken or skipped): no host copy carries over to the next."""
         if self.host_grads is not None:
             self.host_grads.forget()
+        if self.grad_swap is not None:
+            self.grad_swap.reset_scale()  # the stored gradients themselves are the stage's to forget (zero_grads)
 
     def _step_resident(self, chunks: list[Chunk], hyper: dict[str, Any]) -> None:
         """Step the chunks ``ratio`` keeps on the device, in place, one stepped tensor open at a time."""

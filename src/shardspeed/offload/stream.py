@@ -20,6 +20,7 @@ holds more than ``buffer_sets`` chunks of state in host memory, whatever the num
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,6 +47,15 @@ class Store(Protocol):
     def swap_out(self, name: str, tensor: torch.Tensor) -> Handle: ...
 
     def swap_in(self, name: str, out: torch.Tensor) -> Handle: ...
+
+
+@dataclass
+class StreamTimings:
+    """Where ``stream_step``'s time went, summed over steps: blocked on reads, in CPU Adam, blocked on writes."""
+
+    wait_read_s: float = 0.0
+    adam_s: float = 0.0
+    wait_write_s: float = 0.0
 
 
 def state_key(chunk_name: str, state: str) -> str:
@@ -133,6 +143,9 @@ def stream_step(
     on_chunk_done: Callable[[int, torch.Tensor], None] | None = None,
     kernel: Kernel = "auto",
     pipeline: StreamPipeline = DEFAULT_PIPELINE,
+    read_grad: Callable[[int, torch.Tensor], Handle] | None = None,
+    grad_scale: float = 1.0,
+    timings: StreamTimings | None = None,
 ) -> None:
     """One optimizer step over chunks whose state lives in ``store``, overlapped as ``pipeline`` says.
 
@@ -140,6 +153,10 @@ def stream_step(
     ``init_stream_state``); ``grads[i]`` is its gradient, in memory. ``on_chunk_done(i, param)`` runs right after
     chunk i is updated, before it is written back (where updated values go back to the stepped tensor).
     Host memory: ``pipeline.buffer_sets`` sets of three chunk-sized buffers, whatever the number of chunks.
+
+    ``read_grad(i, out)``: gradients in the store too (grad_swap.py): ``grads[i]`` then only gives chunk i's size,
+    and its gradient is read into a fourth buffer of the set with its states (read ahead alike), then multiplied
+    by ``grad_scale`` (clip coefficient, fp16 unscale) once it is in memory.
     """
     if len(names) != len(grads):
         raise ValueError(f"names has {len(names)} chunks but grads has {len(grads)}; one gradient per chunk")
@@ -148,7 +165,8 @@ def stream_step(
     _check_hyperparameters(step, lr, betas, eps, weight_decay)
     sets = min(pipeline.buffer_sets, len(names))  # never more sets than chunks
     largest = max(grad.numel() for grad in grads)
-    buffer_sets = [[aligned_empty(largest, torch.float32) for _ in STREAM_STATES] for _ in range(sets)]
+    per_set = len(STREAM_STATES) + (1 if read_grad is not None else 0)
+    buffer_sets = [[aligned_empty(largest, torch.float32) for _ in range(per_set)] for _ in range(sets)]
     reads: list[list[Handle]] = [[] for _ in names]
     writes: list[list[Handle]] = [[] for _ in names]
     next_read = 0
@@ -165,18 +183,30 @@ def stream_step(
                 store.swap_in(state_key(names[index], state), buffer[:numel])
                 for state, buffer in zip(STREAM_STATES, buffers)
             ]
+            if read_grad is not None:
+                reads[index].append(read_grad(index, buffers[len(STREAM_STATES)][:numel]))
             next_read += 1
 
+    clock = timings if timings is not None else StreamTimings()
     for index in range(len(names)):
+        began = time.perf_counter()
         start_reads(index)
         for handle in reads[index]:
             handle.wait()
         start_reads(index + pipeline.read_ahead)
+        clock.wait_read_s += time.perf_counter() - began
+        began = time.perf_counter()
         numel = grads[index].numel()
-        param, exp_avg, exp_avg_sq = (buffer[:numel] for buffer in buffer_sets[index % sets])
+        param, exp_avg, exp_avg_sq = (buffer[:numel] for buffer in buffer_sets[index % sets][: len(STREAM_STATES)])
+        if read_grad is None:
+            grad = grads[index].view(-1)
+        else:
+            grad = buffer_sets[index % sets][len(STREAM_STATES)][:numel]
+            if grad_scale != 1.0:
+                grad.mul_(grad_scale)
         cpu_adamw_step(
             param,
-            grads[index].view(-1),
+            grad,
             exp_avg,
             exp_avg_sq,
             step=step,
@@ -190,13 +220,18 @@ def stream_step(
         )
         if on_chunk_done is not None:
             on_chunk_done(index, param)
+        clock.adam_s += time.perf_counter() - began
         writes[index] = [
             store.swap_out(state_key(names[index], state), tensor)
             for state, tensor in zip(STREAM_STATES, (param, exp_avg, exp_avg_sq))
         ]
         if not pipeline.write_behind:
+            began = time.perf_counter()
             for handle in writes[index]:
                 handle.wait()
+            clock.wait_write_s += time.perf_counter() - began
+    began = time.perf_counter()
     for handles in writes:
         for handle in handles:
             handle.wait()
+    clock.wait_write_s += time.perf_counter() - began

@@ -36,6 +36,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
@@ -65,6 +66,17 @@ class SwapSlot:
     offset: int
     capacity: int
     nbytes: int = 0
+
+
+@dataclass
+class IOStats:
+    """What a swapper's threads did: bytes moved and seconds spent in the syscalls (and their staging copies),
+    summed over threads, so concurrent I/O can add up to more than wall time. For the scale benchmark."""
+
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
 
 
 class SwapHandle:
@@ -205,6 +217,8 @@ class TensorSwapper:
         self._last_op: dict[str, SwapHandle] = {}
         self._last_op_lock = threading.Lock()
         self._closed = False
+        self.stats = IOStats()
+        self._stats_lock = threading.Lock()
 
     @staticmethod
     def bytes_needed(tensor_nbytes: Iterable[int], settings: AioSettings | None = None) -> int:
@@ -337,29 +351,43 @@ class TensorSwapper:
         if prior is not None:
             prior.wait()  # same-name operations in submission order; prior was queued first, so it is running
         block = self.settings.block_size
-        for start in starts:
-            length = min(block, data.numel() - start)
-            address = data.data_ptr() + start
+        writing = piece_io == self._write_piece
+        began, moved = time.perf_counter(), 0
+        try:
+            for start in starts:
+                moved += self._one_piece(piece_io, slot, data, start, min(block, data.numel() - start))
+        finally:
+            elapsed = time.perf_counter() - began
+            with self._stats_lock:
+                if writing:
+                    self.stats.write_bytes += moved
+                    self.stats.write_s += elapsed
+                else:
+                    self.stats.read_bytes += moved
+                    self.stats.read_s += elapsed
+
+    def _one_piece(self, piece_io: _PieceIO, slot: SwapSlot, data: torch.Tensor, start: int, length: int) -> int:
+        """Move bytes [start, start + length) of ``data``; returns ``length``."""
+        address = data.data_ptr() + start
+        try:
+            if self._can_use_directly(address, length):
+                # zero copy: the syscall reads or writes the caller's memory itself
+                piece_io(_memory_at(address, length), slot.offset + start, None)
+                return length
+            staging = self._free_buffers.get()
             try:
-                if self._can_use_directly(address, length):
-                    # zero copy: the syscall reads or writes the caller's memory itself
-                    piece_io(_memory_at(address, length), slot.offset + start, None)
-                    continue
-                staging = self._free_buffers.get()
-                try:
-                    piece_io(
-                        staging.view[: round_up(length, PAGE_SIZE)], slot.offset + start, (staging, address, length)
-                    )
-                finally:
-                    self._free_buffers.put(staging)
-            except OSError as error:
-                # pwrite's ENOSPC names no file, and the swap file has no name left on disk: say which one it was
-                what = "writing" if piece_io == self._write_piece else "reading"
-                raise OSError(
-                    error.errno,
-                    f"{error.strerror or error} ({what} {slot.name!r} at byte {slot.offset + start} of swap file "
-                    f"{self.path}, unlinked at creation)",
-                ) from error
+                piece_io(staging.view[: round_up(length, PAGE_SIZE)], slot.offset + start, (staging, address, length))
+            finally:
+                self._free_buffers.put(staging)
+            return length
+        except OSError as error:
+            # pwrite's ENOSPC names no file, and the swap file has no name left on disk: say which one it was
+            what = "writing" if piece_io == self._write_piece else "reading"
+            raise OSError(
+                error.errno,
+                f"{error.strerror or error} ({what} {slot.name!r} at byte {slot.offset + start} of swap file "
+                f"{self.path}, unlinked at creation)",
+            ) from error
 
     def _can_use_directly(self, address: int, length: int) -> bool:
         """Buffered I/O takes any memory; O_DIRECT only page-aligned memory in whole pages (see ``aligned_empty``)."""

@@ -13,12 +13,17 @@ reduce_bucket_size elements — and its output is exactly this rank's [lo, hi). 
 ``StagingBudget``: before a piece is staged, the oldest launched pieces (of any unit) are completed until the
 live staging fits in reduce_bucket_size × the wire dtype's size (or one piece, when a bucket is smaller than
 N elements). ``StagingBudget.peak_bytes`` is the figure tests read.
+
+With gradients on NVMe (``offload_to``: [Note: gradients on NVMe] in grad_offload.py) ``grad_shard`` is empty
+between backward passes: allocated at ``launch`` (the previous micro-step's sum read back into it), written behind
+and dropped at ``finish``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +31,10 @@ from shardspeed.comm import Work
 from shardspeed.offload.aligned import aligned_empty
 from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.stage3.unit import ParamUnit
+
+if TYPE_CHECKING:
+    from shardspeed.offload.stream import Handle
+    from shardspeed.zero.stage3.grad_offload import UnitGradSink
 
 _MAPPED_MIN_NUMEL = 1 << 18  # 1 MiB of fp32
 
@@ -100,6 +109,13 @@ class UnitGrads:
         self._awaiting = False  # launched pieces not yet finished
         width = max(1, bucket_numel // ctx.axis.size)
         self.pieces = [(lo, min(lo + width, unit.shard_numel)) for lo in range(0, unit.shard_numel, width)]
+        self.sink: UnitGradSink | None = None  # offload_to: the shard lives in the swap file between backward passes
+        self._reading: list[Handle] = []  # the previous micro-step's sum being read back into grad_shard
+
+    def offload_to(self, sink: UnitGradSink) -> None:
+        """[Note: gradients on NVMe]: from now on the shard is in memory only while this unit is being reduced."""
+        self.sink = sink
+        self.grad_shard = torch.empty(0, dtype=self.dtype, device=self.unit.device)
 
     @property
     def complete(self) -> bool:
@@ -167,6 +183,8 @@ class UnitGrads:
         self.unit.id_check.launch(self.unit.index, "gradient reduce-scatter", self.unit.device)
         if self.step_held is not None:
             self._join_held()
+        if self.sink is not None:
+            self._open_offloaded_shard(self.sink)
         for lo, hi in self.pieces:
             self._launch_piece(lo, hi)
         self._held.clear()
@@ -192,9 +210,21 @@ class UnitGrads:
         work = self.ctx.collectives.reduce_scatter(out, staging, self.ctx.axis, async_op=True, tag="grads")
         self.budget.add(_Piece(self, lo, hi, staging, out, work))
 
+    def _open_offloaded_shard(self, sink: UnitGradSink) -> None:
+        """A fresh shard for this reduction, with what earlier micro-steps of the step accumulated read back into
+        it (asynchronously: the first reduced piece waits for it)."""
+        self.grad_shard = _zeros(self.unit.shard_numel, self.unit.device, self.dtype)
+        sink.allocated(self.grad_shard.numel() * self.grad_shard.element_size())
+        if sink.has(self.unit.index):
+            self._reading = sink.read_back(self.unit.index, self.grad_shard)
+
     def add_reduced(self, lo: int, hi: int, out: torch.Tensor) -> None:
         if self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
+        if self._reading:
+            assert self.sink is not None
+            self.sink.swap.wait_deferred(self._reading)  # [Note: deferred gradient I/O failures]
+            self._reading = []
         self.grad_shard[lo:hi].add_(out)
 
     def finish(self) -> bool:
@@ -204,6 +234,12 @@ class UnitGrads:
         self.budget.complete_all_of(self)
         self._awaiting = False
         self.unit.id_check.after_wait()
+        if self.sink is not None:  # written behind; the shard's memory goes once the write is done
+            if self._reading:
+                self.sink.swap.wait_deferred(self._reading)
+                self._reading = []
+            self.sink.write(self.unit.index, self.grad_shard)
+            self.grad_shard = torch.empty(0, dtype=self.dtype, device=self.unit.device)
         return True
 
     def reset_backward(self) -> None:
@@ -212,7 +248,10 @@ class UnitGrads:
         self._held.clear()  # an aborted backward's gradients never reach the next one
 
     def zero(self) -> None:
-        self.grad_shard.zero_()
+        if self.sink is not None:
+            self.sink.forget(self.unit.index)
+        else:
+            self.grad_shard.zero_()
         self._held.clear()
         self.step_held = None
 
@@ -224,7 +263,9 @@ class UnitGrads:
             self.held_view(local_index).zero_()
         off, n, lo = self.unit.offsets[local_index], self.unit.numels[local_index], self.unit.rank_start
         a, b = max(off, lo), min(off + n, lo + self.unit.shard_numel)
-        if a < b and self.grad_shard.numel():
+        if a < b and self.sink is not None:
+            self.sink.forget_range(self.unit.index, a - lo, b - lo)
+        elif a < b and self.grad_shard.numel():
             self.grad_shard[a - lo : b - lo].zero_()
 
 

@@ -22,6 +22,7 @@ import torch
 
 from shardspeed.checkpoint.pieces import Piece
 from shardspeed.distributed import local_rank_device
+from shardspeed.offload.grad_swap import GradSwap
 from shardspeed.offload.stepped_access import stand_in
 from shardspeed.precision.norm_weights import NormScope
 from shardspeed.zero.grad_markers import SteppedGrads
@@ -30,6 +31,7 @@ from shardspeed.zero.hold import Stage3Hold
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
 from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
+from shardspeed.zero.stage3.grad_offload import UnitGradSink
 from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
 from shardspeed.zero.stage3.id_check import UnitIdCheck
 from shardspeed.zero.stage3.init import has_deferred_tensors
@@ -176,6 +178,7 @@ class Stage3States(Stage3Hold):
             name: (u, unit.offsets[i]) for u, unit in enumerate(self.units) for i, name in enumerate(unit.names)
         }
         self.param_offloader: ParamOffloader | None = None
+        self.grad_sink: UnitGradSink | None = None  # offload_grads
         self.stepped_access: ShardSlices | None = None  # fp32 offload_param: where the stand-ins' values are
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
         self.placeholder_guard = PlaceholderWriteGuard(self.units, module) if guard_placeholders else None
@@ -271,10 +274,25 @@ class Stage3States(Stage3Hold):
         self.norm_scope = scope
 
     def grad_sq_sum(self) -> float:
-        return grad_sq_sum(self.units, self.grads, self.norm_scope, self.ctx)
+        return grad_sq_sum(self.units, self.grads, self.norm_scope, self.ctx, self.grad_sink)
 
     def nonfinite_grad_names(self) -> list[str]:
-        return nonfinite_grad_names(self.units, self.grads)
+        return nonfinite_grad_names(self.units, self.grads, self.grad_sink)
+
+    def offload_grads(self, swap: GradSwap) -> None:
+        """[Note: gradients on NVMe] in grad_offload.py: every unit's reduced shard goes to ``swap`` (the streamed
+        optimizer's swap file) as it is reduced. The stepped tensors' ``.grad`` become stand-ins (the values are
+        in the file), so ``optimizer.zero_grad()`` is still seen ([Note: gradient markers])."""
+        sink = UnitGradSink(
+            swap, self.units, self._unit_tensors, [g.trainable for g in self.grads], lambda: self.norm_scope
+        )
+        self.grad_sink = sink
+        for g in self.grads:
+            if g.trainable:
+                g.offload_to(sink)
+        for entries in self._unit_tensors.values():
+            for tensor, _, _ in entries:
+                tensor.grad = stand_in(tensor.numel(), tensor)
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_([g.grad_shard for g in self.grads if g.trainable], factor)
@@ -369,7 +387,7 @@ class Stage3States(Stage3Hold):
         if stepped is None:
             stepped = self._stepped = SteppedGrads(
                 lambda: [t for entries in self._unit_tensors.values() for t, _, _ in entries],
-                lambda: [g.grad_shard for g in self.grads],
+                lambda: [g.grad_shard for g in self.grads if g.sink is None],  # offloaded: stand-in .grad
             )
             stepped.snapshot()
         return stepped
