@@ -199,16 +199,84 @@ def default_bucket_numel(choice: CollectiveChoice) -> int | None:
 
 
 # --- the documented table ----------------------------------------------------------------------------------------
-# gloo on CPU, measured by `python -m shardspeed.comm.calibrate --world N` (fp32, ladder 16 KiB..16 MiB, ×4
-# steps, 2 warm-ups, median of 7, max over ranks). 2026-12-02, the shared 2-core development VM (load from
-# other jobs: indicative), torch 2.13 CPU. ms per op (unsharded size):
+# gloo on CPU over loopback, fp32, measured by `python -m shardspeed.comm.calibrate --world N --reps 7` (ladder
+# 16 KiB..16 MiB unsharded, ×4 steps; per size the max over ranks of each rank's median of 7 after a warm-up),
+# three runs per world size, the median of the three per entry below. 2026-12-02 ~05:05 UTC, the shared 2-core
+# development VM (five other jobs running: load ~3; world 4 is oversubscribed 2×), torch 2.13 CPU. Indicative:
+# single runs disagreed by up to 2× per entry. ms per call (bus GB/s = (N-1)/N × bytes / time):
 #
-#   world 2        16K    64K    256K    1M     4M     16M
-#   RS native      see _GLOO_TIMINGS below (filled from the measurement)
+#   world 2                  16K            64K           256K            1M             4M            16M
+#   reduce_scatter native    6.718 (0.00)   1.394 (0.02)   2.703 (0.05)   5.148 (0.10)  13.098 (0.16)  47.623 (0.18)
+#   reduce_scatter all_red.  1.133 (0.01)   1.135 (0.03)   1.892 (0.07)   3.130 (0.17)   8.934 (0.23)  31.867 (0.26)
+#   all_gather native        0.811 (0.01)   1.060 (0.03)   1.525 (0.09)   2.318 (0.23)   5.687 (0.37)  63.614 (0.13)
+#   all_gather broadcast     1.216 (0.01)   0.927 (0.04)   1.125 (0.12)   2.156 (0.24)   7.125 (0.29)  35.253 (0.24)
+#   → reduce_scatter all_reduce; all_gather native ≤ 8 MiB, broadcast above; knee 4 MiB (1,048,576 fp32)
 #
-# The table keeps the measured timings themselves, so the rule (``choose``) and the knee are derived exactly as
-# a calibration would be, and a reader can check them.
-_GLOO_TIMINGS: dict[int, tuple[tuple[str, str, int, float], ...]] = {}
+#   world 4                  16K            64K           256K            1M             4M            16M
+#   reduce_scatter native    8.459 (0.00)  13.896 (0.00)  11.478 (0.02)  19.298 (0.04)  36.388 (0.09) 168.797 (0.07)
+#   reduce_scatter all_red. 11.841 (0.00)  16.177 (0.00)  14.688 (0.01)  14.355 (0.05)  26.154 (0.12) 110.982 (0.11)
+#   all_gather native        5.759 (0.00)   8.041 (0.01)   8.063 (0.02)   8.142 (0.10)  20.257 (0.16)  95.943 (0.13)
+#   all_gather broadcast     6.597 (0.00)   6.701 (0.01)   6.001 (0.03)   8.550 (0.09)  15.803 (0.20)  46.927 (0.27)
+#   → reduce_scatter native ≤ 512 KiB, all_reduce above; all_gather native ≤ 32 KiB, broadcast above; knee 4 MiB
+#
+# The table keeps the timings themselves: the rule (``choose``) and the knee are derived from them exactly as a
+# calibration's are, and a reader can check them. Not in these figures: gloo's native reduce-scatter has no
+# future and progresses only inside ``wait()``, while an all-reduce progresses in the background — so under
+# overlap (buckets launched during backward) all-reduce-then-slice gains more than a synchronous timing shows.
+_GLOO_TIMINGS: dict[int, tuple[tuple[str, str, int, float], ...]] = {
+    2: (
+        ("reduce_scatter", "native", 16384, 6.718),
+        ("reduce_scatter", "all_reduce", 16384, 1.133),
+        ("all_gather", "native", 16384, 0.811),
+        ("all_gather", "broadcast", 16384, 1.216),
+        ("reduce_scatter", "native", 65536, 1.394),
+        ("reduce_scatter", "all_reduce", 65536, 1.135),
+        ("all_gather", "native", 65536, 1.060),
+        ("all_gather", "broadcast", 65536, 0.927),
+        ("reduce_scatter", "native", 262144, 2.703),
+        ("reduce_scatter", "all_reduce", 262144, 1.892),
+        ("all_gather", "native", 262144, 1.525),
+        ("all_gather", "broadcast", 262144, 1.125),
+        ("reduce_scatter", "native", 1048576, 5.148),
+        ("reduce_scatter", "all_reduce", 1048576, 3.130),
+        ("all_gather", "native", 1048576, 2.318),
+        ("all_gather", "broadcast", 1048576, 2.156),
+        ("reduce_scatter", "native", 4194304, 13.098),
+        ("reduce_scatter", "all_reduce", 4194304, 8.934),
+        ("all_gather", "native", 4194304, 5.687),
+        ("all_gather", "broadcast", 4194304, 7.125),
+        ("reduce_scatter", "native", 16777216, 47.623),
+        ("reduce_scatter", "all_reduce", 16777216, 31.867),
+        ("all_gather", "native", 16777216, 63.614),
+        ("all_gather", "broadcast", 16777216, 35.253),
+    ),
+    4: (
+        ("reduce_scatter", "native", 16384, 8.459),
+        ("reduce_scatter", "all_reduce", 16384, 11.841),
+        ("all_gather", "native", 16384, 5.759),
+        ("all_gather", "broadcast", 16384, 6.597),
+        ("reduce_scatter", "native", 65536, 13.896),
+        ("reduce_scatter", "all_reduce", 65536, 16.177),
+        ("all_gather", "native", 65536, 8.041),
+        ("all_gather", "broadcast", 65536, 6.701),
+        ("reduce_scatter", "native", 262144, 11.478),
+        ("reduce_scatter", "all_reduce", 262144, 14.688),
+        ("all_gather", "native", 262144, 8.063),
+        ("all_gather", "broadcast", 262144, 6.001),
+        ("reduce_scatter", "native", 1048576, 19.298),
+        ("reduce_scatter", "all_reduce", 1048576, 14.355),
+        ("all_gather", "native", 1048576, 8.142),
+        ("all_gather", "broadcast", 1048576, 8.550),
+        ("reduce_scatter", "native", 4194304, 36.388),
+        ("reduce_scatter", "all_reduce", 4194304, 26.154),
+        ("all_gather", "native", 4194304, 20.257),
+        ("all_gather", "broadcast", 4194304, 15.803),
+        ("reduce_scatter", "native", 16777216, 168.797),
+        ("reduce_scatter", "all_reduce", 16777216, 110.982),
+        ("all_gather", "native", 16777216, 95.943),
+        ("all_gather", "broadcast", 16777216, 46.927),
+    ),
+}
 
 
 def table_choice(backend: str, world: int, itemsize: int = 4) -> CollectiveChoice:
