@@ -95,7 +95,7 @@ class CollectiveChoice:
     curve: tuple[CurvePoint, ...] = ()
     itemsize: int = 4
     """Bytes per element of the measured dtype (the curve's sizes in elements = bytes / itemsize)."""
-    source: str = "native"
+    source: str = field(default="native", compare=False)
     """Where it came from: native, table, cache, calibration (logged on rank 0)."""
     timings: tuple[Timing, ...] = field(default=(), compare=False)
 

@@ -101,15 +101,18 @@ def measure(
     collectives: Collectives,
     axis: AxisGroup,
     dtype: torch.dtype = torch.float32,
-    ladder: Sequence[int] = LADDER_BYTES,
-    warmup: int = WARMUP,
-    reps: int = REPS,
+    ladder: Sequence[int] | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
     device: torch.device | None = None,
 ) -> list[Timing]:
     """Time every candidate of every op on every ladder size; each figure is the max over ranks of the ranks'
     medians. Runs the calls through ``collectives`` (waited through its failure board) with a private choice
     per candidate, and leaves its choice, comms log and counters as they were."""
     device = device or torch.device("cpu")
+    ladder = LADDER_BYTES if ladder is None else ladder  # read at call time: tests shorten the ladder
+    warmup = WARMUP if warmup is None else warmup
+    reps = REPS if reps is None else reps
     itemsize = torch.empty(0, dtype=dtype).element_size()
     saved = collectives.algorithms, collectives.log.enabled, dict(collectives.algorithm_counts)
     collectives.log.enabled = False
