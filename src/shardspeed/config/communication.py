@@ -9,13 +9,15 @@ see ``shardspeed/comm/algorithms.py``. NCCL always gets its native, coalesced op
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .base import ConfigModel
 
 
 class CommunicationConfig(ConfigModel):
     """``communication``: the algorithm behind each collective and the default bucket sizes."""
+
+    AUTO_IS_VALUE: ClassVar[frozenset[str]] = frozenset({"collectives"})  # "auto" is a value, not HF's placeholder
 
     collectives: Literal["auto", "native", "calibrate"] = "auto"
     """``"native"``: torch's call for every collective. ``"auto"`` (default): NCCL native; gloo per the measured
