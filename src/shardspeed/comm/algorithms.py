@@ -30,6 +30,12 @@ log-time over the ladder, an alternative's times counted ``1 / MARGIN`` longer s
 crossover at most because a measured curve flips back and forth under noise (a loaded machine), and a plan
 fitted to every wiggle would pick an algorithm per size at random; sums of log-times weigh every size alike.
 
+NCCL coalescing: not done here. The engine launches several buckets together in one place (stages 1/2's parameter
+gather after the step, zero/partitioned.py); wrapping that loop in ``torch.distributed._coalescing_manager`` would
+make them one NCCL group call, but it is a private API whose handle semantics changed across torch releases and no
+GPU was available to measure it, so the buckets stay separate async calls (NCCL still runs them back to back on one
+stream). Left for the GPU check to measure.
+
 Bucket size (``default_bucket_numel``): the knee of the bus-bandwidth curve — the smallest ladder size whose
 combined reduce-scatter + all-gather bus bandwidth (chosen algorithms; nccl-tests' busbw, (N-1)/N × bytes per
 op) reaches ``KNEE_FRACTION`` (90%) of the best measured. Bigger buckets only add latency before the first
