@@ -161,7 +161,7 @@ def test_calibration_is_agreed_when_caches_differ(dist_run, tmp_path) -> None:
 MB, STEPS, LR, CLIP = 2, 5, 0.05, 0.5
 
 
-def _zero_run(rank: int, world: int, stage: int, kind: str) -> dict[str, Any]:
+def _zero_run(rank: int, world: int, stage: int, kind: str, wire: str | None = None) -> dict[str, Any]:
     batches = global_batches(STEPS, MB * world)
     out: dict[str, Any] = {}
     for name, mode, force in (("native", "native", None), ("table", "auto", None), ("all", "native", ALTERNATIVES)):
@@ -175,6 +175,7 @@ def _zero_run(rank: int, world: int, stage: int, kind: str) -> dict[str, Any]:
             "communication": {"collectives": mode},
             "comms_logger": {"enabled": True},
             "steps_per_print": 1000,
+            **({"communication_data_type": wire} if wire else {}),
         }
         engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         if force is not None:
@@ -191,11 +192,19 @@ def _zero_run(rank: int, world: int, stage: int, kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("stage", "kind"), [(1, "adamw"), (2, "adamw"), (3, "adamw"), pytest.param(2, "sgd", marks=pytest.mark.slow)]
+    ("stage", "kind", "wire"),
+    [
+        (1, "adamw", None),
+        (2, "adamw", None),
+        (3, "adamw", None),
+        (1, "adamw", "bf16"),  # a wire-dtype staging copy instead of the buffer itself ([Note: clobbered inputs])
+        pytest.param(2, "sgd", None, marks=pytest.mark.slow),
+        pytest.param(2, "adamw", "bf16", marks=pytest.mark.slow),
+    ],
 )
-def test_zero_parity_and_traffic_under_every_algorithm(dist_run, stage: int, kind: str) -> None:
+def test_zero_parity_and_traffic_under_every_algorithm(dist_run, stage: int, kind: str, wire: str | None) -> None:
     expected, _ = reference_run(kind, LR, CLIP, global_batches(STEPS, MB * 2))
-    for result in dist_run(_zero_run, 2, stage, kind):
+    for result in dist_run(_zero_run, 2, stage, kind, wire):
         native = result["native"]
         assert result["table"]["source"].startswith("table")
         assert result["table"]["counts"].get("reduce_scatter=all_reduce", 0) > 0  # world 2's table: all-reduce
@@ -207,5 +216,6 @@ def test_zero_parity_and_traffic_under_every_algorithm(dist_run, stage: int, kin
             assert result[name]["log"] == native["log"]  # the paper's traffic figures whatever carried them
             for n, p in native["params"].items():
                 assert torch.equal(result[name]["params"][n], p), (name, n)  # bit-identical to native
-        for n, p in native["params"].items():
-            torch.testing.assert_close(p, expected[n], rtol=1e-5, atol=1e-5)
+        if wire is None:  # a bf16 wire rounds the gradients: bit-identity to native is the check there
+            for n, p in native["params"].items():
+                torch.testing.assert_close(p, expected[n], rtol=1e-5, atol=1e-5)
