@@ -23,6 +23,7 @@ import socket
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,10 +180,7 @@ def resolve_choice(
         timings = measure(collectives, axis, dtype, device=device)
         decided = choose(timings, axis.size, itemsize) if axis.rank == 0 else None
         shared = collectives.all_gather_object(None if decided is None else to_json(decided, {}), axis)[0]
-        choice = from_json(shared, {})
-        choice = CollectiveChoice(
-            choice.reduce_scatter, choice.all_gather, choice.curve, choice.itemsize, "calibration", choice.timings
-        )
+        choice = replace(from_json(shared, {}), source="calibration")  # rank 0's decision, on every rank
         store_cached(path, choice, key)
         if axis.rank == 0:
             logger.info("collective calibration took %.2f s, cached in %s", time.perf_counter() - start, path)
