@@ -24,6 +24,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _private_calibration_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Collective calibrations (comm/calibrate.py) are cached per host: a developer's cache, or one a previous
+    test wrote, must not change which algorithm a test runs. Forked ranks inherit the variable."""
+    monkeypatch.setenv("SHARDSPEED_CACHE_DIR", str(tmp_path / "shardspeed-cache"))
+
+
 @pytest.fixture
 def dist_run(tmp_path: Path):
     """``dist_run(fn, world_size, *args)`` → per-rank results of fn(rank, world_size, *args)."""

@@ -32,6 +32,7 @@ from shardspeed.data import build_dataloader
 from shardspeed.distributed import local_rank_device
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import (
+    bucket_defaults,
     build_engine_optimizer,
     check_param_offload,
     engine_collectives,
@@ -108,7 +109,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             self.module.to(dtype=config.compute_dtype)
         self._broadcast_module_state()
 
-        zero = config.zero_optimization
+        zero = bucket_defaults(config.zero_optimization, self.collectives.algorithms, topology.global_rank == 0)
         groups = normalize_groups(
             optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else model_parameters, self.module
         )

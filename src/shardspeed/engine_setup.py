@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives, CommsLog
+from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel
+from shardspeed.comm.calibrate import resolve_choice
 from shardspeed.comm.order_check import check_flags_agree, requested
-from shardspeed.config import ShardSpeedConfig
+from shardspeed.config import ShardSpeedConfig, ZeroConfig
 from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
 from shardspeed.optim.build import prefer_client_optimizer
@@ -20,7 +22,13 @@ from shardspeed.precision.norm_weights import counted_weights
 from shardspeed.topology import AxisGroup, Topology
 from shardspeed.zero.sharded_lamb import ShardedLamb, lamb_norm_axes, sum_over
 
-__all__ = ["build_engine_optimizer", "check_param_offload", "engine_collectives", "offload_params"]
+__all__ = [
+    "bucket_defaults",
+    "build_engine_optimizer",
+    "check_param_offload",
+    "engine_collectives",
+    "offload_params",
+]
 
 
 def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: FailureBoard | None = None) -> Collectives:
@@ -33,7 +41,31 @@ def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: Fail
     unverified = Collectives(log, board)
     for axis in (topology.pipe, topology.data, topology.tensor):
         check_flags_agree(unverified.all_gather_object(want, axis), axis.ranks)
-    return Collectives(log, board, verify_order=want)
+    collectives = Collectives(log, board, verify_order=want)
+    # [Note: collective algorithms] in comm/algorithms.py: agreed over the data axis, whose buckets matter
+    comm = config.communication
+    collectives.algorithms = resolve_choice(
+        comm.collectives, comm.calibration_cache, collectives, topology.data, config.grad_comm_dtype
+    )
+    return collectives
+
+
+def bucket_defaults(zero: ZeroConfig, choice: CollectiveChoice, log: bool = False) -> ZeroConfig:
+    """``zero`` with ``reduce_bucket_size`` / ``allgather_bucket_size`` at the knee of ``choice``'s measured
+    bandwidth curve where the config did not set them (``model_fields_set``; ``"auto"`` counts as unset); set
+    values always win, and without a curve (native, NCCL) DeepSpeed's defaults stay. Logged when ``log``."""
+    knee = default_bucket_numel(choice)
+    unset = {"reduce_bucket_size", "allgather_bucket_size"} - zero.model_fields_set
+    if knee is None or not unset:
+        return zero
+    if log:
+        logging.getLogger("shardspeed").info(
+            "%s: %s elements (the knee of the %s bandwidth curve)",
+            " and ".join(sorted(unset)),
+            f"{knee:,}",
+            choice.source,
+        )
+    return zero.model_copy(update=dict.fromkeys(unset, knee))
 
 
 def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:

@@ -12,12 +12,15 @@ waited through the board, so a peer's published failure (or death) raises here i
 from __future__ import annotations
 
 import pickle
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm.algorithms import NATIVE, CollectiveChoice
 from shardspeed.comm.blocked import BlockedTime, timed_wait
+from shardspeed.comm.composite import Launched, all_gather_by_broadcast, reduce_scatter_by_all_reduce
 from shardspeed.comm.log import CommsLog
 from shardspeed.comm.order_check import OrderChecker
 from shardspeed.faults.board import FailureBoard
@@ -113,6 +116,47 @@ class _Works(Work):
         return all(w.done() for w in self._works)
 
 
+class CompositeWork(Work):
+    """One logical collective carried by several handles plus a completion action ([Note: collective
+    algorithms] in comm/algorithms.py). ``wait()`` waits each handle in launch order — through the failure board
+    when there is one, so a peer's failure mid-way is ``PeerFailedError`` — then runs the action once; the wait is
+    recorded once under the logical op's key. Idempotent: a second ``wait()`` does nothing."""
+
+    def __init__(
+        self,
+        launched: Launched,
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        *,
+        blocked: BlockedTime | None,
+        key: str,
+    ) -> None:
+        super().__init__(None, board, doing, blocked=blocked, key=key)
+        self._handles = list(launched.handles)
+        self._finish = launched.finish
+        self._keep = launched.keep  # inputs and outputs alive until the handles are waited (gloo reads them async)
+
+    def wait(self) -> None:
+        if self._handles:
+            timed_wait(self._blocked, self._key, self._wait_handles)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        self._keep = ()
+
+    def _wait_handles(self) -> None:
+        while self._handles:
+            handle = self._handles[0]
+            if self._board is None:
+                handle.wait()
+            else:
+                self._board.wait(handle, self._doing)
+            self._handles.pop(0)
+
+    def done(self) -> bool:
+        return all(h.is_completed() for h in self._handles)
+
+
 class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""
 
@@ -123,6 +167,11 @@ class Collectives:
         self.board = board
         self.blocked = BlockedTime()
         """Wall time this process's calls spent blocked waiting on communication ([Note: exposed communication])."""
+        self.algorithms: CollectiveChoice = NATIVE
+        """Which call carries each reduce-scatter / all-gather ([Note: collective algorithms]); every rank of an axis
+        must hold the same choice (engine_setup.engine_collectives sets the agreed one)."""
+        self.algorithm_counts: dict[str, int] = defaultdict(int)
+        """Calls per ``"<op>=<algorithm>"`` (``"reduce_scatter=all_reduce"``); the comms log keeps the logical op."""
         # [Note: collective-order verification] in comm/order_check.py: None (the default) costs one attribute
         # check per collective. Every rank must pass the same flag (engine_setup.engine_collectives agrees it).
         self.order: OrderChecker | None = (
@@ -134,14 +183,23 @@ class Collectives:
         """Issue ``launch(async_op)`` and return its Work, waited already unless ``async_op``: through the failure
         board when there is one (always issued async then), else as torch's own synchronous call."""
 
-        def doing() -> str:  # built only for an error message: this runs for every collective
-            return f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
-
-        key = f"{op}:{tag}" if tag else op
+        doing, key = _describer(op, tag, axis), f"{op}:{tag}" if tag else op
         if self.board is None and not async_op:  # torch's own synchronous call: all of it is blocked time
             timed_wait(self.blocked, key, lambda: launch(False))  # type: ignore[operator]
             return Work(None)
         work = Work(launch(True), self.board, doing, blocked=self.blocked, key=key)  # type: ignore[operator]
+        if not async_op:
+            work.wait()
+        return work
+
+    def _run_composite(
+        self, launch: Callable[[], Launched], axis: AxisGroup, op: str, tag: str, async_op: bool
+    ) -> Work:
+        """``_run`` for a logical op carried by several async calls: one ``CompositeWork``, waited already unless
+        ``async_op``; blocked time recorded under the logical op's key."""
+
+        key = f"{op}:{tag}" if tag else op
+        work = CompositeWork(launch(), self.board, _describer(op, tag, axis), blocked=self.blocked, key=key)
         if not async_op:
             work.wait()
         return work
@@ -194,6 +252,13 @@ class Collectives:
                 unsharded.copy_(shard)
             return Work(None)
         self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        nbytes = unsharded.numel() * unsharded.element_size()
+        algorithm = self.algorithms.algorithm("all_gather", nbytes) if unsharded.is_contiguous() else "native"
+        self.algorithm_counts[f"all_gather={algorithm}"] += 1
+        if algorithm == "broadcast":
+            return self._run_composite(
+                lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op
+            )
         return self._run(
             lambda a: _all_gather_single(unsharded, shard, group=axis.group, async_op=a),
             axis,
@@ -210,8 +275,11 @@ class Collectives:
         *,
         async_op: bool = False,
         tag: str = "",
+        clobber_input: bool = False,
     ) -> Work:
-        """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``."""
+        """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``. ``clobber_input``: the
+        caller allows ``unsharded`` to be overwritten (an all-reduce-then-slice then runs in place, no scratch
+        copy); without it the input is left as it was."""
         if self.order is not None:
             self.order.check("reduce_scatter(sum)", axis, (unsharded, shard), tag)
         if unsharded.numel() != shard.numel() * axis.size:
@@ -221,6 +289,17 @@ class Collectives:
                 shard.copy_(unsharded)
             return Work(None)
         self.log.record("reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        nbytes = unsharded.numel() * unsharded.element_size()
+        algorithm = self.algorithms.algorithm("reduce_scatter", nbytes) if unsharded.is_contiguous() else "native"
+        self.algorithm_counts[f"reduce_scatter={algorithm}"] += 1
+        if algorithm == "all_reduce":
+            return self._run_composite(
+                lambda: reduce_scatter_by_all_reduce(shard, unsharded, axis, clobber_input),
+                axis,
+                "reduce_scatter",
+                tag,
+                async_op,
+            )
         return self._run(
             lambda a: _reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
             axis,
@@ -331,6 +410,11 @@ class Collectives:
 
     def _exchange_object(self, obj: object, axis: AxisGroup) -> list[object]:
         return self._gather_objects(obj, axis, _check_group(axis))
+
+
+def _describer(op: str, tag: str, axis: AxisGroup) -> Callable[[], str]:
+    """What a wait was doing, built only for an error message (this runs for every collective)."""
+    return lambda: f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
 
 
 def _device_for(group: dist.ProcessGroup | None) -> torch.device:

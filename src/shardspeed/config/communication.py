@@ -4,18 +4,23 @@
 depends on the backend, not on the bytes: on gloo a reduce-scatter runs as an all-reduce underneath (so
 all-reduce-then-slice costs the same and needs no output copy), and an all-gather is several times slower than
 one broadcast per owner for the same bytes. Which call wins is measured, not assumed from the backend's name:
-see ``shardspeed/comm/algorithms.py``. NCCL always gets its native, coalesced ops.
+see ``shardspeed/comm/algorithms.py`` (the full reasoning, the decision rule, the measured table and the bucket
+knee) and ``comm/calibrate.py`` ([Note: agreed calibration]). NCCL always gets its native ops. Unset
+``zero_optimization.reduce_bucket_size`` / ``allgather_bucket_size`` default to the knee of the measured bandwidth
+curve (``engine_setup.bucket_defaults``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .base import ConfigModel
 
 
 class CommunicationConfig(ConfigModel):
     """``communication``: the algorithm behind each collective and the default bucket sizes."""
+
+    AUTO_IS_VALUE: ClassVar[frozenset[str]] = frozenset({"collectives"})  # "auto" is a value, not HF's placeholder
 
     collectives: Literal["auto", "native", "calibrate"] = "auto"
     """``"native"``: torch's call for every collective. ``"auto"`` (default): NCCL native; gloo per the measured
@@ -24,4 +29,5 @@ class CommunicationConfig(ConfigModel):
     decides, broadcasts, logs and caches it), then behaves as ``"auto"``."""
 
     calibration_cache: str | None = None
-    """Directory of cached calibrations. Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``."""
+    """Directory of cached calibrations (one JSON file per backend, axis size, dtype, host and torch version).
+    Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``. A corrupt file is ignored with a warning."""

@@ -104,7 +104,7 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "activation_checkpointing.profile": _acts("checkpointing/settings.py"),
     # --- communication (shardspeed's own section) ------------------------------------------------------------------
     "communication.collectives": _acts("comm/algorithms.py: the call behind each collective"),
-    "communication.calibration_cache": _acts("comm/algorithms.py: where calibrations are cached"),
+    "communication.calibration_cache": _acts("comm/calibrate.py: where calibrations are cached"),
     # --- fault_tolerance (shardspeed's own section) --------------------------------------------------------------
     "fault_tolerance.propagate_failures": _acts("faults/: failure published and watched"),
     "fault_tolerance.watch_interval_s": _acts("faults/: the watcher's poll interval"),

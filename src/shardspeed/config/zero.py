@@ -81,8 +81,9 @@ class ZeroConfig(Stage3Options):
     accepted for compatibility."""
 
     reduce_bucket_size: PositiveInt = 500_000_000
-    """Gradient elements reduced per collective. DeepSpeed default: 5e8. ``"auto"`` -> this default (the HF
-    Trainer would use hidden_size**2)."""
+    """Gradient elements reduced per collective. DeepSpeed default: 5e8. Unset (or ``"auto"``): the knee of the
+    measured bandwidth curve when the collectives have one (gloo; [Note: collective algorithms] in
+    comm/algorithms.py), else 5e8 (the HF Trainer would use hidden_size**2)."""
 
     use_multi_rank_bucket_allreduce: bool = True
     """Combine the ranks' reduce buckets into one all-reduce. DeepSpeed default: true."""
@@ -92,7 +93,8 @@ class ZeroConfig(Stage3Options):
     DeepSpeed default: true."""
 
     allgather_bucket_size: PositiveInt = 500_000_000
-    """Parameter elements all-gathered per collective. DeepSpeed default: 5e8."""
+    """Parameter elements all-gathered per collective. DeepSpeed default: 5e8. Unset: the bandwidth knee, as
+    ``reduce_bucket_size``."""
 
     overlap_comm: bool
     """Overlap gradient reduction with the backward pass: buckets are launched asynchronously from gradient

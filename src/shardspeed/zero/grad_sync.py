@@ -18,6 +18,14 @@ fp32 (in fp32 they reduce the persistent buffer in place: no staging). Every Gra
 flight plus the one filling, as long as gradients arrive in bucket order — which the arrival-order layout
 (zero/arrival_order.py) makes true from the first backward on. Reduce-scatter outputs (1/N of an in-flight bucket
 each) are not counted.
+
+[Note: clobbered inputs] Stages 1 and 2 let the reduce-scatter overwrite its input (``clobber_input=True``), so
+an all-reduce-then-slice ([Note: collective algorithms] in comm/algorithms.py) runs in place with no scratch
+bucket. Every input is dead once reduced: a wire-dtype copy (``communication_data_type``) is dropped at
+``complete``; stage 2's staging buffer and its held buckets ([Note: step-scoped hold]) are freed at ``complete``;
+stage 1 in fp32 reduces its full buffer in place — this rank's slice is then overwritten by the reduced result,
+and the other ranks' slices (stale local gradients before, partial sums now) are read by nothing: the optimizer
+and the norm see only this rank's slices, ``reopen`` zeroes the rest, and the step zeroes the whole buffer.
 """
 
 from __future__ import annotations
@@ -154,7 +162,10 @@ class _ShardReduceScatter:
         # A separate output: in-place reduce-scatter (output aliasing the input) is not portable across backends.
         out = torch.empty(staged.numel() // self.layout.world, dtype=staged.dtype, device=staged.device)
         self._inflight[k] = (staged, out, copied)  # both must outlive the async collective
-        return self.ctx.collectives.reduce_scatter(out, staged, self.ctx.axis, async_op=True, tag="grads")
+        # clobber_input: nothing reads the staged bucket after its reduction ([Note: clobbered inputs])
+        return self.ctx.collectives.reduce_scatter(
+            out, staged, self.ctx.axis, async_op=True, tag="grads", clobber_input=True
+        )
 
     def _take_output(self, k: int) -> torch.Tensor:
         inflight = self._inflight[k]

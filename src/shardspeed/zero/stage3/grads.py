@@ -207,7 +207,10 @@ class UnitGrads:
         if self.ctx.scaling.pre != 1.0:
             staging.mul_(self.ctx.scaling.pre)
         out = torch.empty(width, dtype=dtype, device=unit.device)
-        work = self.ctx.collectives.reduce_scatter(out, staging, self.ctx.axis, async_op=True, tag="grads")
+        # The staging copy is dropped once reduced: an all-reduce-then-slice may run in it (no second copy).
+        work = self.ctx.collectives.reduce_scatter(
+            out, staging, self.ctx.axis, async_op=True, tag="grads", clobber_input=True
+        )
         self.budget.add(_Piece(self, lo, hi, staging, out, work))
 
     def _open_offloaded_shard(self, sink: UnitGradSink) -> None:
