@@ -36,6 +36,7 @@ from shardspeed.engine_setup import (
     engine_collectives,
     log_engine_summary,
     offload_params,
+    param_offload_opener,
 )
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
@@ -128,7 +129,10 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
             pin_mmap_threshold()
         sync = tensor_replica_sync(self.param_specs, topology, self.collectives)  # zero.Init with a tensor axis
-        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype, sync)
+        open_offload = param_offload_opener(config, topology.data, self.collectives, self.device)  # before values
+        self.states = build_model_states(
+            zero, self.module, packed, comm, self.device, config.master_dtype, sync, open_offload
+        )
         offload_params(config, self.states, topology.data, self.collectives, self.device)
         # After the stage: zero.Init's materialization makes new parameter objects ([Note: partial gradients])
         self._tp_grad_hooks = register_partial_grad_hooks(
