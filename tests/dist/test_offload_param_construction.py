@@ -1,0 +1,106 @@
+"""``offload_param`` bounds construction too ([Note: offload during construction] in zero/stage3/early_offload.py):
+under ``zero.Init`` each unit's shard goes to the parameter store as soon as that unit is materialized and
+sharded, before the next unit has values — not all at once after the stage was built — and the result is the
+same model (values, then training) as without offload."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from parity import OFFLOAD_AIO
+
+import shardspeed
+from shardspeed import zero
+from shardspeed.zero.stage3.param_offload import ParamOffloader
+
+WIDTH, LAYERS = 16, 4
+
+
+def _config(tmp: str | None, precision: str) -> dict:
+    zero_cfg: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if tmp is not None:
+        zero_cfg["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "p"), "max_in_cpu": 0}
+        if precision == "fp32":  # fp32 offload_param needs the streamed optimizer (param_offload.py)
+            zero_cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "o")}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.5,
+        "zero_optimization": zero_cfg,
+        "bf16": {"enabled": precision == "bf16"},
+        "aio": OFFLOAD_AIO,
+        "steps_per_print": 1000,
+    }
+
+
+def _build(tmp: str | None, precision: str, writes: list[tuple[str, int]]) -> shardspeed.ShardSpeedEngine:
+    torch.manual_seed(0)
+    with zero.Init():
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    original = ParamOffloader.write
+
+    def recording(self: ParamOffloader, unit, shard: torch.Tensor) -> None:  # noqa: ANN001
+        # how many of the model's parameters still have no values when this unit's shard is written
+        writes.append((self.key(unit), sum(p.is_meta for p in model.parameters())))
+        original(self, unit, shard)
+
+    ParamOffloader.write = recording  # this forked rank only
+    try:
+        engine, *_ = shardspeed.initialize(model=model, config=_config(tmp, precision))
+    finally:
+        ParamOffloader.write = original
+    return engine
+
+
+def _train(engine: shardspeed.ShardSpeedEngine, rank: int) -> list[float]:
+    g = torch.Generator().manual_seed(5 + rank)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(2, WIDTH, generator=g)
+        loss = (engine(x.to(engine.module[0].weight.dtype)).float() ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _run(rank: int, world: int, tmp: str, precision: str) -> dict:
+    writes: list[tuple[str, int]] = []
+    offloaded = _build(tmp, precision, writes)
+    built = {k: v.float().clone() for k, v in offloaded.module_state_dict().items()}
+    resident = [u.shard_resident for u in offloaded.states.units if not u.persistent]
+    losses = _train(offloaded, rank)
+    trained = {k: v.float().clone() for k, v in offloaded.module_state_dict().items()}
+    offloaded.destroy()
+    plain = _build(None, precision, [])
+    plain_built = {k: v.float().clone() for k, v in plain.module_state_dict().items()}
+    plain_losses = _train(plain, rank)
+    plain_trained = {k: v.float().clone() for k, v in plain.module_state_dict().items()}
+    plain.destroy()
+    return {
+        "writes": writes[:LAYERS],
+        "resident": resident,
+        "built": (built, plain_built),
+        "trained": (trained, plain_trained),
+        "losses": (losses, plain_losses),
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_unit_offloaded_as_it_is_materialized(dist_run, tmp_path: Path, precision: str) -> None:
+    for r in dist_run(_run, 2, str(tmp_path), precision):
+        # unit k's shard is written while units k+1.. are still meta (2 parameters per layer): the old order wrote
+        # every shard after the last unit was materialized, i.e. [("unit0", 0), ("unit1", 0), ...]
+        assert r["writes"] == [(f"unit{k}", 2 * (LAYERS - 1 - k)) for k in range(LAYERS)]
+        assert r["resident"] == [False] * LAYERS  # nothing of them in memory once built
+        built, plain_built = r["built"]
+        for name, value in plain_built.items():
+            assert torch.equal(built[name], value), name  # the same values as materialized without offload
+        trained, plain_trained = r["trained"]
+        for name, value in plain_trained.items():
+            assert (trained[name] - value).abs().max().item() <= 1e-5, name
+        assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-5)
