@@ -43,7 +43,7 @@ def _build(tmp: str | None, precision: str, writes: list[tuple[str, int]]) -> sh
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     original = ParamOffloader.write
 
-    def recording(self: ParamOffloader, unit, shard: torch.Tensor) -> None:  # noqa: ANN001
+    def recording(self: ParamOffloader, unit: object, shard: torch.Tensor) -> None:
         # how many of the model's parameters still have no values when this unit's shard is written
         writes.append((self.key(unit), sum(p.is_meta for p in model.parameters())))
         original(self, unit, shard)

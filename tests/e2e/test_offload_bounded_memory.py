@@ -133,9 +133,9 @@ def test_nvme_offload_trains_a_model_4x_larger_than_peak_memory_and_peak_is_inde
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_peak_memory_independent_of_model_size_wide_layers(tmp_path: Path) -> None:
-    """A wider pair (2048 × 8 vs 2048 × 16 layers: 34M vs 67M parameters), one step each: whole-run peaks (construction
-    included) within 10% with gradients on NVMe; with them in memory (``offload_gradients: false``) the larger model's peak is higher by
-    about its extra 4Ψ/N of gradient shards (the bound this lifts)."""
+    """A wider pair (2048 × 8 vs 2048 × 16 layers: 34M vs 67M parameters), one step each: whole-run peaks
+    (construction included) within 10% with gradients on NVMe; with them in memory (``offload_gradients: false``)
+    the larger model's training peak is higher by about its extra 4Ψ/N of gradient shards (the bound this lifts)."""
     runs = {
         (layers, grads): run_worker(tmp_path, 2048, layers, 1, grads) for layers in (8, 16) for grads in ("nvme", "ram")
     }
