@@ -37,15 +37,15 @@ def _config(tmp: str | None, precision: str) -> dict:
     }
 
 
-def _build(tmp: str | None, precision: str, writes: list[tuple[str, int]]) -> shardspeed.ShardSpeedEngine:
+def _build(tmp: str | None, precision: str, build: str, writes: list[tuple[str, int]]) -> shardspeed.ShardSpeedEngine:
     torch.manual_seed(0)
-    with zero.Init():
+    with zero.Init(enabled=build == "zero_init"):
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     original = ParamOffloader.write
 
     def recording(self: ParamOffloader, unit: object, shard: torch.Tensor) -> None:
-        # how many of the model's parameters still have no values when this unit's shard is written
-        writes.append((self.key(unit), sum(p.is_meta for p in model.parameters())))
+        # how many of the model's parameters are not sharded yet (meta, or whole) when this unit's shard is written
+        writes.append((self.key(unit), sum(p.numel() > 0 for p in model.parameters())))
         original(self, unit, shard)
 
     ParamOffloader.write = recording  # this forked rank only
@@ -68,15 +68,15 @@ def _train(engine: shardspeed.ShardSpeedEngine, rank: int) -> list[float]:
     return losses
 
 
-def _run(rank: int, world: int, tmp: str, precision: str) -> dict:
+def _run(rank: int, world: int, tmp: str, precision: str, build: str) -> dict:
     writes: list[tuple[str, int]] = []
-    offloaded = _build(tmp, precision, writes)
+    offloaded = _build(tmp, precision, build, writes)
     built = {k: v.float().clone() for k, v in offloaded.module_state_dict().items()}
     resident = [u.shard_resident for u in offloaded.states.units if not u.persistent]
     losses = _train(offloaded, rank)
     trained = {k: v.float().clone() for k, v in offloaded.module_state_dict().items()}
     offloaded.destroy()
-    plain = _build(None, precision, [])
+    plain = _build(None, precision, build, [])
     plain_built = {k: v.float().clone() for k, v in plain.module_state_dict().items()}
     plain_losses = _train(plain, rank)
     plain_trained = {k: v.float().clone() for k, v in plain.module_state_dict().items()}
@@ -90,11 +90,14 @@ def _run(rank: int, world: int, tmp: str, precision: str) -> dict:
     }
 
 
+@pytest.mark.parametrize("build", ["zero_init", "normal"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_each_unit_offloaded_as_it_is_materialized(dist_run, tmp_path: Path, precision: str) -> None:
-    for r in dist_run(_run, 2, str(tmp_path), precision):
-        # unit k's shard is written while units k+1.. are still meta (2 parameters per layer): the old order wrote
-        # every shard after the last unit was materialized, i.e. [("unit0", 0), ("unit1", 0), ...]
+def test_each_unit_offloaded_as_it_is_sharded(dist_run, tmp_path: Path, precision: str, build: str) -> None:
+    """zero.Init: unit k's shard is written while units k+1.. are still meta; a normally built model: while they
+    are still whole (the user's memory) and only unit k's shard exists besides them."""
+    for r in dist_run(_run, 2, str(tmp_path), precision, build):
+        # 2 parameters per layer; the old order wrote every shard after the last unit was sharded, i.e.
+        # [("unit0", 0), ("unit1", 0), ...]
         assert r["writes"] == [(f"unit{k}", 2 * (LAYERS - 1 - k)) for k in range(LAYERS)]
         assert r["resident"] == [False] * LAYERS  # nothing of them in memory once built
         built, plain_built = r["built"]
