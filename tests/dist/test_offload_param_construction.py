@@ -14,7 +14,9 @@ import torch.nn as nn
 from parity import OFFLOAD_AIO
 
 import shardspeed
+from harness import error_of
 from shardspeed import zero
+from shardspeed.faults.inject import ENV_VAR
 from shardspeed.zero.stage3.param_offload import ParamOffloader
 
 WIDTH, LAYERS = 16, 4
@@ -107,3 +109,29 @@ def test_each_unit_offloaded_as_it_is_sharded(dist_run, tmp_path: Path, precisio
         for name, value in plain_trained.items():
             assert (trained[name] - value).abs().max().item() <= 1e-5, name
         assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-5)
+
+
+def _setup_fails(rank: int, world: int, tmp: str) -> dict:
+    os.environ[ENV_VAR] = "offload_setup:enospc:rank=1"
+    try:
+        torch.manual_seed(0)
+        with zero.Init():
+            model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+        error = error_of(lambda: shardspeed.initialize(model=model, config=_config(tmp, "fp32")))
+    finally:
+        os.environ.pop(ENV_VAR, None)
+    return {
+        "error": error,
+        "meta": all(p.is_meta for p in model.parameters()),
+        "left": sorted(os.listdir(os.path.join(tmp, "p"))),
+    }
+
+
+def test_param_store_setup_failure_is_agreed_before_materializing(dist_run, tmp_path: Path) -> None:
+    """The parameter store now opens before any unit has values: an ENOSPC on one rank is still one agreed error on
+    every rank (offload/setup.py), raised before anything was materialized, and no swap file is left."""
+    for r in dist_run(_setup_fails, 2, str(tmp_path)):
+        assert r["error"].startswith("SwapSetupError: zero_optimization.offload_param.nvme_path = "), r["error"]
+        assert "unusable on data-parallel rank 1" in r["error"] and "No space left on device" in r["error"]
+        assert r["meta"]  # the old order materialized every unit before opening the store
+        assert r["left"] == []  # nothing under nvme_path
