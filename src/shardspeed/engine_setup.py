@@ -25,6 +25,7 @@ __all__ = [
     "build_engine_optimizer",
     "check_param_offload",
     "engine_collectives",
+    "masters_go_to_optimizer",
     "offload_params",
     "param_offload_opener",
 ]
@@ -153,14 +154,21 @@ def build_engine_optimizer(
     return _offload(config, states, optimizer, masters_access, axis, collectives)
 
 
-def _hand_masters_to_optimizer(config: ShardSpeedConfig, states: Any, device: torch.device) -> Any:
-    """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
-    or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
+def masters_go_to_optimizer(config: ShardSpeedConfig, device: torch.device, has_optimizer: bool) -> bool:
+    """Whether the fp32 masters (mixed precision) will live only in a streamed offload optimizer's store
+    (``_hand_masters_to_optimizer`` hands them over, at any stage), so stage 3 need not build them at construction."""
     from shardspeed.zero.stage3.param_offload import needs_offloader
 
     offload = config.zero_optimization.offload_optimizer
+    streamed = offload is not None and needs_offloader(offload.device, device.type != "cpu")
+    return has_optimizer and streamed
+
+
+def _hand_masters_to_optimizer(config: ShardSpeedConfig, states: Any, device: torch.device) -> Any:
+    """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
+    or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
     hand_over = getattr(states, "hand_masters_to_optimizer", None)
-    if offload is None or hand_over is None or not needs_offloader(offload.device, device.type != "cpu"):
+    if hand_over is None or not masters_go_to_optimizer(config, device, True):
         return None
     return hand_over()
 

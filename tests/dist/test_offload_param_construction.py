@@ -17,6 +17,7 @@ import shardspeed
 from harness import error_of
 from shardspeed import zero
 from shardspeed.faults.inject import ENV_VAR
+from shardspeed.zero.stage3 import states as states_module
 from shardspeed.zero.stage3.param_offload import ParamOffloader
 
 WIDTH, LAYERS = 16, 4
@@ -26,14 +27,14 @@ def _config(tmp: str | None, precision: str) -> dict:
     zero_cfg: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if tmp is not None:
         zero_cfg["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "p"), "max_in_cpu": 0}
-        if precision == "fp32":  # fp32 offload_param needs the streamed optimizer (param_offload.py)
+        if precision in ("fp32", "bf16+opt"):  # fp32 offload_param needs the streamed optimizer (param_offload.py)
             zero_cfg["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "o")}
     return {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "gradient_clipping": 0.5,
         "zero_optimization": zero_cfg,
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision.startswith("bf16")},
         "aio": OFFLOAD_AIO,
         "steps_per_print": 1000,
     }
@@ -44,17 +45,22 @@ def _build(tmp: str | None, precision: str, build: str, writes: list[tuple[str, 
     with zero.Init(enabled=build == "zero_init"):
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     original = ParamOffloader.write
+    upcast = states_module._upcast
 
     def recording(self: ParamOffloader, unit: object, shard: torch.Tensor) -> None:
         # how many of the model's parameters are not sharded yet (meta, or whole) when this unit's shard is written
         writes.append((self.key(unit), sum(p.numel() > 0 for p in model.parameters())))
         original(self, unit, shard)
 
-    ParamOffloader.write = recording  # this forked rank only
+    def counting(unit: object, dtype: torch.dtype) -> torch.Tensor:
+        writes.append(("master", 0))  # an fp32 master shard built in memory
+        return upcast(unit, dtype)
+
+    ParamOffloader.write, states_module._upcast = recording, counting  # this forked rank only
     try:
         engine, *_ = shardspeed.initialize(model=model, config=_config(tmp, precision))
     finally:
-        ParamOffloader.write = original
+        ParamOffloader.write, states_module._upcast = original, upcast
     return engine
 
 
@@ -84,7 +90,8 @@ def _run(rank: int, world: int, tmp: str, precision: str, build: str) -> dict:
     plain_trained = {k: v.float().clone() for k, v in plain.module_state_dict().items()}
     plain.destroy()
     return {
-        "writes": writes[:LAYERS],
+        "writes": [w for w in writes if w[0] != "master"][:LAYERS],
+        "masters_built": sum(w[0] == "master" for w in writes),
         "resident": resident,
         "built": (built, plain_built),
         "trained": (trained, plain_trained),
@@ -93,7 +100,7 @@ def _run(rank: int, world: int, tmp: str, precision: str, build: str) -> dict:
 
 
 @pytest.mark.parametrize("build", ["zero_init", "normal"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16+opt"])
 def test_each_unit_offloaded_as_it_is_sharded(dist_run, tmp_path: Path, precision: str, build: str) -> None:
     """zero.Init: unit k's shard is written while units k+1.. are still meta; a normally built model: while they
     are still whole (the user's memory) and only unit k's shard exists besides them."""
@@ -102,6 +109,8 @@ def test_each_unit_offloaded_as_it_is_sharded(dist_run, tmp_path: Path, precisio
         # [("unit0", 0), ("unit1", 0), ...]
         assert r["writes"] == [(f"unit{k}", 2 * (LAYERS - 1 - k)) for k in range(LAYERS)]
         assert r["resident"] == [False] * LAYERS  # nothing of them in memory once built
+        # fp32 masters: none with a streamed optimizer to hold them (bf16+opt), else one per unit (bf16)
+        assert r["masters_built"] == (LAYERS if precision == "bf16" else 0)
         built, plain_built = r["built"]
         for name, value in plain_built.items():
             assert torch.equal(built[name], value), name  # the same values as materialized without offload

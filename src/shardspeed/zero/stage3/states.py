@@ -68,13 +68,16 @@ class Stage3States(Stage3Hold):
         master_dtype: torch.dtype = torch.float32,
         sync_replicas: SyncReplicas | None = None,
         open_param_offload: OpenParamOffload | None = None,
+        masters_to_optimizer: bool = False,
     ) -> None:
         """``leaves``: module paths gathered whole as one unit each (leaves.py). ``model_persistence_threshold``:
         cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
         partitioned parameter was written in place (apply_guard.py; ``override_module_apply``). ``sync_replicas``: under
         zero.Init, makes tensor-replicated values equal before each unit is sharded (materialize.py).
         ``open_param_offload``: ``offload_param``'s store, opened before any unit has values and handed each shard
-        as soon as it is sharded ([Note: offload during construction] in early_offload.py)."""
+        as soon as it is sharded ([Note: offload during construction] in early_offload.py). ``masters_to_optimizer``:
+        a streamed offload optimizer will keep the fp32 masters (``hand_masters_to_optimizer``), so mixed precision
+        never builds them here."""
         self.ctx = ctx
         self.norm_scope = NormScope()  # bind_norm: [Note: norm counted once]
         plan = plan_units(module, persistence_threshold, leaves, model_persistence_threshold)
@@ -148,7 +151,9 @@ class Stage3States(Stage3Hold):
         self.leaf_units = [spec.name for spec in plan.units if spec.data_dependent]
         mixed = any(u.dtype != master_dtype for u in self.units)  # a separate master copy only then
         self.mixed, self.master_dtype = mixed, master_dtype
-        self.masters: list[torch.Tensor | None] = [_upcast(u, master_dtype) if mixed else None for u in self.units]
+        elsewhere = mixed and masters_to_optimizer  # the optimizer's store will hold the fp32 values
+        build = mixed and not elsewhere
+        self.masters: list[torch.Tensor | None] = [_upcast(u, master_dtype) if build else None for u in self.units]
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
         # a streamed offload optimizer: it keeps the fp32 values (the masters, or fp32 values themselves) in its
         # store, so a GatheredParameters edit must be written there too (after_shard_edit)
@@ -178,8 +183,12 @@ class Stage3States(Stage3Hold):
                 if owned is None:
                     continue
                 a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
-                # a shard already offloaded (fp32): a stand-in now, reached through stepped_access (offload_params)
-                tensor = stepped[a:b] if stepped.numel() else stand_in(b - a, stepped)
+                # an fp32 shard already offloaded, or masters the optimizer will hold: a stand-in now, reached
+                # through stepped_access (offload_params / hand_masters_to_optimizer)
+                if stepped.numel() and not elsewhere:
+                    tensor = stepped[a:b]
+                else:
+                    tensor = stand_in(b - a, torch.empty(0, dtype=master_dtype, device=unit.device))
                 tensor.grad = grads.grad_shard[a:b]
                 self._unit_tensors.setdefault(u, []).append((tensor, owned[0], owned[1]))
                 self.group_tensors.setdefault(group, []).append(tensor)
@@ -198,6 +207,8 @@ class Stage3States(Stage3Hold):
         self.stepped_access: ShardSlices | None = None  # fp32 offload_param: where the stand-ins' values are
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
         self.placeholder_guard = PlaceholderWriteGuard(self.units, module) if guard_placeholders else None
+        if elsewhere:
+            self.hand_masters_to_optimizer()
 
     # --- ModelStates interface -----------------------------------------------------------------------------
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -348,6 +359,8 @@ class Stage3States(Stage3Hold):
         built."""
         if not self.mixed:
             return None
+        if self.masters_in_optimizer:  # already at construction (masters_to_optimizer)
+            return self.stepped_access
         self.stepped_access = ShardSlices()
         for u in range(len(self.units)):
             self._replace_with_stand_ins(u)
