@@ -11,9 +11,11 @@ unit is sharded — after zero.Init's replay, the tensor-replica sync and the da
 freeing the shard (``ParamUnit.start_offload``). So during construction at most the open unit's buffer, its shard
 and the materializer's spare buffer are in memory, whatever the model's size. The stage's later bookkeeping
 never needs the values: fp32 stepped tensors of an offloaded unit are stand-ins from the start, the optimizer
-seeds its store through ``stepped_access`` (one unit's shard resident at a time); mixed precision's fp32 masters
-are built from each shard read back one unit at a time (they stay in memory unless a streamed optimizer takes
-them over: that 4Ψ/N is the masters', not construction's). A model built normally and then wrapped already holds
+seeds its store through ``stepped_access`` (one unit's shard resident at a time). Mixed precision: when a
+streamed offload optimizer will hold the fp32 masters (``engine_setup.masters_go_to_optimizer``) the stage never
+builds them — its stepped tensors are fp32 stand-ins from the start and the optimizer seeds from the low-precision
+shards, upcast one unit at a time; otherwise the masters are built from each shard read back one unit at a time
+and stay in memory by design (4Ψ/N: the masters', not construction's). A model built normally and then wrapped already holds
 its full parameters in the user's memory; the engine adds one unit's shard at a time on top, not all of them.
 """
 
