@@ -15,8 +15,9 @@ seeds its store through ``stepped_access`` (one unit's shard resident at a time)
 streamed offload optimizer will hold the fp32 masters (``engine_setup.masters_go_to_optimizer``) the stage never
 builds them — its stepped tensors are fp32 stand-ins from the start and the optimizer seeds from the low-precision
 shards, upcast one unit at a time; otherwise the masters are built from each shard read back one unit at a time
-and stay in memory by design (4Ψ/N: the masters', not construction's). A model built normally and then wrapped already holds
-its full parameters in the user's memory; the engine adds one unit's shard at a time on top, not all of them.
+and stay in memory by design (4Ψ/N: the masters', not construction's). A model built normally and then wrapped
+already holds its full parameters in the user's memory; the engine adds one unit's shard at a time on top, not all
+of them.
 """
 
 from __future__ import annotations
