@@ -180,8 +180,8 @@ def main() -> None:
         "params": params,
         "baseline_kib": baseline_kib,
         "peak_kib": sampler.peak_kib,
-        # training only (forward / backward / optimizer of every step): construction (zero.Init's materialization
-        # until offload_param has moved every unit's shard) holds all parameter shards at once, 4Ψ/N bytes
+        # training only (forward / backward / optimizer of every step); construction is phase "init" (each unit's
+        # shard goes to the swap file as it is materialized: [Note: offload during construction])
         "train_peak_kib": max(v for k, v in sampler.phase_peaks.items() if k not in ("init", "ready", "end")),
         "phase_peaks_kib": sampler.phase_peaks,
         "losses": losses,

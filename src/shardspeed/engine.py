@@ -37,7 +37,9 @@ from shardspeed.engine_setup import (
     check_param_offload,
     engine_collectives,
     log_engine_summary,
+    masters_go_to_optimizer,
     offload_params,
+    param_offload_opener,
 )
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
@@ -130,7 +132,13 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
             pin_mmap_threshold()
         sync = tensor_replica_sync(self.param_specs, topology, self.collectives)  # zero.Init with a tensor axis
-        self.states = build_model_states(zero, self.module, packed, comm, self.device, config.master_dtype, sync)
+        open_offload = param_offload_opener(config, topology.data, self.collectives, self.device)  # before values
+        to_optimizer = masters_go_to_optimizer(
+            config, self.device, optimizer is not None or config.optimizer is not None
+        )
+        self.states = build_model_states(
+            zero, self.module, packed, comm, self.device, config.master_dtype, sync, open_offload, to_optimizer
+        )
         offload_params(config, self.states, topology.data, self.collectives, self.device)
         # After the stage: zero.Init's materialization makes new parameter objects ([Note: partial gradients])
         self._tp_grad_hooks = register_partial_grad_hooks(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ __all__ = [
     "build_engine_optimizer",
     "check_param_offload",
     "engine_collectives",
+    "masters_go_to_optimizer",
     "offload_params",
+    "param_offload_opener",
 ]
 
 
@@ -82,32 +85,50 @@ def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:
     )
 
 
-def offload_params(
-    config: ShardSpeedConfig, states: Any, axis: AxisGroup, collectives: Collectives, device: torch.device
-) -> None:
-    """``offload_param`` (stage 3): parameter shards move to host memory or a swap file between uses
-    (``max_in_cpu`` of them stay in host memory; ``buffer_count`` × ``buffer_size`` bound the host buffers
-    shards are read from NVMe into)."""
+def param_offload_opener(
+    config: ShardSpeedConfig, axis: AxisGroup, collectives: Collectives, device: torch.device
+) -> Callable[[Sequence[Any]], Any] | None:
+    """``offload_param`` (stage 3): opens the store parameter shards move to between uses (host memory or a swap
+    file; ``max_in_cpu`` of them stay in host memory; ``buffer_count`` × ``buffer_size`` bound the host buffers
+    shards are read from NVMe into) for the units described (``UnitShape``s or ``ParamUnit``s). None when nothing
+    moves. Stage 3 calls it before materializing ([Note: offload during construction] in early_offload.py)."""
     from shardspeed.zero.stage3.param_offload import build_param_offloader, needs_offloader
 
     zero = config.zero_optimization
     offload = zero.offload_param
-    if offload is None or not needs_offloader(offload.device, device.type != "cpu"):
+    if zero.stage != 3 or offload is None or not needs_offloader(offload.device, device.type != "cpu"):
+        return None
+
+    def open_store(units: Sequence[Any]) -> Any:
+        return build_param_offloader(
+            units,
+            offload.device,
+            nvme_path=offload.nvme_path,
+            pin_memory=offload.pin_memory,
+            settings=config.aio.settings(),
+            rank=axis.rank,
+            agree=lambda obj: collectives.all_gather_object(obj, axis),
+            buffer_count=offload.buffer_count,
+            buffer_size=offload.buffer_size,
+            max_in_cpu=offload.max_in_cpu,
+            prefetch_numel=zero.prefetch_bucket_size,
+            max_live_numel=zero.max_live_parameters,
+        )
+
+    return open_store
+
+
+def offload_params(
+    config: ShardSpeedConfig, states: Any, axis: AxisGroup, collectives: Collectives, device: torch.device
+) -> None:
+    """``offload_param`` after the stage is built: the store the stage opened during construction (or one opened
+    now) takes over every non-persistent unit (stand-ins for fp32 stepped tensors: ``Stage3States.offload_params``)."""
+    open_store = param_offload_opener(config, axis, collectives, device)
+    if open_store is None:
         return
-    offloader = build_param_offloader(
-        [u for u in states.units if not u.persistent],
-        offload.device,
-        nvme_path=offload.nvme_path,
-        pin_memory=offload.pin_memory,
-        settings=config.aio.settings(),
-        rank=axis.rank,
-        agree=lambda obj: collectives.all_gather_object(obj, axis),
-        buffer_count=offload.buffer_count,
-        buffer_size=offload.buffer_size,
-        max_in_cpu=offload.max_in_cpu,
-        prefetch_numel=zero.prefetch_bucket_size,
-        max_live_numel=zero.max_live_parameters,
-    )
+    offloader = getattr(states, "param_offloader", None)
+    if offloader is None:
+        offloader = open_store([u for u in states.units if not u.persistent])
     states.offload_params(offloader)
 
 
@@ -160,14 +181,21 @@ def build_engine_optimizer(
     return _offload(config, states, optimizer, masters_access, axis, collectives)
 
 
-def _hand_masters_to_optimizer(config: ShardSpeedConfig, states: Any, device: torch.device) -> Any:
-    """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
-    or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
+def masters_go_to_optimizer(config: ShardSpeedConfig, device: torch.device, has_optimizer: bool) -> bool:
+    """Whether the fp32 masters (mixed precision) will live only in a streamed offload optimizer's store
+    (``_hand_masters_to_optimizer`` hands them over, at any stage), so stage 3 need not build them at construction."""
     from shardspeed.zero.stage3.param_offload import needs_offloader
 
     offload = config.zero_optimization.offload_optimizer
+    streamed = offload is not None and needs_offloader(offload.device, device.type != "cpu")
+    return has_optimizer and streamed
+
+
+def _hand_masters_to_optimizer(config: ShardSpeedConfig, states: Any, device: torch.device) -> Any:
+    """Mixed precision with a streamed offload optimizer: the fp32 masters live only in its store (host memory
+    or NVMe), not here too. Returns the access to the stand-ins' low-precision values, or None."""
     hand_over = getattr(states, "hand_masters_to_optimizer", None)
-    if offload is None or hand_over is None or not needs_offloader(offload.device, device.type != "cpu"):
+    if hand_over is None or not masters_go_to_optimizer(config, device, True):
         return None
     return hand_over()
 

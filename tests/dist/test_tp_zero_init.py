@@ -66,14 +66,29 @@ def test_zero_init_tp_sp_matches_dense(dist_run, opt: str) -> None:
         assert moved > 100 * TOL, results
 
 
-def _seeded_apart(rank: int, world: int) -> dict[str, dict[str, float]]:
+def _offload_nvme(tmp: str) -> dict:
+    """ZeRO-3 with parameters and optimizer on NVMe (fp32): each unit's shard goes to the swap file as soon as it is
+    materialized, after its tensor-replica sync ([Note: offload during construction])."""
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": f"{tmp}/p", "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": f"{tmp}/o"},
+        },
+        "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2},
+    }
+
+
+def _seeded_apart(rank: int, world: int, tmp: str | None = None) -> dict[str, dict[str, float]]:
     """Every rank seeded differently (100 + global rank), the model built under zero.Init, TP=2 × DP=2, ZeRO-3.
     Returns how far each parameter is from what it should be: replicated ones from global rank 0's build (tensor
     rank 0 of data rank 0), sliced ones from a normal build on this tensor rank with data rank 0's seed (global
     rank = tensor rank: tensor innermost), i.e. this tensor rank's slice of that seed's global draw."""
     topology = Topology.build(MeshShape(tensor=2, data=world // 2))
     model = _build(topology, 100 + rank, sp=False, under_init=True)
-    engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=_config(3, "sgd", 1, {}))
+    config = _config(3, "adamw", 1, _offload_nvme(tmp)) if tmp is not None else _config(3, "sgd", 1, {})
+    engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=config)
     full = {n: t.float() for n, t in engine.module_state_dict().items()}  # the dense model's tensors
     tensor = engine.topology.tensor
 
@@ -93,11 +108,12 @@ def _seeded_apart(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def test_replicated_parameters_agree_across_tensor_ranks_under_zero_init(dist_run) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "nvme"])
+def test_replicated_parameters_agree_across_tensor_ranks_under_zero_init(dist_run, tmp_path, offload: bool) -> None:
     """Bug 2: ranks seeded differently, built under zero.Init → every tensor-replicated parameter equals tensor
     rank 0's (here global rank 0's, after the data-axis broadcast), exactly; each sliced one is its tensor rank's
-    own slice of its (data rank 0's) global draw."""
-    results = dist_run(_seeded_apart, 4)
+    own slice of its (data rank 0's) global draw. Also with each shard offloaded to NVMe as it is materialized."""
+    results = dist_run(_seeded_apart, 4, str(tmp_path) if offload else None)
     for r in results:
         assert r["replicated"] and r["sliced"], r
         assert max(r["replicated"].values()) == 0.0, r["replicated"]

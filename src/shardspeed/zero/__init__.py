@@ -15,6 +15,7 @@ from shardspeed.zero.param_groups import PackedParams
 from shardspeed.zero.states import ModelStates
 
 if TYPE_CHECKING:
+    from shardspeed.zero.stage3.early_offload import OpenParamOffload
     from shardspeed.zero.stage3.materialize import SyncReplicas
 
 
@@ -26,6 +27,8 @@ def build_model_states(
     device: torch.device,
     master_dtype: torch.dtype = torch.float32,
     sync_replicas: SyncReplicas | None = None,
+    open_param_offload: OpenParamOffload | None = None,
+    masters_to_optimizer: bool = False,
 ) -> ModelStates:
     """``master_dtype``: what the optimizer steps and gradients accumulate in (fp32, or bf16 with
     ``bf16_master_weights_and_grads``; [Note: low-precision masters] in config/precision.py). A master copy is
@@ -61,6 +64,8 @@ def build_model_states(
             guard_placeholders=zero.override_module_apply,
             master_dtype=master_dtype,
             sync_replicas=sync_replicas,
+            open_param_offload=open_param_offload,
+            masters_to_optimizer=masters_to_optimizer,
         )
     # Stages 1/2 reduce-scatter and all-gather the same buckets (bucket-major sharding), so a bucket is bounded
     # by both sizes.

@@ -114,9 +114,14 @@ def materialize_units(
     build_unit: BuildUnit,
     ctx: CommContext,
     sync_replicas: SyncReplicas | None = None,
+    on_sharded: Callable[[ParamUnit], None] | None = None,
 ) -> list[ParamUnit]:
-    """Materialize, initialize and shard every unit; returns the units (sharded) in plan order. Collective."""
-    return _Materializer(module, plan, ordered_names, device, build_unit, ctx, sync_replicas).run()
+    """Materialize, initialize and shard every unit; returns the units (sharded) in plan order. Collective.
+    ``on_sharded(unit)`` runs as each unit is sharded, before the next has values (offload_param's store takes the
+    shard: [Note: offload during construction] in early_offload.py)."""
+    materializer = _Materializer(module, plan, ordered_names, device, build_unit, ctx, sync_replicas)
+    materializer.on_sharded = on_sharded
+    return materializer.run()
 
 
 class _Materializer:
@@ -185,6 +190,7 @@ class _Materializer:
         self.built: dict[int, ParamUnit] = {}
         self.replay = ReplaySession()
         self.root = root
+        self.on_sharded: Callable[[ParamUnit], None] | None = None
 
     # --- walk ----------------------------------------------------------------------------------------------
     def run(self) -> list[ParamUnit]:
@@ -281,6 +287,8 @@ class _Materializer:
         del flat  # the unit owns the buffer now, and drops it once sharded
         built.shard_from_params(broadcast_from_rank0=True)
         self.built[unit] = built
+        if self.on_sharded is not None:
+            self.on_sharded(built)
         self._keep_spare(created)
         self.replay.clear()  # intermediates (inv_freq's arange…) are cheap to recompute
 

@@ -30,6 +30,7 @@ from shardspeed.zero.grad_sync import CommContext
 from shardspeed.zero.hold import Stage3Hold
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
+from shardspeed.zero.stage3.early_offload import OpenParamOffload, unit_shapes
 from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
 from shardspeed.zero.stage3.grad_offload import UnitGradSink
 from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
@@ -66,11 +67,17 @@ class Stage3States(Stage3Hold):
         guard_placeholders: bool = True,
         master_dtype: torch.dtype = torch.float32,
         sync_replicas: SyncReplicas | None = None,
+        open_param_offload: OpenParamOffload | None = None,
+        masters_to_optimizer: bool = False,
     ) -> None:
         """``leaves``: module paths gathered whole as one unit each (leaves.py). ``model_persistence_threshold``:
         cap on the persistent unit's elements (plan.py). ``guard_placeholders``: raise at the next forward when a
         partitioned parameter was written in place (apply_guard.py; ``override_module_apply``). ``sync_replicas``: under
-        zero.Init, makes tensor-replicated values equal before each unit is sharded (materialize.py)."""
+        zero.Init, makes tensor-replicated values equal before each unit is sharded (materialize.py).
+        ``open_param_offload``: ``offload_param``'s store, opened before any unit has values and handed each shard
+        as soon as it is sharded ([Note: offload during construction] in early_offload.py). ``masters_to_optimizer``:
+        a streamed offload optimizer will keep the fp32 masters (``hand_masters_to_optimizer``), so mixed precision
+        never builds them here."""
         self.ctx = ctx
         self.norm_scope = NormScope()  # bind_norm: [Note: norm counted once]
         plan = plan_units(module, persistence_threshold, leaves, model_persistence_threshold)
@@ -102,14 +109,25 @@ class Stage3States(Stage3Hold):
             unit.persistent = spec.name == PERSISTENT
             return unit
 
+        named = dict(module.named_parameters())
+        early: ParamOffloader | None = None  # [Note: offload during construction]
+        if open_param_offload is not None:
+            early = open_param_offload(unit_shapes(plan, ordered, named, ctx.axis.size, device))
+
+        def sharded(unit: ParamUnit) -> None:
+            if early is not None and not unit.persistent:
+                unit.start_offload(early)  # written to the store and freed before the next unit has values
+
         if deferred:  # materialize, initialize and shard one unit at a time (materialize.py)
             assert device is not None
-            self.units = materialize_units(module, plan, ordered, device, build_unit, ctx, sync_replicas)
+            self.units = materialize_units(module, plan, ordered, device, build_unit, ctx, sync_replicas, sharded)
         else:
-            named = dict(module.named_parameters())
-            self.units = [build_unit(i, [named[n] for n in names], None) for i, names in enumerate(ordered)]
-            for unit in self.units:
+            self.units = []
+            for i, names in enumerate(ordered):  # one unit's shard allocated at a time
+                unit = build_unit(i, [named[n] for n in names], None)
                 unit.shard_from_params(broadcast_from_rank0=False)
+                sharded(unit)
+                self.units.append(unit)
         for unit in self.units:
             if unit.persistent:
                 unit.gather()
@@ -133,7 +151,9 @@ class Stage3States(Stage3Hold):
         self.leaf_units = [spec.name for spec in plan.units if spec.data_dependent]
         mixed = any(u.dtype != master_dtype for u in self.units)  # a separate master copy only then
         self.mixed, self.master_dtype = mixed, master_dtype
-        self.masters: list[torch.Tensor | None] = [u.shard.to(master_dtype) if mixed else None for u in self.units]
+        elsewhere = mixed and masters_to_optimizer  # the optimizer's store will hold the fp32 values
+        build = mixed and not elsewhere
+        self.masters: list[torch.Tensor | None] = [_upcast(u, master_dtype) if build else None for u in self.units]
         self.masters_in_optimizer = False  # hand_masters_to_optimizer
         # a streamed offload optimizer: it keeps the fp32 values (the masters, or fp32 values themselves) in its
         # store, so a GatheredParameters edit must be written there too (after_shard_edit)
@@ -163,7 +183,12 @@ class Stage3States(Stage3Hold):
                 if owned is None:
                     continue
                 a, b = owned[0] - unit.rank_start, owned[1] - unit.rank_start
-                tensor = stepped[a:b]
+                # an fp32 shard already offloaded, or masters the optimizer will hold: a stand-in now, reached
+                # through stepped_access (offload_params / hand_masters_to_optimizer)
+                if stepped.numel() and not elsewhere:
+                    tensor = stepped[a:b]
+                else:
+                    tensor = stand_in(b - a, torch.empty(0, dtype=master_dtype, device=unit.device))
                 tensor.grad = grads.grad_shard[a:b]
                 self._unit_tensors.setdefault(u, []).append((tensor, owned[0], owned[1]))
                 self.group_tensors.setdefault(group, []).append(tensor)
@@ -177,11 +202,13 @@ class Stage3States(Stage3Hold):
         self._home = {
             name: (u, unit.offsets[i]) for u, unit in enumerate(self.units) for i, name in enumerate(unit.names)
         }
-        self.param_offloader: ParamOffloader | None = None
+        self.param_offloader: ParamOffloader | None = early  # offload_params finishes the hand-over
         self.grad_sink: UnitGradSink | None = None  # offload_grads
         self.stepped_access: ShardSlices | None = None  # fp32 offload_param: where the stand-ins' values are
         register_units(self)  # for zero.full_shape / GatheredParameters (no attributes on parameters)
         self.placeholder_guard = PlaceholderWriteGuard(self.units, module) if guard_placeholders else None
+        if elsewhere:
+            self.hand_masters_to_optimizer()
 
     # --- ModelStates interface -----------------------------------------------------------------------------
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -332,6 +359,8 @@ class Stage3States(Stage3Hold):
         built."""
         if not self.mixed:
             return None
+        if self.masters_in_optimizer:  # already at construction (masters_to_optimizer)
+            return self.stepped_access
         self.stepped_access = ShardSlices()
         for u in range(len(self.units)):
             self._replace_with_stand_ins(u)
@@ -461,6 +490,17 @@ class Stage3States(Stage3Hold):
 
     def unsharded_units(self) -> list[str]:
         return [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.persistent]
+
+
+@torch.no_grad()
+def _upcast(unit: ParamUnit, dtype: torch.dtype) -> torch.Tensor:
+    """``unit``'s shard in ``dtype`` (the masters), read back from the store and evicted again if offloaded."""
+    resident = unit.shard_resident
+    unit.fetch_shard()
+    master = unit.shard.to(dtype)
+    if not resident:
+        unit.evict_shard()  # unchanged: nothing written back
+    return master
 
 
 def _default_device() -> torch.device:

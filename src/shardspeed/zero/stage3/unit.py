@@ -202,8 +202,8 @@ class ParamUnit:
     def start_offload(self, offloader: ParamOffloader) -> None:
         """Hand the shard to ``offloader``: written to its store now, and resident only while used from now on
         (unless the offloader leaves it where it is: ``max_in_cpu`` on a shard already in host memory)."""
-        if not offloader.moves(self):
-            return
+        if self.offloader is offloader or not offloader.moves(self):
+            return  # already handed over (during construction: [Note: offload during construction])
         self.offloader = offloader
         self._shard_dirty = True
         if self.state is UnitState.SHARDED:
