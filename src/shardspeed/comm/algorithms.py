@@ -104,6 +104,12 @@ class CollectiveChoice:
     source: str = field(default="native", compare=False)
     """Where it came from: native, table, cache, calibration (logged on rank 0)."""
     timings: tuple[Timing, ...] = field(default=(), compare=False)
+    axis: str | None = field(default=None, compare=False)
+    """The name of the axis the choice was agreed for (the engine's: ``"data"``); ``Collectives`` runs every other
+    axis native, since nothing agreed a choice over it. None: every axis (a test's forced choice, a measurement)."""
+
+    def applies_to(self, axis_name: str) -> bool:
+        return self.axis is None or self.axis == axis_name
 
     def algorithm(self, op: str, nbytes: int) -> str:
         """The algorithm for ``op`` on a message of ``nbytes`` unsharded bytes."""
