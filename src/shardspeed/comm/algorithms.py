@@ -21,8 +21,10 @@ Choice by measurement, not by name. A ``CollectiveChoice`` maps a message size (
 algorithm per op — a crossover is a size range — and keeps the measured bandwidth curve. Where it comes from
 (``communication.collectives``, resolved in comm/calibrate.py): ``"native"`` → ``NATIVE``; NCCL → ``NATIVE``
 always (its native ops are the fast path); ``"auto"`` on gloo → a per-host cache of an earlier calibration if
-every rank has the same one, else ``table_choice`` below; ``"calibrate"`` → the cache, else a short measurement
-at start-up (rank 0's decision used by every rank: two ranks on different algorithms would hang).
+every rank of the world has the same one, else ``table_choice`` below; ``"calibrate"`` → the cache, else a short
+measurement at start-up (world rank 0's decision used by every rank: two ranks on different algorithms would hang).
+The choice is measured on the data axis and applies there only (``CollectiveChoice.axis``): collectives over any
+other axis — tensor-parallel mappings, pipe partition gathers — run native ([Note: agreed calibration]).
 
 Decision rule (``choose``): per op, at most one crossover — all native, all the alternative, or the alternative
 below / above one cut (halfway, geometrically, between two ladder sizes) — whichever plan has the least total
