@@ -5,6 +5,7 @@ Also ``CompositeWork.done()`` is True only once this rank's slice is in the outp
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,10 @@ def _mesh_calibration(rank: int, world: int, cache: str) -> dict[str, Any]:
     # two noisy measurements stand-in: the data group of tensor rank 0 finds the alternatives faster, the other native
     alternatives_faster = topology.tensor.rank == 0
 
-    def measure(collectives: Any, axis: Any, dtype: Any = torch.float32, **_: Any) -> list[Timing]:
+    devices = []
+
+    def measure(collectives: Any, axis: Any, dtype: Any = torch.float32, **kw: Any) -> list[Timing]:
+        devices.append(kw.get("device"))
         return [
             Timing(op, algo, n, 1e-3 * (0.5 if (algo != "native") == alternatives_faster else 1.0))
             for n in calibrate.LADDER_BYTES
@@ -38,7 +42,7 @@ def _mesh_calibration(rank: int, world: int, cache: str) -> dict[str, Any]:
     config = load_config(
         {"train_micro_batch_size_per_gpu": 1, "communication": {"collectives": "calibrate"}}, dp_world_size=2
     )
-    c = engine_collectives(config, topology)
+    c = engine_collectives(config, topology, device=torch.device("cpu"))  # the engine passes its own
     out = torch.zeros(8)
     c.all_gather(out, torch.full((4,), float(rank)), topology.tensor, tag="tp")  # as tensor_parallel/mappings.py
     tensor_counts = dict(c.algorithm_counts)
@@ -51,6 +55,8 @@ def _mesh_calibration(rank: int, world: int, cache: str) -> dict[str, Any]:
         "data_counts": dict(c.algorithm_counts),
         "gathered": out.tolist(),
         "reduced": shard.tolist(),
+        "measured_on": [str(d) for d in devices],
+        "cached": sorted(p.name for p in Path(cache, f"host{rank}").iterdir()),
     }
 
 
@@ -64,6 +70,8 @@ def test_calibration_is_agreed_over_the_world_and_used_on_the_data_axis(dist_run
         first = rank // 2 * 2  # tensor groups (0, 1), (2, 3)
         assert r["gathered"] == [float(first)] * 4 + [float(first + 1)] * 4
         assert r["reduced"] == [2.0] * 4
+        assert r["measured_on"] == ["cpu"]  # the engine's device reaches the measurement
+        assert len(r["cached"]) == 1 and "-cpu-" in r["cached"][0]  # and names the cache file
 
 
 def _done_after_the_slice(rank: int, world: int) -> dict[str, Any]:
