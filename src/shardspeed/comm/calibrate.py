@@ -5,7 +5,7 @@ the start-up measurement, the documented table ([Note: collective algorithms] in
 and hang, so every path ends with the same choice on every rank of the world (the engine's one ``Collectives``
 serves every axis; with a tensor or pipe axis there are several data groups, which must not decide apart), and the
 choice applies only to collectives over the axis it was measured on (``CollectiveChoice.axis``, the data axis):
-every other axis, of another size, runs native:
+every other axis runs native (its groups, often of another size, were never measured):
 - the cache: each rank reads its own host's file (validated: a corrupt or foreign file is ignored with a
   warning, never a crash); the files are used only when every rank read the same choice (one
   ``all_gather_object`` over the world: ranks of one job on several hosts may hold different caches). The key
@@ -16,7 +16,7 @@ every other axis, of another size, runs native:
   the one a collective waits for); world rank 0 decides from its group's figures and its decision — bucket knee
   included: it is the choice's curve — is sent to every rank (each then writes it to its own cache).
 - the table: a pure function of the backend and the axis size, equal everywhere by construction.
-Rank 0 logs one line saying which it is.
+World rank 0 logs one line saying which it is.
 """
 
 from __future__ import annotations
