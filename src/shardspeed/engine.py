@@ -94,7 +94,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.device = self._pick_device()
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
         # comms log; interruptible waits (the board); order verification (a debug option)
-        self.collectives = engine_collectives(config, topology, board)
+        self.collectives = engine_collectives(config, topology, board, self.device)
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
         # Specs, then the structure (global shapes) agreed over the world: an error on every rank, not a hang.
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)

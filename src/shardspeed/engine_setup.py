@@ -34,7 +34,12 @@ __all__ = [
 ]
 
 
-def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: FailureBoard | None = None) -> Collectives:
+def engine_collectives(
+    config: ShardSpeedConfig,
+    topology: Topology,
+    board: FailureBoard | None = None,
+    device: torch.device | None = None,
+) -> Collectives:
     """The engine's ``Collectives``: comms log per ``comms_logger``; collective-order verification when
     ``fault_tolerance.verify_collective_order`` or ``SHARDSPEED_VERIFY_COLLECTIVES=1`` asks for it. Whether to
     verify is agreed first over every axis the engine communicates on (one small exchange each, on or off): a rank
@@ -45,10 +50,17 @@ def engine_collectives(config: ShardSpeedConfig, topology: Topology, board: Fail
     for axis in (topology.pipe, topology.data, topology.tensor):
         check_flags_agree(unverified.all_gather_object(want, axis), axis.ranks)
     collectives = Collectives(log, board, verify_order=want)
-    # [Note: collective algorithms] in comm/algorithms.py: agreed over the data axis, whose buckets matter
+    # [Note: agreed calibration] in comm/calibrate.py: measured on the data axis (whose buckets matter) and used
+    # there only; agreed over the world, since every data group's ranks also meet in tensor / pipe collectives
     comm = config.communication
     collectives.algorithms = resolve_choice(
-        comm.collectives, comm.calibration_cache, collectives, topology.data, config.grad_comm_dtype
+        comm.collectives,
+        comm.calibration_cache,
+        collectives,
+        topology.data,
+        config.grad_comm_dtype,
+        device=device,
+        world=topology.world,
     )
     return collectives
 

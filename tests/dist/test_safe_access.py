@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from parity import full_params, global_batches, make_model, rank_slice, train_engine
 
 import shardspeed
+from shardspeed.comm.algorithms import CollectiveChoice, SizeRule
 from shardspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -59,9 +60,11 @@ def _reference(batches: list) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def _read_all(rank: int, world: int, stage: int, offload: bool = False) -> dict:
+def _read_all(rank: int, world: int, stage: int, offload: bool = False, all_reduce: bool = False) -> dict:
     batches = global_batches(3, MB * GAS * world)
     engine = _engine(stage, world, offload=offload)
+    if all_reduce:  # reduce-scatter as an in-place all-reduce of the whole buffer ([Note: clobbered inputs])
+        engine.collectives.algorithms = CollectiveChoice(reduce_scatter=(SizeRule(None, "all_reduce"),))
     train_engine(engine, rank, world, batches[:-1], MB, GAS)
     x, y = batches[-1]
     for m in range(GAS):  # the last window: backward only, so the reduced gradients are still there
@@ -75,6 +78,8 @@ def _read_all(rank: int, world: int, stage: int, offload: bool = False) -> dict:
         "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in named},
         "local_numel": sum(safe_get_local_fp32_param(p).numel() for _, p in named),
         "local_grad_numel": sum(safe_get_local_grad(p).numel() for _, p in named),
+        "local_grad": torch.cat([safe_get_local_grad(p) for _, p in named]),
+        "counts": dict(engine.collectives.algorithm_counts),
     }
     engine.step()
     with pytest.raises(RuntimeError, match="valid window"):
@@ -87,9 +92,11 @@ def _read_all(rank: int, world: int, stage: int, offload: bool = False) -> dict:
 @pytest.mark.parametrize(
     "stage", [0, 3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
 )
-def test_safe_get_full_matches_plain_torch(dist_run, stage: int, offload: bool = False) -> None:
+def test_safe_get_full_matches_plain_torch(
+    dist_run, stage: int, offload: bool = False, all_reduce: bool = False
+) -> None:
     world = 2
-    results = dist_run(_read_all, world, stage, offload)
+    results = dist_run(_read_all, world, stage, offload, all_reduce)
     ref = _reference(global_batches(3, MB * GAS * world))
     total = sum(p.numel() for p in ref["param"].values())
     for result in results:
@@ -102,6 +109,18 @@ def test_safe_get_full_matches_plain_torch(dist_run, stage: int, offload: bool =
     local = [r["local_numel"] for r in results]
     assert local == ([total] * world if stage == 0 else local) and (stage == 0 or sum(local) == total)
     assert [r["local_grad_numel"] for r in results] == local
+    # the local partitions are the reduced gradient: their squares add up to the whole gradient's (disjoint cover)
+    local_sq = sum(float(r["local_grad"].double().square().sum()) for r in results) / (world if stage == 0 else 1)
+    assert local_sq == pytest.approx(sum(float(g.double().square().sum()) for g in ref["grad"].values()), rel=1e-5)
+    if all_reduce:
+        assert all("reduce_scatter=native" not in r["counts"] for r in results)
+        assert all(r["counts"].get("reduce_scatter=all_reduce", 0) > 0 for r in results)
+
+
+def test_safe_get_grads_under_the_all_reduce_algorithm(dist_run) -> None:
+    """Stage 1 fp32 all-reduces its whole gradient buffer in place: the slices this rank does not own then hold
+    partial sums, which the accessors must never read (they read this rank's reduced slices and gather)."""
+    test_safe_get_full_matches_plain_torch(dist_run, 1, all_reduce=True)
 
 
 @pytest.mark.slow

@@ -147,3 +147,14 @@ def test_bucket_defaults_only_where_unset() -> None:
     assert (partly.reduce_bucket_size, partly.allgather_bucket_size) == (1000, M)
     native = bucket_defaults(ZeroConfig(stage=2), NATIVE)
     assert native.reduce_bucket_size == 500_000_000  # no curve (native / NCCL): DeepSpeed's default stays
+
+
+def test_cache_key_names_the_device(tmp_path: Path) -> None:
+    """gloo on CUDA tensors copies through the host: a CPU calibration must not be reused for it (nor the reverse)."""
+    import torch
+
+    cpu, cuda = cache_key("gloo", 2, torch.float32), cache_key("gloo", 2, torch.float32, "cuda")
+    assert cpu["device"] == "cpu" and cuda["device"] == "cuda"
+    assert cache_file(tmp_path, cpu) != cache_file(tmp_path, cuda)
+    store_cached(cache_file(tmp_path, cpu), table_choice("gloo", 2), cpu)
+    assert load_cached(cache_file(tmp_path, cpu), cuda) is None  # a CPU file read under a CUDA key: foreign

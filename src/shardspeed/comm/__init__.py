@@ -7,7 +7,8 @@
 
 from shardspeed.comm.api import *  # noqa: F403  (DeepSpeed's deepspeed.comm names; see comm/api.py __all__)
 from shardspeed.comm.api import __all__ as _deepspeed_names
-from shardspeed.comm.collectives import Collectives, Work
+from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.log import CommsLog
+from shardspeed.comm.work import CompositeWork, P2PWork, Work
 
-__all__ = ["Collectives", "CommsLog", "Work", *_deepspeed_names]
+__all__ = ["Collectives", "CommsLog", "CompositeWork", "P2PWork", "Work", *_deepspeed_names]

@@ -21,8 +21,10 @@ Choice by measurement, not by name. A ``CollectiveChoice`` maps a message size (
 algorithm per op — a crossover is a size range — and keeps the measured bandwidth curve. Where it comes from
 (``communication.collectives``, resolved in comm/calibrate.py): ``"native"`` → ``NATIVE``; NCCL → ``NATIVE``
 always (its native ops are the fast path); ``"auto"`` on gloo → a per-host cache of an earlier calibration if
-every rank has the same one, else ``table_choice`` below; ``"calibrate"`` → the cache, else a short measurement
-at start-up (rank 0's decision used by every rank: two ranks on different algorithms would hang).
+every rank of the world has the same one, else ``table_choice`` below; ``"calibrate"`` → the cache, else a short
+measurement at start-up (world rank 0's decision used by every rank: two ranks on different algorithms would hang).
+The choice is measured on the data axis and applies there only (``CollectiveChoice.axis``): collectives over any
+other axis — tensor-parallel mappings, pipe partition gathers — run native ([Note: agreed calibration]).
 
 Decision rule (``choose``): per op, at most one crossover — all native, all the alternative, or the alternative
 below / above one cut (halfway, geometrically, between two ladder sizes) — whichever plan has the least total
@@ -104,6 +106,12 @@ class CollectiveChoice:
     source: str = field(default="native", compare=False)
     """Where it came from: native, table, cache, calibration (logged on rank 0)."""
     timings: tuple[Timing, ...] = field(default=(), compare=False)
+    axis: str | None = field(default=None, compare=False)
+    """The name of the axis the choice was agreed for (the engine's: ``"data"``); ``Collectives`` runs every other
+    axis native, since nothing agreed a choice over it. None: every axis (a test's forced choice, a measurement)."""
+
+    def applies_to(self, axis_name: str) -> bool:
+        return self.axis is None or self.axis == axis_name
 
     def algorithm(self, op: str, nbytes: int) -> str:
         """The algorithm for ``op`` on a message of ``nbytes`` unsharded bytes."""

@@ -2,16 +2,21 @@
 the start-up measurement, the documented table ([Note: collective algorithms] in comm/algorithms.py).
 
 [Note: agreed calibration] Two ranks on different algorithms for the same logical op would post different calls
-and hang, so every path ends with the same choice on every rank of the axis:
+and hang, so every path ends with the same choice on every rank of the world (the engine's one ``Collectives``
+serves every axis; with a tensor or pipe axis there are several data groups, which must not decide apart), and the
+choice applies only to collectives over the axis it was measured on (``CollectiveChoice.axis``, the data axis):
+every other axis runs native (its groups, often of another size, were never measured):
 - the cache: each rank reads its own host's file (validated: a corrupt or foreign file is ignored with a
   warning, never a crash); the files are used only when every rank read the same choice (one
-  ``all_gather_object``: ranks of one job on several hosts may hold different caches). Otherwise ``"auto"``
+  ``all_gather_object`` over the world: ranks of one job on several hosts may hold different caches). The key
+  names the device type the collectives move (the engine's device). Otherwise ``"auto"``
   falls back to the table and ``"calibrate"`` measures again.
-- the measurement: every rank times every candidate on the same ladder, the per-size figure is the *max over
-  ranks* of each rank's median (the slowest rank is the one a collective waits for); rank 0 decides from those
-  figures and its decision is broadcast (every rank then writes it to its own cache).
+- the measurement: every rank times every candidate on the same ladder over its own data group (the groups time
+  concurrently), the per-size figure is the *max over the group's ranks* of each rank's median (the slowest rank is
+  the one a collective waits for); world rank 0 decides from its group's figures and its decision — bucket knee
+  included: it is the choice's curve — is sent to every rank (each then writes it to its own cache).
 - the table: a pure function of the backend and the axis size, equal everywhere by construction.
-Rank 0 logs one line saying which it is.
+World rank 0 logs one line saying which it is.
 """
 
 from __future__ import annotations
@@ -60,19 +65,22 @@ def cache_dir(configured: str | None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "shardspeed"
 
 
-def cache_key(backend: str, world: int, dtype: torch.dtype) -> dict[str, Any]:
-    """What a cached calibration is valid for: backend, axis size, dtype, this host and the torch version."""
+def cache_key(backend: str, world: int, dtype: torch.dtype, device: str = "cpu") -> dict[str, Any]:
+    """What a cached calibration is valid for: backend, axis size, dtype, the tensors' device type (gloo on CUDA
+    tensors copies through the host: other timings than on CPU tensors), this host and the torch version."""
     return {
         "backend": backend,
         "world": world,
         "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
         "host": socket.gethostname(),
         "torch": torch.__version__,
     }
 
 
 def cache_file(directory: Path, key: dict[str, Any]) -> Path:
-    name = f"collectives-{key['backend']}-w{key['world']}-{key['dtype']}-{key['host']}-torch{key['torch']}.json"
+    name = f"collectives-{key['backend']}-w{key['world']}-{key['dtype']}-{key['device']}-{key['host']}"
+    name += f"-torch{key['torch']}.json"
     return directory / name.replace(os.sep, "_")
 
 
@@ -160,38 +168,45 @@ def resolve_choice(
     axis: AxisGroup,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    world: AxisGroup | None = None,
 ) -> CollectiveChoice:
-    """``communication.collectives`` → the choice every rank of ``axis`` uses ([Note: agreed calibration]).
-    ``mode`` is the same on every rank (one config); every branch below is taken alike on every rank."""
+    """``communication.collectives`` → the choice for collectives over ``axis``, the same on every rank of
+    ``world`` (default: ``axis``), ``axis`` included ([Note: agreed calibration]). ``world`` must hold every rank
+    that runs collectives with this ``Collectives``: each of several data groups would otherwise decide on its own,
+    and two ranks of one tensor group could then disagree. ``device``: where the timed tensors live (the engine's;
+    default the CPU). ``mode`` is the same on every rank (one config), and the axis size and backend are too: every
+    branch below is taken alike on every rank of ``world``."""
     if mode == "native" or axis.size == 1:
         return NATIVE
     backend = dist.get_backend(axis.group)
     if backend != "gloo":  # NCCL: its native ops are the fast path
         return NATIVE
+    world = axis if world is None else world
+    device = torch.device("cpu") if device is None else device
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    key = cache_key(backend, axis.size, dtype)
+    key = cache_key(backend, axis.size, dtype, device.type)
     path = cache_file(cache_dir(configured_dir), key)
     mine = load_cached(path, key)
-    everyone = collectives.all_gather_object(None if mine is None else to_json(mine, {}), axis)
+    everyone = collectives.all_gather_object(None if mine is None else to_json(mine, {}), world)
     if everyone[0] is not None and all(c == everyone[0] for c in everyone):
         choice = mine
     elif mode == "calibrate":
         start = time.perf_counter()
-        timings = measure(collectives, axis, dtype, device=device)
-        decided = choose(timings, axis.size, itemsize) if axis.rank == 0 else None
-        shared = collectives.all_gather_object(None if decided is None else to_json(decided, {}), axis)[0]
-        choice = replace(from_json(shared, {}), source="calibration")  # rank 0's decision, on every rank
+        timings = measure(collectives, axis, dtype, device=device)  # every group of ``axis`` times its own
+        decided = choose(timings, axis.size, itemsize) if world.rank == 0 else None
+        shared = collectives.all_gather_object(None if decided is None else to_json(decided, {}), world)[0]
+        choice = replace(from_json(shared, {}), source="calibration")  # world rank 0's decision, on every rank
         store_cached(path, choice, key)
-        if axis.rank == 0:
+        if world.rank == 0:
             logger.info("collective calibration took %.2f s, cached in %s", time.perf_counter() - start, path)
     else:
-        if mine is not None and axis.rank == 0:
+        if mine is not None and world.rank == 0:
             logger.info("the cached collective calibrations differ between ranks: using the table")
         choice = table_choice(backend, axis.size, itemsize)
     assert choice is not None
-    if axis.rank == 0:
+    if world.rank == 0:
         logger.info(choice.describe())
-    return choice
+    return replace(choice, axis=axis.name)  # measured on ``axis``: other axes run native
 
 
 # --- `python -m shardspeed.comm.calibrate`: the measured table ----------------------------------------------------

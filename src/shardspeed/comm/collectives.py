@@ -23,138 +23,14 @@ from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.composite import Launched, all_gather_by_broadcast, reduce_scatter_by_all_reduce
 from shardspeed.comm.log import CommsLog
 from shardspeed.comm.order_check import OrderChecker
+from shardspeed.comm.work import CompositeWork, P2PWork, Work
 from shardspeed.faults.board import FailureBoard
 from shardspeed.topology import AxisGroup
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-class Work:
-    """A pending collective (or an already-finished no-op). ``wait()`` is idempotent; with a failure board it
-    raises ``PeerFailedError`` instead of waiting for a peer that failed."""
-
-    def __init__(
-        self,
-        handle: dist.Work | None,
-        board: FailureBoard | None = None,
-        doing: Callable[[], str] = str,
-        *,
-        blocked: BlockedTime | None = None,
-        key: str = "",
-    ) -> None:
-        self._handle = handle
-        self._board = board
-        self._doing = doing
-        self._blocked, self._key = blocked, key  # [Note: exposed communication] in comm/blocked.py
-
-    def wait(self) -> None:
-        if self._handle is not None:
-            handle, board = self._handle, self._board
-            if board is None:
-                timed_wait(self._blocked, self._key, handle.wait)
-            else:
-                timed_wait(self._blocked, self._key, lambda: board.wait(handle, self._doing))
-            self._handle = None
-
-    def done(self) -> bool:
-        """Whether ``wait()`` would return at once (the collective has finished)."""
-        return self._handle is None or self._handle.is_completed()
-
-
-class P2PWork(Work):
-    """The requests of one ``Collectives.p2p`` batch. ``wait()`` waits all of them; ``sends`` / ``recvs`` are
-    Works over one side only (under NCCL the batch is one coalesced request: both sides wait it)."""
-
-    def __init__(
-        self,
-        handles: list[dist.Work],
-        is_send: list[bool],
-        board: FailureBoard | None,
-        doing: Callable[[], str],
-        keep: Sequence[torch.Tensor] = (),
-        blocked: BlockedTime | None = None,
-        tag: str = "",
-    ) -> None:
-        super().__init__(None, board, doing)
-        self._keep = list(keep)  # the batch's tensors, alive until this Work is dropped (gloo reads them async)
-        sends, recvs = (blocked, f"send:{tag}" if tag else "send"), (blocked, f"recv:{tag}" if tag else "recv")
-        if len(handles) == len(is_send):  # gloo: one request per message
-            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing, *sends)
-            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing, *recvs)
-        else:  # NCCL: one request for the whole batch
-            self.sends = self.recvs = _Works(handles, board, doing, blocked, f"p2p:{tag}" if tag else "p2p")
-
-    def wait(self) -> None:
-        self.recvs.wait()
-        self.sends.wait()
-
-    def done(self) -> bool:
-        return self.recvs.done() and self.sends.done()
-
-
-class _Works(Work):
-    """Several requests waited in order, each through the failure board when there is one."""
-
-    def __init__(
-        self,
-        handles: list[dist.Work],
-        board: FailureBoard | None,
-        doing: Callable[[], str],
-        blocked: BlockedTime | None = None,
-        key: str = "",
-    ) -> None:
-        super().__init__(None, board, doing)
-        self._works = [Work(h, board, doing, blocked=blocked, key=key) for h in handles]
-
-    def wait(self) -> None:
-        while self._works:
-            self._works[0].wait()
-            self._works.pop(0)
-
-    def done(self) -> bool:
-        return all(w.done() for w in self._works)
-
-
-class CompositeWork(Work):
-    """One logical collective carried by several handles plus a completion action ([Note: collective
-    algorithms] in comm/algorithms.py). ``wait()`` waits each handle in launch order — through the failure board
-    when there is one, so a peer's failure mid-way is ``PeerFailedError`` — then runs the action once; the wait is
-    recorded once under the logical op's key. Idempotent: a second ``wait()`` does nothing."""
-
-    def __init__(
-        self,
-        launched: Launched,
-        board: FailureBoard | None,
-        doing: Callable[[], str],
-        *,
-        blocked: BlockedTime | None,
-        key: str,
-    ) -> None:
-        super().__init__(None, board, doing, blocked=blocked, key=key)
-        self._handles = list(launched.handles)
-        self._finish = launched.finish
-        self._keep = launched.keep  # inputs and outputs alive until the handles are waited (gloo reads them async)
-
-    def wait(self) -> None:
-        if self._handles:
-            timed_wait(self._blocked, self._key, self._wait_handles)
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        self._keep = ()
-
-    def _wait_handles(self) -> None:
-        while self._handles:
-            handle = self._handles[0]
-            if self._board is None:
-                handle.wait()
-            else:
-                self._board.wait(handle, self._doing)
-            self._handles.pop(0)
-
-    def done(self) -> bool:
-        return all(h.is_completed() for h in self._handles)
+__all__ = ["Collectives", "CompositeWork", "P2PWork", "Work"]  # the Works live in comm/work.py
 
 
 class Collectives:
@@ -168,8 +44,9 @@ class Collectives:
         self.blocked = BlockedTime()
         """Wall time this process's calls spent blocked waiting on communication ([Note: exposed communication])."""
         self.algorithms: CollectiveChoice = NATIVE
-        """Which call carries each reduce-scatter / all-gather ([Note: collective algorithms]); every rank of an axis
-        must hold the same choice (engine_setup.engine_collectives sets the agreed one)."""
+        """Which call carries each reduce-scatter / all-gather ([Note: collective algorithms]) over the axis named by
+        its ``axis`` (others run native); every rank must hold the same choice (engine_setup.engine_collectives sets
+        the one agreed over the world)."""
         self.algorithm_counts: dict[str, int] = defaultdict(int)
         """Calls per ``"<op>=<algorithm>"`` (``"reduce_scatter=all_reduce"``); the comms log keeps the logical op."""
         # [Note: collective-order verification] in comm/order_check.py: None (the default) costs one attribute
@@ -203,6 +80,14 @@ class Collectives:
         if not async_op:
             work.wait()
         return work
+
+    def _algorithm(self, op: str, nbytes: int, axis: AxisGroup, unsharded: torch.Tensor) -> str:
+        """Which call carries ``op``: the choice's, over the axis it was agreed for; native over any other axis
+        (the choice is agreed world-wide but measured on the data axis: a tensor or pipe group of another size,
+        e.g. tensor-parallel mappings, runs native) and for a non-contiguous ``unsharded``."""
+        if not self.algorithms.applies_to(axis.name) or not unsharded.is_contiguous():
+            return "native"
+        return self.algorithms.algorithm(op, nbytes)
 
     def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
         """Sum ``tensor`` in place over ``axis``."""
@@ -253,7 +138,7 @@ class Collectives:
             return Work(None)
         self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag)
         nbytes = unsharded.numel() * unsharded.element_size()
-        algorithm = self.algorithms.algorithm("all_gather", nbytes) if unsharded.is_contiguous() else "native"
+        algorithm = self._algorithm("all_gather", nbytes, axis, unsharded)
         self.algorithm_counts[f"all_gather={algorithm}"] += 1
         if algorithm == "broadcast":
             return self._run_composite(
@@ -290,7 +175,7 @@ class Collectives:
             return Work(None)
         self.log.record("reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag)
         nbytes = unsharded.numel() * unsharded.element_size()
-        algorithm = self.algorithms.algorithm("reduce_scatter", nbytes) if unsharded.is_contiguous() else "native"
+        algorithm = self._algorithm("reduce_scatter", nbytes, axis, unsharded)
         self.algorithm_counts[f"reduce_scatter={algorithm}"] += 1
         if algorithm == "all_reduce":
             return self._run_composite(

@@ -24,10 +24,12 @@ class CommunicationConfig(ConfigModel):
 
     collectives: Literal["auto", "native", "calibrate"] = "auto"
     """``"native"``: torch's call for every collective. ``"auto"`` (default): NCCL native; gloo per the measured
-    choice cached for this host, world size and dtype if one exists, else the documented table in
-    ``comm/algorithms.py``. ``"calibrate"``: gloo measures at start-up when no cached choice exists (rank 0
-    decides, broadcasts, logs and caches it), then behaves as ``"auto"``."""
+    choice cached for this host, data-axis size, dtype and device type if every rank holds the same one, else the
+    documented table in ``comm/algorithms.py``. ``"calibrate"``: gloo measures at start-up when no agreed cached
+    choice exists (world rank 0 decides, broadcasts, logs and caches it), then behaves as ``"auto"``. Applied to
+    data-axis collectives only; tensor / pipe axes always run native."""
 
     calibration_cache: str | None = None
-    """Directory of cached calibrations (one JSON file per backend, axis size, dtype, host and torch version).
-    Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``. A corrupt file is ignored with a warning."""
+    """Directory of cached calibrations (one JSON file per backend, axis size, dtype, device type, host and torch
+    version). Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``. A corrupt file is ignored with a
+    warning."""

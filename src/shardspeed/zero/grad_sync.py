@@ -26,6 +26,11 @@ bucket. Every input is dead once reduced: a wire-dtype copy (``communication_dat
 stage 1 in fp32 reduces its full buffer in place — this rank's slice is then overwritten by the reduced result,
 and the other ranks' slices (stale local gradients before, partial sums now) are read by nothing: the optimizer
 and the norm see only this rank's slices, ``reopen`` zeroes the rest, and the step zeroes the whole buffer.
+Visible to users: there, a parameter's ``.grad`` is a view of that buffer ([Note: gradient markers]), so between
+the boundary backward and ``step()`` a ``p.grad`` read outside this rank's slices shows those sums (native: this
+rank's unreduced gradient) — never the reduced mean, under either algorithm (DeepSpeed's ZeRO does not keep it
+in ``p.grad`` either: its scripts read the accessors). ``safe_get_full_grad`` / ``safe_get_local_grad`` read only owned,
+reduced slices (tests/dist/test_safe_access.py runs them under the all-reduce algorithm).
 """
 
 from __future__ import annotations

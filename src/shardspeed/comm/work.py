@@ -1,0 +1,147 @@
+"""The pending-communication handles ``Collectives`` returns: ``Work`` (one torch request, or a finished no-op),
+``P2PWork`` (a point-to-point batch), ``CompositeWork`` (one logical collective carried by several requests: [Note:
+collective algorithms] in comm/algorithms.py). Every wait goes through the failure board when there is one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.comm.blocked import BlockedTime, timed_wait
+from shardspeed.comm.composite import Launched
+from shardspeed.faults.board import FailureBoard
+
+
+class Work:
+    """A pending collective (or an already-finished no-op). ``wait()`` is idempotent; with a failure board it
+    raises ``PeerFailedError`` instead of waiting for a peer that failed."""
+
+    def __init__(
+        self,
+        handle: dist.Work | None,
+        board: FailureBoard | None = None,
+        doing: Callable[[], str] = str,
+        *,
+        blocked: BlockedTime | None = None,
+        key: str = "",
+    ) -> None:
+        self._handle = handle
+        self._board = board
+        self._doing = doing
+        self._blocked, self._key = blocked, key  # [Note: exposed communication] in comm/blocked.py
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            handle, board = self._handle, self._board
+            if board is None:
+                timed_wait(self._blocked, self._key, handle.wait)
+            else:
+                timed_wait(self._blocked, self._key, lambda: board.wait(handle, self._doing))
+            self._handle = None
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective has finished)."""
+        return self._handle is None or self._handle.is_completed()
+
+
+class P2PWork(Work):
+    """The requests of one ``Collectives.p2p`` batch. ``wait()`` waits all of them; ``sends`` / ``recvs`` are
+    Works over one side only (under NCCL the batch is one coalesced request: both sides wait it)."""
+
+    def __init__(
+        self,
+        handles: list[dist.Work],
+        is_send: list[bool],
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        keep: Sequence[torch.Tensor] = (),
+        blocked: BlockedTime | None = None,
+        tag: str = "",
+    ) -> None:
+        super().__init__(None, board, doing)
+        self._keep = list(keep)  # the batch's tensors, alive until this Work is dropped (gloo reads them async)
+        sends, recvs = (blocked, f"send:{tag}" if tag else "send"), (blocked, f"recv:{tag}" if tag else "recv")
+        if len(handles) == len(is_send):  # gloo: one request per message
+            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing, *sends)
+            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing, *recvs)
+        else:  # NCCL: one request for the whole batch
+            self.sends = self.recvs = _Works(handles, board, doing, blocked, f"p2p:{tag}" if tag else "p2p")
+
+    def wait(self) -> None:
+        self.recvs.wait()
+        self.sends.wait()
+
+    def done(self) -> bool:
+        return self.recvs.done() and self.sends.done()
+
+
+class _Works(Work):
+    """Several requests waited in order, each through the failure board when there is one."""
+
+    def __init__(
+        self,
+        handles: list[dist.Work],
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        blocked: BlockedTime | None = None,
+        key: str = "",
+    ) -> None:
+        super().__init__(None, board, doing)
+        self._works = [Work(h, board, doing, blocked=blocked, key=key) for h in handles]
+
+    def wait(self) -> None:
+        while self._works:
+            self._works[0].wait()
+            self._works.pop(0)
+
+    def done(self) -> bool:
+        return all(w.done() for w in self._works)
+
+
+class CompositeWork(Work):
+    """One logical collective carried by several handles plus a completion action ([Note: collective
+    algorithms] in comm/algorithms.py). ``wait()`` waits each handle in launch order — through the failure board
+    when there is one, so a peer's failure mid-way is ``PeerFailedError`` — then runs the action once; the wait is
+    recorded once under the logical op's key. Idempotent: a second ``wait()`` does nothing."""
+
+    def __init__(
+        self,
+        launched: Launched,
+        board: FailureBoard | None,
+        doing: Callable[[], str],
+        *,
+        blocked: BlockedTime | None,
+        key: str,
+    ) -> None:
+        super().__init__(None, board, doing, blocked=blocked, key=key)
+        self._handles = list(launched.handles)
+        self._finish = launched.finish
+        self._keep = launched.keep  # inputs and outputs alive until the handles are waited (gloo reads them async)
+
+    def wait(self) -> None:
+        if self._handles:
+            timed_wait(self._blocked, self._key, self._wait_handles)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        self._keep = ()
+
+    def _wait_handles(self) -> None:
+        while self._handles:
+            handle = self._handles[0]
+            if self._board is None:
+                handle.wait()
+            else:
+                self._board.wait(handle, self._doing)
+            self._handles.pop(0)
+
+    def done(self) -> bool:
+        """Whether the logical op is complete: every handle has finished *and* the completion action ran (the copy
+        into the output of an all-reduce-then-slice). Once the handles have finished the action runs here, so a
+        caller that polls ``done()`` never sees True before the output holds the result."""
+        if not all(h.is_completed() for h in self._handles):
+            return False
+        self.wait()  # returns at once (every handle finished): runs the action, once
+        return True
