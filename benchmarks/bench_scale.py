@@ -25,12 +25,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from launch_util import child_env, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -39,23 +40,12 @@ DISK_BYTES_PER_PARAM = 4 + 4 * 4
 """fp32 parameter shard (offload_param's file) + fp32 values, exp_avg, exp_avg_sq and gradient (offload_optimizer's)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # no MALLOC_MMAP_THRESHOLD_: NVMe offload pins it itself
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))
-    return env
-
-
 def _torchrun(nproc: int, script: Path, *args: str) -> float:
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_port", str(_free_port()), str(script), *args]
-    subprocess.run(cmd, check=True, env=_env())
+    cmd += ["--master_port", str(free_port()), str(script), *args]
+    # no MALLOC_MMAP_THRESHOLD_ in the environment: NVMe offload pins it itself
+    subprocess.run(cmd, check=True, env=child_env(force_one_thread=True))
     return time.perf_counter() - start
 
 

@@ -264,9 +264,9 @@ def test_child_env_puts_src_first_and_hides_gpus(monkeypatch: pytest.MonkeyPatch
 
 
 def test_no_launcher_keeps_its_own_copy_of_the_helpers() -> None:
-    """One free_port / child_env for every launcher (bench_scale is helper C's and still has its own)."""
+    """One free_port / child_env for every launcher."""
     for script in sorted(BENCHMARKS.glob("*.py")):
-        if script.name in ("launch_util.py", "bench_scale.py"):
+        if script.name == "launch_util.py":
             continue
         text = script.read_text()
         assert "def _free_port" not in text and "def _child_env() -> dict[str, str]:\n    env" not in text, script.name
