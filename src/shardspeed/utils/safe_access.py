@@ -14,7 +14,8 @@ reads are local. ``safe_set_full_grad``, ``safe_set_*optimizer_state`` and the o
 When they are valid: gradients only between the backward that completes an accumulation window (it reduced them)
 and ``step()``, which consumes and zeroes them; optimizer states once the optimizer has stepped (before that there
 are none: KeyError). Gradients are returned unscaled (fp16's loss scale divided out) and averaged over the
-data-parallel ranks, i.e. the gradient ``step()`` will apply before clipping.
+data-parallel ranks, i.e. the gradient ``step()`` will apply before clipping. With ZeRO-3 gradients on NVMe they are
+read from and written back to the swap file ([Note: gradients on NVMe] in zero/stage3/grad_offload.py).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
     scale = _grad_scale(engine)
 
     def read(piece: Any) -> torch.Tensor | None:
-        grad = piece.opt_tensor.grad if piece.opt_tensor is not None else None
+        grad = _grad_of(engine, piece)
         return piece_slice(grad, piece) / scale if grad is not None else None
 
     return assemble(engine, name, read, "the gradient")
@@ -146,10 +147,9 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     scale, flat = _grad_scale(engine), value.detach().reshape(-1)
     with torch.no_grad():
         for piece in local_pieces(engine, name):
-            grad = piece.opt_tensor.grad if piece.opt_tensor is not None else None
-            if grad is None:
+            if _grad_of(engine, piece) is None:
                 raise ValueError(f"parameter '{name}' has no gradient (frozen?)")
-            piece_slice(grad, piece).copy_(flat[piece.start : piece.end] * scale)
+            _write_grad(engine, piece, flat[piece.start : piece.end] * scale)
     engine.states.mark_grads_clean()  # the engine's own write, not a user's zero_grad ([Note: gradient markers])
 
 
@@ -182,7 +182,7 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor:
     engine, name = _owner(param)
     _require_reduced_grads(engine, name)
     scale = _grad_scale(engine)
-    return _local(engine, name, lambda piece: piece_slice(piece.opt_tensor.grad, piece) / scale)
+    return _local(engine, name, lambda piece: piece_slice(_grad_of(engine, piece), piece) / scale)
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
@@ -225,7 +225,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     flat, offset, scale = _check_local(name, pieces, value), 0, _grad_scale(engine)
     with torch.no_grad():
         for piece in pieces:
-            piece_slice(piece.opt_tensor.grad, piece).copy_(flat[offset : offset + piece.numel] * scale)
+            _write_grad(engine, piece, flat[offset : offset + piece.numel] * scale)
             offset += piece.numel
     engine.states.mark_grads_clean()  # the engine's own write, not a user's zero_grad ([Note: gradient markers])
 
@@ -245,6 +245,26 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
+def _grad_of(engine: Any, piece: Any) -> torch.Tensor | None:
+    """The gradient of ``piece``'s stepped tensor. ZeRO-3 with gradients on NVMe keeps it in the swap file (the
+    ``.grad`` is a zeros stand-in): read it back ([Note: gradients on NVMe] in zero/stage3/grad_offload.py)."""
+    tensor = piece.opt_tensor
+    if tensor is None:
+        return None
+    sink = getattr(engine.states, "grad_sink", None)
+    stored = sink.read_tensor(tensor) if sink is not None else None
+    return stored.to(tensor.device) if stored is not None else tensor.grad
+
+
+def _write_grad(engine: Any, piece: Any, values: torch.Tensor) -> None:
+    """Write ``values`` (scaled) over ``piece``'s range of its stepped tensor's gradient (in the swap file if there)."""
+    sink = getattr(engine.states, "grad_sink", None)
+    if sink is not None and sink.holds(piece.opt_tensor):
+        sink.write_tensor(piece.opt_tensor, piece.opt_offset, values.detach().float().cpu())
+        return
+    piece_slice(piece.opt_tensor.grad, piece).copy_(values)
+
+
 def _check_shape(engine: Any, name: str, value: torch.Tensor) -> None:
     from shardspeed.param_access import full_shapes
 

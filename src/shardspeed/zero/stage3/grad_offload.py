@@ -21,6 +21,10 @@ write-behind window, independent of model size; the streamed step reads each chu
   single parameter is read back, zeroed and rewritten.
 - I/O failures in backward are deferred to the agreed step ([Note: deferred gradient I/O failures]).
 - Checkpoints never hold gradients, so nothing here is saved.
+- The stepped tensors' ``.grad`` are stand-ins (zeros), so whoever reads or writes a stepped tensor's gradient
+  outside the step goes through ``read_tensor`` / ``write_tensor`` (the ``safe_*_grad`` accessors,
+  utils/safe_access.py). A write rewrites the tensor's unit, so its squared sums (the norm) are recomputed and
+  ``nonfinite_grad_names`` reads the new values back.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class UnitGradSink:
         # model_parameters): never read by the step, but they count in the norm and accumulate over micro-steps,
         # so they are kept in memory (what the in-memory path holds for them), keyed by (unit, shard-local start)
         self.unstepped: dict[tuple[int, int], torch.Tensor] = {}
+        # id(stepped tensor) → (its unit, shard-local a, b): the accessors' way from a tensor to its unit
+        self._where = {id(t): (u, a, b) for u in self.unit_tensors for t, a, b in self._slices(u)}
         self.live_bytes = 0  # shards allocated and not yet handed to the swap
         self.peak_bytes = 0  # peak of live shards + writes in flight
 
@@ -124,6 +130,34 @@ class UnitGradSink:
         shard = torch.zeros(self.units[u].shard_numel)
         self.swap.wait_deferred(self.read_back(u, shard))
         return shard
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of this stage's stepped tensors (its gradient is here, not in its ``.grad``)."""
+        return id(tensor) in self._where
+
+    def read_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The stepped ``tensor``'s gradient of this step (1-D, blocking; zeros where none was written), or None if
+        it is not one of this stage's stepped tensors. A failed read reads as zeros and is raised by the step
+        ([Note: deferred gradient I/O failures]): the accessors are collective, so no rank raises alone."""
+        where = self._where.get(id(tensor))
+        if where is None:
+            return None
+        u, a, b = where
+        kept = self.unstepped.get((u, a))
+        if kept is not None:
+            return kept.clone()
+        out = torch.zeros(b - a)
+        self.swap.wait_deferred(self.swap.read_into(tensor, out))
+        return out
+
+    def write_tensor(self, tensor: torch.Tensor, offset: int, values: torch.Tensor) -> None:
+        """Replace ``tensor``'s gradient at [offset, offset + len(values)) by ``values``: its unit is read back,
+        changed and written again, so the unit's squared sums match the new values."""
+        u, a, _ = self._where[id(tensor)]
+        shard = self.read_shard(u)
+        shard[a + offset : a + offset + values.numel()].copy_(values.reshape(-1))
+        self.allocated(shard.numel() * shard.element_size())
+        self.write(u, shard)
 
     def forget(self, u: int) -> None:
         """Unit ``u`` holds no gradient now (zero_grads, the step is over)."""
