@@ -10,9 +10,9 @@ from shardspeed.zero.param_gather import (
     GatherPhase,
     ParamGather,
     buckets_of_params,
+    hooked_modules,
     launch_order,
     module_buckets,
-    hooked_modules,
     owned_by,
     settle_waits,
 )
