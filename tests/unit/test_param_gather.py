@@ -166,3 +166,21 @@ def test_settle_waits_falls_back_to_the_root() -> None:
     assert settle_waits(hooked, owned, {0, 2}) == [[], [], [0, 1]]  # fired: its own
     assert settle_waits(hooked, owned, {0, 1}) == [[], [0, 1], []]  # the nearest fired ancestor
     assert settle_waits(hooked, owned, set()) == [[0, 1], [], []]  # no forward ran: the root
+
+
+def test_a_launch_before_any_forward_does_not_settle_the_waits() -> None:
+    model = _model()
+    gather = ParamGather(model, list(model.parameters()))
+    gather.bind([(6, 10), (10, 12), (0, 4), (4, 6)], [(0, 6), (6, 12)])
+    log: list[int] = []
+    for k in launch_order(2):  # a checkpoint load before the first forward (it would land them itself)
+        gather.launch(k, FakeWork(log, k), torch.zeros(1))
+    model(torch.ones(1, 2))  # the recording forward: the root's pre-hook lands everything first
+    assert log == [1, 0] and gather.phase is GatherPhase.IDLE
+    for k in launch_order(2):  # the first step after a recorded forward settles: per-module waits
+        gather.launch(k, FakeWork(log, k), torch.zeros(1))
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, a: seen.append(gather.pending_buckets()))
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(gather.pending_buckets()))
+    model(torch.ones(1, 2))
+    assert seen == [[0], []]  # model[0] waited only for its own bucket, not the root for both

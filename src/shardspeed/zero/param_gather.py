@@ -35,10 +35,12 @@ The wrapped model's own ``state_dict()`` and ``load_state_dict()`` wait too (hoo
 own forward running: torch's ``MultiheadAttention`` (so every ``nn.Transformer*``) passes ``out_proj.weight`` to
 ``F.multi_head_attention_forward``; a pipeline stage calls a tied layer's ``forward_fn`` with the module
 (pipe/module.py). So every module holding a gathered parameter (itself or below) gets a pre-hook, the root
-included, and until the first launch (every forward before the first ``step()``: nothing is pending then) the
-hooks only record which fired. At the first launch each owner whose hook never fired hands its parameters to the
-nearest ancestor whose hook did (``settle_waits``; the root when none did: a step with no forward before it makes
-the root wait for everything), which then waits for them before it runs. Later forwards may take other branches:
+included, and the hooks record which of them fire until the first launch that follows a forward of the root (the
+forwards before the first ``step()``, training or eval; a checkpoint load or ``safe_set_*`` before any forward
+launches too, but lands its gathers at once). While recording, a hook that finds gathers pending lands them all
+(correct before the rule is known; normally nothing is pending then). At that launch each owner whose hook never
+fired hands its parameters to the nearest ancestor whose hook did (``settle_waits``; the root when none did),
+which then waits for them before it runs. Later forwards may take other branches:
 an owner whose own hook fires later waits again, which is idempotent. The rule decides only where a rank *waits*,
 never what it launches, so it may differ between ranks.
 
@@ -161,8 +163,10 @@ class ParamGather:
 
     def _pre_hook(self, slot: int) -> Callable[[torch.nn.Module, object], None]:
         def hook(module: torch.nn.Module, args: object) -> None:
-            if self._recording:  # [Note: owners read without their forward]: before the first launch
+            if self._recording:  # [Note: owners read without their forward]
                 self._fired.add(slot)
+                self.wait_all()  # the waits are not settled yet: nothing may be read pending
+                return
             if self.phase is GatherPhase.LAUNCHED:
                 for k in self._needs[slot]:
                     self.wait_bucket(k)
@@ -195,7 +199,7 @@ class ParamGather:
     def launch(self, k: int, work: Work, source: torch.Tensor) -> None:
         """Bucket ``k``'s gather was issued (``source``: its input, kept alive until the gather is waited)."""
         assert self._buckets[k] is BucketGather.LANDED, f"bucket {k} gathered while its last gather is pending"
-        if self._recording:
+        if self._recording and 0 in self._fired:  # a forward of the model was recorded (slot 0: the root)
             self._settle()
         if self.phase is GatherPhase.IDLE:
             self.waited = []
