@@ -47,12 +47,12 @@ never what it launches, so it may differ between ranks.
 What is not covered: a parameter read, between ``step()`` and the forward that lands its bucket, other than
 through a hooked module's forward, the root's state-dict methods or the engine's API — ``model.parameters()`` /
 ``module.weight.data`` read directly, a submodule called on its own while another submodule's bucket is pending,
-a child read without its forward by a branch of a later forward, when the forwards before the first step did
-call the child (so its buckets were left to its own pre-hook). Such a read can see a partly written bucket (a rank's peers may launch their half
-of the gather much later than it returns from ``step()``); read through the engine, call
-``engine.states.wait_params()`` first, or set ``overlap_param_gather: false``, which waits every gather inside
-``step()``. A tied parameter registered in several modules (a tied embedding / LM head) is owned by each of them,
-so it is waited for by whichever runs first.
+a child read without its forward by a branch of a later forward, when the forwards before the first step did call
+the child (so its buckets were left to its own pre-hook). Such a read can see a partly written bucket (a rank's
+peers may launch their half of the gather much later than it returns from ``step()``); read through the engine,
+call ``engine.states.wait_params()`` first, or set ``overlap_param_gather: false``, which waits every gather
+inside ``step()``. A tied parameter registered in several modules (a tied embedding / LM head) is owned by each
+of them, so it is waited for by whichever runs first.
 """
 
 from __future__ import annotations
