@@ -110,11 +110,14 @@ class ZeroConfig(Stage3Options):
     distributed optimizer does), instead of at the end of ``step()`` (DeepSpeed). Engine calls that expose
     parameters (state dicts, checkpoints, ``engine.parameters()``, ``GatheredParameters``, ``safe_get_*``) wait for
     pending gathers first; anything the forward's modules did not wait for is waited when the model's forward
-    returns (the wrapped model's ``state_dict()`` / ``load_state_dict()`` wait too). Hazard: a parameter read
-    directly between ``step()`` and the next forward (``model.parameters()``, ``layer.weight.data``, a submodule
-    called on its own, a parent reading ``self.child.weight`` before the child's forward) may see a bucket still
-    being written: read through the engine (``engine.parameters()``), call ``engine.states.wait_params()`` first, or
-    set this to false. Not a DeepSpeed key (shardspeed's own). Default: true."""
+    returns (the wrapped model's ``state_dict()`` / ``load_state_dict()`` wait too). A parent reading
+    ``self.child.weight`` without calling the child (torch's ``MultiheadAttention`` and every ``nn.Transformer*``
+    with ``out_proj``, a pipeline stage's tied ``forward_fn``) is handled: the forwards before the first step record
+    it, and the nearest ancestor that runs waits for the child's buckets. Hazard: a parameter read directly between
+    ``step()`` and the next forward (``model.parameters()``, ``layer.weight.data``, a submodule called on its own)
+    may see a bucket still being written: read through the engine (``engine.parameters()``), call
+    ``engine.states.wait_params()`` first, or set this to false. Not a DeepSpeed key (shardspeed's own). Default:
+    true."""
 
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild fp32 master weights from the saved fp32 copies (exact) rather than from

@@ -14,7 +14,12 @@ flat, padded buffer; this rank owns the same 1/N slice of every bucket. What liv
 The optimizer steps one tensor per bucket slice (element-wise optimizers cannot tell the difference); after the
 step every bucket is all-gathered back into the parameter buffer in one equal-split collective, launched by the step
 and waited by the next forward with ``overlap_param_gather`` ([Note: overlapped parameter gather] in
-zero/param_gather.py), else waited before ``step()`` returns. With a streamed
+zero/param_gather.py), else waited before ``step()`` returns. Transient not in the table: each pending gather's
+input (this rank's slice of the bucket: the master slice cast to the compute dtype, or in fp32 / bf16 masters a
+clone of the parameter buffer's own slice) — Ψ/N elements of the parameters' dtype (2Ψ/N bytes in bf16, 4Ψ/N in
+fp32) — lives until the gather is waited: inside ``step()`` without the overlap, until the next forward with it.
+It is kept under every algorithm, though the broadcast one has copied it into place at launch, so that what a
+pending bucket holds does not depend on the algorithm. With a streamed
 offload optimizer under mixed precision the master shard moves into the optimizer's store
 (``hand_masters_to_optimizer``): 0 bytes here.
 """
