@@ -23,7 +23,7 @@ DeepSpeed's engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,13 +62,15 @@ class EngineModule(torch.nn.Module):
                     f"{type(module).__name__})"
                 ) from None
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """nn.Module's (``parameters()`` calls it), once pending post-step parameter gathers have landed ([Note:
         overlapped parameter gather] in zero/param_gather.py): the values handed out are the updated ones."""
         states = self.__dict__.get("states")  # absent while the engine is being built
         if states is not None:
             states.wait_params()
-        return super().named_parameters(*args, **kwargs)
+        return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # --- state dict -----------------------------------------------------------------------------------------------
     def _partitioned(self) -> bool:
