@@ -195,6 +195,7 @@ def _train(rank: int, world: int, stage: int, checkpointed: bool) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+    engine.states.wait_params()  # stages 1/2 overlap the last step's parameter gathers with the next forward
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if stage == 3:
         params = engine.module_state_dict()
