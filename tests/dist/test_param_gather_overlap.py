@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import IN, OUT, global_batches, make_model, optimizer_config, rank_slice, reference_run
+from parity import IN, OUT, global_batches, make_model, optimizer_config, rank_slice, reference_run, train_engine
 
 import shardspeed
 
@@ -44,15 +44,7 @@ def param_waits(engine: Any) -> int:
 
 def _run(rank: int, world: int, config: dict, model: torch.nn.Module, gas: int, steps: int = STEPS) -> dict:
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    dtype = next(iter(engine.module.parameters())).dtype
-    losses = []
-    for x, y in global_batches(steps, MB * gas * world):
-        for m in range(gas):
-            out = engine(rank_slice(x, m, rank, world, MB).to(dtype)).float()
-            loss = F.mse_loss(out, rank_slice(y, m, rank, world, MB))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    losses = train_engine(engine, rank, world, global_batches(steps, MB * gas * world), MB, gas)
     pending = engine.states.pending_gathers
     full = engine.module_state_dict()
     return {
