@@ -1,5 +1,5 @@
 # Every target sets itself up on a fresh machine: a local .venv, torch 2.13.0 (CPU build) when no torch is
-# importable, then this package with its dev and hf extras
+# importable, then this package with its dev, hf and monitor extras
 # (constraints.txt pins torch so no extra pulls another build).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,hf]' -c constraints.txt
+	$(PY) -m pip install -e '.[dev,hf,monitor]' -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
