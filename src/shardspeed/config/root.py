@@ -14,6 +14,7 @@ from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, P
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
 from .fault_tolerance import FaultToleranceConfig
+from .flops_profiler import FlopsProfilerConfig
 from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
@@ -128,6 +129,9 @@ class ShardSpeedConfig(ConfigModel):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
     preemption, resume. Not a DeepSpeed key (shardspeed's own section)."""
+
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,
