@@ -49,6 +49,7 @@ from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
+from shardspeed.profiling.engine_profiler import attach_flops_profiler
 from shardspeed.schedulers import build_scheduler
 from shardspeed.tensor_parallel import bind_collectives, register_partial_grad_hooks
 from shardspeed.tensor_parallel.batch_check import FirstBatchCheck
@@ -224,6 +225,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self._driver = self._driver_class.for_engine(self)  # PipelineEngine's: train_batch's (pipe_driver.py)
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
+        self.flops_profiler = attach_flops_profiler(self)  # DeepSpeed's attribute; inactive unless configured
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
