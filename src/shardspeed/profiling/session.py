@@ -15,6 +15,13 @@ The window is opened once (``start``) and split into phases by ``begin_phase`` /
 user's loss outside the engine) is not charged to either. A module forward that runs *inside* a backward phase is
 activation-checkpointing recompute: its FLOPs are also summed apart (``recompute_flops``), so the model FLOPs
 (``forward + backward − recompute``) and the hardware FLOPs can both be reported.
+
+[Note: measuring recompute] The recompute window is the outermost module forward that starts inside a backward
+phase, until that module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute as soon as the
+last saved tensor it needs exists (by raising inside the forward), so the window would never close; while a
+session is open it sets ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` (a torch context manager, read
+when each checkpointed forward runs) so recompute runs whole: the same values, a little more work in the profiled
+step only. A recompute that is not a module call (a bare function checkpointed) is counted as backward.
 """
 
 from __future__ import annotations
@@ -133,6 +140,11 @@ class ProfileSession:
     def start(self) -> None:
         assert self.state == "NEW", f"a profiling session is started once (state {self.state})"
         _warm_up_mode()
+        # Recompute is measured as the forward windows run in backward; torch's non-reentrant checkpoint stops a
+        # recompute early (once the last needed tensor exists), so the window would never close: for the profiled
+        # window only, recompute runs whole (same values, a little more work). [Note: measuring recompute]
+        self._no_early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+        self._no_early_stop.__enter__()
         self._mode = FlopCounterMode(display=False, custom_mapping=custom_mapping())
         self._mode.__enter__()
         for stats in self._stats.values():
@@ -153,6 +165,7 @@ class ProfileSession:
         self._hooks.clear()
         assert self._mode is not None
         self._mode.__exit__(None, None, None)
+        self._no_early_stop.__exit__(None, None, None)
         self._wall_end = self._now()
         self.state = "CLOSED"
 
@@ -166,6 +179,7 @@ class ProfileSession:
         if self.state != "OPEN" or self._open is None or self._open.name != name:
             return
         opened, self._open = self._open, None
+        self._recompute_depth = 0  # a recompute that raised never closed its window
         totals = self._phases[name]
         totals.seconds += self._now() - opened.started
         totals.count += 1
