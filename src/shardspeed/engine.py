@@ -382,6 +382,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Remove the gradient hooks (lets the module be wrapped by another engine) and release offload storage
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
+        self.flops_profiler.close()  # a profile window still open: its hooks and dispatch mode go
         self.states.reducer.remove_hooks()
         for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
             handle.remove()
