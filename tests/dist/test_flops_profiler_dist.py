@@ -122,3 +122,74 @@ def test_pipeline_whole_model_figure_sums_the_stages(dist_run) -> None:
     for r in results:
         assert r["per_sample"] == dense_per_sample
         assert r["model_params"] == sum(p.numel() for p in dense.parameters())  # the tied copy counted once
+
+
+TP_MODEL = {"vocab": 32, "h": 16, "heads": 4, "ffn": 24, "layers": 2}
+TP_SEQ = 6
+
+
+def _tp_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)  # the same batch on both tensor ranks
+    ids = torch.randint(0, TP_MODEL["vocab"], (MB, TP_SEQ), generator=g)
+    return ids, ids
+
+
+def _tp_profile(rank: int, world: int) -> dict:
+    from tp_block import TPTinyLM
+
+    from shardspeed.tensor_parallel import TensorParallel
+    from shardspeed.topology import MeshShape, Topology
+
+    topology = Topology.build(MeshShape(tensor=2, data=1))
+    torch.manual_seed(0)
+    model = TPTinyLM(TensorParallel.from_topology(topology), **TP_MODEL)
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "flops_profiler": {"enabled": True, "profile_step": 0},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=model, mpu=topology, config=config)
+    ids, labels = _tp_batch(rank)
+    engine.backward(engine(ids, labels))
+    engine.step()
+    prof = engine.flops_profiler
+    fig = prof.figures
+    return {
+        "per_sample": prof.model_flops_per_sample,
+        "model_params": prof.model_params,
+        "params": fig.params,
+        "local_params": sum(p.numel() for p in model.parameters()),
+        "summary": "\n".join(prof.summary),
+    }
+
+
+def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> None:
+    """TP=2: "params per GPU" is the rank's slices; the model's parameters sum to the dense count; the model FLOPs
+    are the dense model's plus the replicated head once more ([Note: the whole-model figure])."""
+    from tp_block import TPTinyLM, dense_tp
+
+    from shardspeed.profiling.session import ProfileSession
+
+    results = dist_run(_tp_profile, 2)
+    torch.manual_seed(0)
+    dense = TPTinyLM(dense_tp(), **TP_MODEL)
+    ids, labels = _tp_batch(0)
+    session = ProfileSession(dense)
+    session.start()
+    session.begin_phase("forward")
+    loss = dense(ids, labels)
+    session.end_phase("forward")
+    session.begin_phase("backward")
+    loss.backward()
+    session.end_phase("backward")
+    session.stop()
+    fig = session.figures()
+    dense_per_sample = (fig.flops("forward") + fig.flops("backward")) / MB
+    head = 6 * TP_SEQ * TP_MODEL["h"] * TP_MODEL["vocab"]  # fwd + bwd of the replicated head, per sample
+    n_dense = sum(p.numel() for p in dense.parameters())
+    for r in results:
+        assert r["params"] == r["local_params"] < n_dense
+        assert r["model_params"] == n_dense
+        assert r["per_sample"] == dense_per_sample + head
+    assert "params of model (sum over tensor/pipe ranks): " in results[0]["summary"]
