@@ -33,7 +33,7 @@ from torch import nn
 
 from shardspeed.config.flops_profiler import FlopsProfilerConfig
 from shardspeed.profiling.mfu import PeakFlops, model_flops_utilization, peak_flops
-from shardspeed.profiling.session import ProfileSession, WindowFigures, _full_numel
+from shardspeed.profiling.session import ProfileSession, WindowFigures, full_param_count
 from shardspeed.profiling.summary import EngineContext, render_profile
 
 __all__ = ["EngineFlopsProfiler", "attach_flops_profiler"]
@@ -128,7 +128,7 @@ class EngineFlopsProfiler:
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _param_count(self, param: nn.Parameter) -> int:
-        return _full_numel(param)
+        return full_param_count(param)
 
     def _model_share(self) -> float:
         """This rank's share of the replica's parameters ([Note: the whole-model figure])."""
@@ -142,7 +142,7 @@ class EngineFlopsProfiler:
             if spec is not None and spec.partitioned:
                 share += math.prod(spec.global_shape) / tp  # the slices of every tensor rank add up to this
             else:
-                share += _full_numel(param) / tp  # replicated on every tensor rank: each adds 1/T
+                share += full_param_count(param) / tp  # replicated on every tensor rank: each adds 1/T
         return share
 
     def _finish(self, fig: WindowFigures) -> None:

@@ -40,7 +40,7 @@ from shardspeed.profiling.formulas import custom_mapping
 ParamCount = Callable[[nn.Parameter], int]
 
 
-def _full_numel(param: nn.Parameter) -> int:
+def full_param_count(param: nn.Parameter) -> int:
     """Elements of ``param`` when whole: ZeRO-3's registry knows the real shape of a partitioned placeholder."""
     from shardspeed.zero.api import full_numel  # lazily: the profiler is usable without the engine's packages
 
@@ -117,7 +117,7 @@ class ProfileSession:
 
     root: nn.Module
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    param_count: ParamCount = _full_numel
+    param_count: ParamCount = full_param_count
     ignore: tuple[type, ...] = ()
     state: str = "NEW"
 
