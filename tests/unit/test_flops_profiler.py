@@ -221,3 +221,25 @@ def test_engine_profiler_is_inactive_by_default() -> None:
         engine.step()
     assert engine.global_steps == 4
     assert engine.flops_profiler.state == "DONE" and engine.flops_profiler.model_flops_per_sample is None
+
+
+def test_engine_model_flops_leave_out_activation_recompute() -> None:
+    """Blocks recomputed in backward (shardspeed.checkpointing): the recompute is measured apart and the model
+    FLOPs per sample stay 6·T·W + 12·L·s·d·T."""
+    import functools
+
+    from shardspeed import checkpointing
+
+    engine = _engine({"flops_profiler": {"enabled": True, "profile_step": 0}})
+    for block in engine.module.blocks:
+        block.forward = functools.partial(checkpointing.checkpoint, block.forward)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16))
+    for _ in range(2):
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+    profiler = engine.flops_profiler
+    fig = profiler.figures
+    blocks_forward = sum(s.fwd_flops for s in fig.modules if s.path in ("blocks.0", "blocks.1"))
+    assert blocks_forward > 0 and fig.recompute_flops == blocks_forward
+    assert fig.flops("backward") == 2 * fig.flops("forward") + blocks_forward
+    assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
