@@ -33,7 +33,7 @@ from torch import nn
 
 from shardspeed.config.flops_profiler import FlopsProfilerConfig
 from shardspeed.profiling.mfu import PeakFlops, model_flops_utilization, peak_flops
-from shardspeed.profiling.session import ProfileSession, WindowFigures, full_param_count
+from shardspeed.profiling.session import ProfileSession, WindowFigures, full_param_count, warm_up_mode
 from shardspeed.profiling.summary import EngineContext, render_profile
 
 __all__ = ["EngineFlopsProfiler", "attach_flops_profiler"]
@@ -78,6 +78,8 @@ class EngineFlopsProfiler:
         self.summary: list[str] = []
         """The printed lines (every rank renders them; rank 0 prints and writes ``output_file``)."""
         self._peak: PeakFlops | None = None
+        if config.enabled:
+            warm_up_mode()  # torch's first FlopCounterMode use imports torch._dynamo (seconds): at initialize, not mid-run
 
     # --- S5 ----------------------------------------------------------------------------------------------------
     @property

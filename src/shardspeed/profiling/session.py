@@ -50,7 +50,7 @@ def full_param_count(param: nn.Parameter) -> int:
 _WARM = False
 
 
-def _warm_up_mode() -> None:
+def warm_up_mode() -> None:
     """The first op under a ``FlopCounterMode`` imports torch._dynamo (~seconds); do it before the window opens so
     the profiled latencies do not include it. Once per process."""
     global _WARM
@@ -139,7 +139,7 @@ class ProfileSession:
     # --- window ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         assert self.state == "NEW", f"a profiling session is started once (state {self.state})"
-        _warm_up_mode()
+        warm_up_mode()
         # Recompute is measured as the forward windows run in backward; torch's non-reentrant checkpoint stops a
         # recompute early (once the last needed tensor exists), so the window would never close: for the profiled
         # window only, recompute runs whole (same values, a little more work). [Note: measuring recompute]
