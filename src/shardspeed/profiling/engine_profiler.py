@@ -79,7 +79,7 @@ class EngineFlopsProfiler:
         """The printed lines (every rank renders them; rank 0 prints and writes ``output_file``)."""
         self._peak: PeakFlops | None = None
         if config.enabled:
-            warm_up_mode()  # torch's first FlopCounterMode use imports torch._dynamo (seconds): at initialize, not mid-run
+            warm_up_mode()  # the first FlopCounterMode use imports torch._dynamo (seconds): now, not mid-run
 
     # --- S5 ----------------------------------------------------------------------------------------------------
     @property
