@@ -109,6 +109,8 @@ def render_profile(
             "2. Work outside submodules (functionals called in a parent's forward) makes up the difference between "
             "a parent's MACs (or latency) and the sum of its submodules'.\n"
             "3. Parameters are full counts under ZeRO-3 and this rank's slices under tensor parallelism.\n"
+            "4. bwd flops per module are as torch's ModuleTracker attributes them (the total is exact); a module that "
+            "returns its input unchanged (Dropout(p=0), Identity) can be charged its neighbours' backward.\n"
         )
         lines.extend(tree_lines(fig).split("\n"))
     lines.append("------------------------------------------------------------------------------")
