@@ -243,3 +243,16 @@ def test_engine_model_flops_leave_out_activation_recompute() -> None:
     assert blocks_forward > 0 and fig.recompute_flops == blocks_forward
     assert fig.flops("backward") == 2 * fig.flops("forward") + blocks_forward
     assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
+
+
+def test_unwritable_output_file_warns_and_training_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    engine = _engine({"flops_profiler": {"enabled": True, "profile_step": 0, "output_file": str(blocker / "x.txt")}})
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16))
+    with caplog.at_level("WARNING"):
+        for _ in range(4):
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+    assert engine.global_steps == 2 and engine.flops_profiler.model_flops_per_sample is not None
+    assert "could not be written" in caplog.text

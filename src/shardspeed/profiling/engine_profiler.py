@@ -22,6 +22,7 @@ printed hardware lines follow DeepSpeed's ``recompute_fwd_factor`` rule.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from shardspeed.profiling.session import ProfileSession, WindowFigures, full_par
 from shardspeed.profiling.summary import EngineContext, render_profile
 
 __all__ = ["EngineFlopsProfiler", "attach_flops_profiler"]
+
+logger = logging.getLogger(__name__)
 
 
 class EngineFlopsProfiler:
@@ -185,9 +188,12 @@ class EngineFlopsProfiler:
             text = "\n".join(self.summary)
             self._print(text)
             if cfg.output_file:
-                path = Path(cfg.output_file)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text + "\n")
+                try:
+                    path = Path(cfg.output_file)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(text + "\n")
+                except OSError as error:  # an observer must not stop training on one rank ([Note: events are …])
+                    logger.warning("flops_profiler.output_file %s could not be written: %s", cfg.output_file, error)
 
 
 def attach_flops_profiler(engine: Any) -> EngineFlopsProfiler:
