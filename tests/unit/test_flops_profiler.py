@@ -256,3 +256,15 @@ def test_unwritable_output_file_warns_and_training_goes_on(tmp_path: Path, caplo
             engine.step()
     assert engine.global_steps == 2 and engine.flops_profiler.model_flops_per_sample is not None
     assert "could not be written" in caplog.text
+
+
+def test_backward_latency_per_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    fig = profile(model, lambda: model(x))
+    root, first, _relu, last = fig.modules
+    assert first.bwd_latency > 0 and last.bwd_latency > 0
+    assert root.bwd_latency == fig.seconds("backward")
+    with torch.no_grad():  # no graph, no backward timing hooks
+        assert profile(model, lambda: model(x), backward=False).modules[1].bwd_latency == 0

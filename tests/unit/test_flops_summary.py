@@ -34,7 +34,7 @@ def _figures() -> WindowFigures:
     root = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     stats = [
         ModuleStats("", root, 0, 40, fwd_flops=640, bwd_flops=1280, fwd_latency=0.002),
-        ModuleStats("0", root[0], 1, 40, fwd_flops=640, bwd_flops=1280, fwd_latency=0.001),
+        ModuleStats("0", root[0], 1, 40, fwd_flops=640, bwd_flops=1280, fwd_latency=0.001, bwd_latency=0.003),
         ModuleStats("1", root[1], 1, 0, fwd_latency=0.0005),
     ]
     phases = {
@@ -77,7 +77,7 @@ def test_engine_summary_lines() -> None:
         "depth 0:",
         "    params      - {'Sequential': '40'}",
         "  (0): Linear(40 = 100% Params, 320 MACs = 100% MACs, 1 ms = 50% latency, 640 KFLOPS, 1.28 Kbwd flops, "
-        "in_features=4, out_features=8, bias=True)",
+        "3 ms bwd latency, in_features=4, out_features=8, bias=True)",
     ):
         assert expected in lines or expected in text, expected
 

@@ -5,8 +5,9 @@ hooks), parameters per module (full counts under ZeRO-3).
 for the profiled window. Here the counting is torch's own: ``FlopCounterMode`` is a ``TorchDispatchMode`` (every
 aten op passes through it) and its ``ModuleTracker`` attributes each op to the modules running it — through global
 module hooks in forward and gradient hooks in backward. The only thing we add is formulas for the ops torch's table
-lacks (``formulas.py``, passed as the mode's ``custom_mapping``) and per-module forward timing hooks, removed when
-the window closes. Consequences worth knowing: only ops with a formula count (matmuls, convolutions, attention):
+lacks (``formulas.py``, passed as the mode's ``custom_mapping``), per-module forward timing hooks and, for the
+backward latency, gradient hooks on each call's outputs and inputs (``register_multi_grad_hook``, as the tracker
+does), all removed when the window closes. Consequences worth knowing: only ops with a formula count (matmuls, convolutions, attention):
 element-wise work — LayerNorm, GELU, softmax, the loss — counts 0, unlike DeepSpeed's per-functional estimates; and
 every counted op is multiply-accumulate work, so ``MACs = FLOPs / 2`` exactly.
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardspeed.profiling.formulas import custom_mapping
@@ -73,6 +76,9 @@ class ModuleStats:
     bwd_flops: int = 0
     fwd_latency: float = 0.0
     """Seconds inside this module's forward (all calls in forward phases)."""
+    bwd_latency: float = 0.0
+    """Seconds from the first gradient reaching this module's outputs to the last one leaving its inputs (calls
+    whose inputs need a gradient; the root: the whole backward phase)."""
 
     @property
     def macs(self) -> int:
@@ -129,6 +135,7 @@ class ProfileSession:
         self._phases: dict[str, PhaseTotals] = defaultdict(PhaseTotals)
         self._open: _Open | None = None
         self._starts: dict[int, list[float]] = defaultdict(list)
+        self._backward_calls: dict[int, list[_BackwardTiming]] = defaultdict(list)
         self._recompute_depth = 0
         self._recompute_from = 0
         self._recompute_flops = 0
@@ -181,7 +188,8 @@ class ProfileSession:
         opened, self._open = self._open, None
         self._recompute_depth = 0  # a recompute that raised never closed its window
         totals = self._phases[name]
-        totals.seconds += self._now() - opened.started
+        seconds = self._now() - opened.started
+        totals.seconds += seconds
         totals.count += 1
         after = self._counts()
         phase_flops = after.get("Global", 0) - opened.counts.get("Global", 0)
@@ -193,6 +201,7 @@ class ProfileSession:
             root.fwd_flops += phase_flops
         elif name == "backward":
             root.bwd_flops += phase_flops
+            root.bwd_latency += seconds
         for tracker_name, value in after.items():
             stats = self._by_tracker_name.get(tracker_name)
             if stats is root:
@@ -247,6 +256,12 @@ class ProfileSession:
                 self._recompute_from = self._global()
             self._recompute_depth += 1
             return
+        if self.in_phase == "forward" and module is not self.root:  # the root's backward is the phase's
+            timing = _BackwardTiming(self, self._stats[id(module)])
+            self._backward_calls[id(module)].append(timing)
+            inputs = _grad_tensors(args)
+            if inputs:
+                self._hooks.append(register_multi_grad_hook(inputs, timing.end))
         if self.in_phase == "forward":
             self._starts[id(module)].append(self._now())
 
@@ -260,3 +275,31 @@ class ProfileSession:
         starts = self._starts.get(id(module))
         if self.in_phase == "forward" and starts:
             self._stats[id(module)].fwd_latency += self._now() - starts.pop()
+            calls = self._backward_calls.get(id(module))
+            outputs = _grad_tensors(output)
+            if calls and outputs:
+                self._hooks.append(register_multi_grad_hook(outputs, calls.pop().start, mode="any"))
+
+
+def _grad_tensors(value: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _BackwardTiming:
+    """One module call's backward, timed by gradient hooks (the ``ModuleTracker`` way): it starts when a gradient
+    first reaches the call's outputs and ends when every gradient of its inputs is computed."""
+
+    def __init__(self, session: ProfileSession, stats: ModuleStats) -> None:
+        self.session = session
+        self.stats = stats
+        self.started: float | None = None
+
+    def start(self, *grads: object) -> None:
+        if self.started is None and self.session.in_phase == "backward":
+            self.started = self.session._now()
+
+    def end(self, *grads: object) -> None:
+        if self.started is not None and self.session.in_phase == "backward":
+            self.stats.bwd_latency += self.session._now() - self.started
+        self.started = None

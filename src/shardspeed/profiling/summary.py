@@ -7,7 +7,8 @@ The labels are DeepSpeed 0.19.8's, so scripts and eyes that read its output find
   counted, the recomputed forward FLOPs, model FLOPs per sample, the peak and MFU;
 - "params of model" / "fwd flops of model" are sums over the tensor and pipeline ranks (replicated parameters
   once) rather than ``per GPU * mp_size``; the label says so whenever the two can differ (mp_size > 1);
-- the per-module tree is ours (no ``extra_repr`` patching): DeepSpeed's items, then the module's backward flops.
+- the per-module tree is ours (no ``extra_repr`` patching): DeepSpeed's items, then the module's backward flops
+  and backward latency.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def render_profile(
         lines.append("Each module profile is listed after its name in the following order: ")
         lines.append(
             "params, percentage of total params, MACs, percentage of total MACs, fwd latency, percentage of total "
-            "fwd latency, fwd FLOPS, bwd flops"
+            "fwd latency, fwd FLOPS, bwd flops, bwd latency"
         )
         lines.append(
             "\nNote: 1. FLOPs are counted by torch's FlopCounterMode: matmuls, convolutions and attention only "
@@ -164,11 +165,11 @@ def _children(fig: WindowFigures) -> dict[str, list[ModuleStats]]:
     return kids
 
 
-def _duration(stats: ModuleStats, kids: dict[str, list[ModuleStats]]) -> float:
+def _duration(stats: ModuleStats, kids: dict[str, list[ModuleStats]], field: str = "fwd_latency") -> float:
     """A container never called (``ModuleList``) takes its children's time, as in DeepSpeed."""
     if stats.fwd_latency:
-        return stats.fwd_latency
-    return sum(_duration(k, kids) for k in kids.get(stats.path, []))
+        return getattr(stats, field)
+    return sum(_duration(k, kids, field) for k in kids.get(stats.path, []))
 
 
 def _flops(stats: ModuleStats, kids: dict[str, list[ModuleStats]], field: str) -> int:
@@ -225,6 +226,7 @@ def tree_lines(fig: WindowFigures) -> str:
             f"{duration_to_string(seconds)} = {pct(seconds, total_s)} latency",
             flops_to_string(round(2 * macs / seconds, 2) if seconds else 0),
             f"{number_to_string(_flops(stats, kids, 'bwd_flops'))}bwd flops",
+            f"{duration_to_string(_duration(stats, kids, 'bwd_latency'))} bwd latency",
         ]
         extra = stats.module.extra_repr()
         if extra:
