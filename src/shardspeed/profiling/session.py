@@ -7,9 +7,9 @@ aten op passes through it) and its ``ModuleTracker`` attributes each op to the m
 module hooks in forward and gradient hooks in backward. The only thing we add is formulas for the ops torch's table
 lacks (``formulas.py``, passed as the mode's ``custom_mapping``), per-module forward timing hooks and, for the
 backward latency, gradient hooks on each call's outputs and inputs (``register_multi_grad_hook``, as the tracker
-does), all removed when the window closes. Consequences worth knowing: only ops with a formula count (matmuls, convolutions, attention):
-element-wise work — LayerNorm, GELU, softmax, the loss — counts 0, unlike DeepSpeed's per-functional estimates; and
-every counted op is multiply-accumulate work, so ``MACs = FLOPs / 2`` exactly.
+does), all removed when the window closes. Consequences worth knowing: only ops with a formula count (matmuls,
+convolutions, attention): element-wise work — LayerNorm, GELU, softmax, the loss — counts 0, unlike DeepSpeed's
+per-functional estimates; and every counted op is multiply-accumulate work, so ``MACs = FLOPs / 2`` exactly.
 
 The window is opened once (``start``) and split into phases by ``begin_phase`` / ``end_phase`` (the engine's
 ``forward`` / ``backward`` / ``step``): counts are snapshotted at each boundary, so work done between phases (a
