@@ -268,3 +268,28 @@ def test_backward_latency_per_module() -> None:
     assert root.bwd_latency == fig.seconds("backward")
     with torch.no_grad():  # no graph, no backward timing hooks
         assert profile(model, lambda: model(x), backward=False).modules[1].bwd_latency == 0
+
+
+def test_signatures_are_deepspeeds() -> None:
+    """Parameter names and defaults of DeepSpeed 0.19.8's profiling/flops_profiler/profiler.py."""
+    import inspect
+
+    def params(fn) -> list[tuple[str, object]]:
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(get_model_profile) == [
+        ("model", inspect.Parameter.empty), ("input_shape", None), ("args", []), ("kwargs", {}),
+        ("print_profile", True), ("detailed", True), ("module_depth", -1), ("top_modules", 1), ("warm_up", 1),
+        ("as_string", True), ("output_file", None), ("ignore_modules", None), ("mode", "forward"),
+    ]  # fmt: skip
+    assert params(FlopsProfiler.__init__) == [
+        ("self", inspect.Parameter.empty), ("model", inspect.Parameter.empty), ("ds_engine", None),
+        ("recompute_fwd_factor", 0.0),
+    ]  # fmt: skip
+    assert params(FlopsProfiler.print_model_profile)[1:] == [
+        ("profile_step", 1), ("module_depth", -1), ("top_modules", 1), ("detailed", True), ("output_file", None),
+    ]  # fmt: skip
+    assert params(FlopsProfiler.start_profile)[1:] == [("ignore_list", None)]
+    for name in ("get_total_flops", "get_total_macs", "get_total_params", "get_total_duration"):
+        assert params(getattr(FlopsProfiler, name))[1:] == [("as_string", False)]
+    assert all(callable(getattr(FlopsProfiler, n)) for n in ("stop_profile", "end_profile", "reset_profile"))
