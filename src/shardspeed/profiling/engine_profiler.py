@@ -13,8 +13,8 @@ divided by the samples each rank of the replica processed in the step (``micro b
 The call is symmetric: ``profile_step`` comes from the config, so every rank reaches it at the same step, and a
 size-1 scope is no collective at all. Work a tensor-parallel layer replicates (norms, a replicated head) is
 counted on every tensor rank, which the whole-model FLOPs then include T times; parameters are counted once
-(a replicated parameter adds 1/T per tensor rank). A weight tied across pipeline stages counts once per stage
-holding it.
+(tensor rank 0 enters every parameter's global count). A weight tied across pipeline stages counts once (its
+copies on later stages are the specs' ``tied_copies``).
 
 ``model_flops_per_sample`` excludes activation-checkpointing recompute (it is measured, see session.py); the
 printed hardware lines follow DeepSpeed's ``recompute_fwd_factor`` rule.
@@ -135,31 +135,30 @@ class EngineFlopsProfiler:
     def _param_count(self, param: nn.Parameter) -> int:
         return full_param_count(param)
 
-    def _model_share(self) -> float:
-        """This rank's share of the replica's parameters ([Note: the whole-model figure])."""
-        tp = self.topology.tensor.size
+    def _model_share(self) -> int:
+        """This rank's share of the replica's parameters ([Note: the whole-model figure]): tensor rank 0 enters each
+        parameter's global count (a slice's whole tensor, a replicated one once), the other tensor ranks nothing."""
+        if self.topology.tensor.rank != 0:
+            return 0
         tied = self.param_specs.tied_copies if self.param_specs is not None else frozenset()
-        share = 0.0
+        share = 0
         for name, param in self.module.named_parameters():
             if name in tied:
                 continue
             spec = self.param_specs.of(param, name) if self.param_specs is not None else None
-            if spec is not None and spec.partitioned:
-                share += math.prod(spec.global_shape) / tp  # the slices of every tensor rank add up to this
-            else:
-                share += full_param_count(param) / tp  # replicated on every tensor rank: each adds 1/T
+            share += math.prod(spec.global_shape) if spec is not None and spec.partitioned else full_param_count(param)
         return share
 
     def _finish(self, fig: WindowFigures) -> None:
         local = torch.tensor(
             [fig.flops("forward"), fig.flops("backward"), fig.recompute_flops, self._model_share()],
-            dtype=torch.float64,
+            dtype=torch.int64,  # exact: FLOP counts pass 2**53 on large models
             device=self.device,
         )
         self.collectives.all_reduce(local, self.topology.model, tag="flops_profiler").wait()
-        fwd, bwd, recompute, params = (float(v) for v in local.tolist())
+        fwd, bwd, recompute, params = (int(v) for v in local.tolist())
         self.model_flops_per_sample = (fwd + bwd - recompute) / self.samples_per_rank
-        self.model_params = round(params)
+        self.model_params = params
         world = self.topology.world.size
         samples_per_step = self.samples_per_rank * self.topology.data.size
         writes = self.topology.global_rank == 0
@@ -176,7 +175,7 @@ class EngineFlopsProfiler:
             samples_per_step=samples_per_step,
             recompute_fwd_factor=self.config.recompute_fwd_factor,
             model_params=self.model_params,
-            model_fwd_flops=round(fwd),
+            model_fwd_flops=fwd,
             model_flops_per_sample=self.model_flops_per_sample,
             peak_flops=self.peak_flops if writes else None,
             peak_source=self.peak_source if writes else "",
