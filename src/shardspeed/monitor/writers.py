@@ -1,0 +1,125 @@
+"""The three built-in monitors: CSV (DeepSpeed's file layout), TensorBoard (the ``tensorboard`` package's writer)
+and W&B. Each is built only on the writing rank (``MonitorMaster``); the optional packages are imported here,
+inside the constructors, so shardspeed imports without the ``monitor`` extra.
+
+[Note: monitors never lose the last events] Every ``write_events`` call ends with a flush: the CSV files and the
+TensorBoard event file hold every step written so far even if the process is killed mid-run (DeepSpeed's CSV
+monitor re-opens its files per event; its TensorBoard monitor flushes per call too). W&B buffers in its own
+service; ``close()`` finishes the run, which writes its files (``WANDB_MODE=offline``: under ``./wandb`` or
+``$WANDB_DIR``).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from shardspeed.config.monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
+
+from .base import Event, Monitor
+
+__all__ = ["CsvMonitor", "TensorBoardMonitor", "WandbMonitor", "csv_file_name", "csv_header"]
+
+
+def job_dir(output_path: str, job_name: str) -> Path:
+    """DeepSpeed's ``os.path.join(output_path, job_name)`` (``output_path`` "" = the launch directory)."""
+    return Path(os.path.join(output_path, job_name))
+
+
+def csv_file_name(tag: str) -> str:
+    """DeepSpeed's csv_monitor rule: the tag with every ``/`` and space replaced by ``_``, plus ``.csv``."""
+    return tag.replace("/", "_").replace(" ", "_") + ".csv"
+
+
+def csv_header(tag: str) -> list[str]:
+    """DeepSpeed's csv_monitor header row: ``step`` and the tag's last ``/``-separated component."""
+    return ["step", tag.split("/")[-1]]
+
+
+class CsvMonitor(Monitor):
+    """``csv_monitor``: one file per tag under ``{output_path}/{job_name}/``, rows ``x,value`` after the header.
+
+    Differs from DeepSpeed in one way: the header is written when the file is new or empty, so a resumed run
+    appending to the same directory keeps one header per file (DeepSpeed writes it again per process)."""
+
+    def __init__(self, config: CsvMonitorConfig) -> None:
+        self.log_dir = job_dir(config.output_path, config.job_name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, tuple[IO[str], Any]] = {}
+
+    def _writer(self, tag: str) -> Any:
+        entry = self._files.get(tag)
+        if entry is None:
+            path = self.log_dir / csv_file_name(tag)
+            handle = open(path, "a", newline="")  # noqa: SIM115 -- kept open across steps, closed in close()
+            writer = csv.writer(handle)
+            if handle.tell() == 0:
+                writer.writerow(csv_header(tag))
+            entry = self._files[tag] = (handle, writer)
+        return entry[1]
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        for tag, value, x in events:
+            self._writer(tag).writerow([x, value])
+        self.flush()  # [Note: monitors never lose the last events]
+
+    def flush(self) -> None:
+        for handle, _ in self._files.values():
+            handle.flush()
+
+    def close(self) -> None:
+        for handle, _ in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+class TensorBoardMonitor(Monitor):
+    """``tensorboard``: scalars through ``torch.utils.tensorboard.SummaryWriter`` (tensorboard's own event-file
+    writer) in ``{output_path}/{job_name}/``, step = x."""
+
+    def __init__(self, config: TensorBoardConfig) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (the monitor extra)
+
+        self.log_dir = job_dir(config.output_path, config.job_name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        for tag, value, x in events:
+            self.writer.add_scalar(tag, value, x)
+        self.flush()  # [Note: monitors never lose the last events]
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class WandbMonitor(Monitor):
+    """``wandb``: ``wandb.init(project=, entity=team, group=)``; each x's events in one ``run.log(..., step=x)``."""
+
+    def __init__(self, config: WandbConfig) -> None:
+        import wandb  # the monitor extra; WANDB_MODE / WANDB_DIR are read by wandb itself
+
+        self.run: Any = wandb.init(project=config.project, entity=config.team, group=config.group)
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        if self.run is None:
+            return
+        by_x: dict[int, dict[str, float]] = {}
+        for tag, value, x in events:
+            by_x.setdefault(x, {})[tag] = value
+        for x in sorted(by_x):  # W&B steps must not decrease
+            self.run.log(by_x[x], step=x)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
