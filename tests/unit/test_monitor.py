@@ -38,7 +38,9 @@ class Recorder(Monitor):
 
 
 def test_monitor_sections_have_deepspeeds_defaults() -> None:
-    cfg = load_config({"train_batch_size": 1, "tensorboard": {"enabled": True}, "wandb": {}, "csv_monitor": {}}, dp_world_size=1)
+    cfg = load_config(
+        {"train_batch_size": 1, "tensorboard": {"enabled": True}, "wandb": {}, "csv_monitor": {}}, dp_world_size=1
+    )
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (
         True,
         "",
