@@ -142,6 +142,7 @@ class MonitorMaster(Monitor):
             return
         self._closed = True
         if self.listener is not None:
+            self.listener.finish()  # every rank: the last step's memory gather is waited, its events written
             self.listener.detach()
         for monitor in self.monitors:
             monitor.close()

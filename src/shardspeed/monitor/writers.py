@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -77,19 +78,34 @@ class CsvMonitor(Monitor):
 
 
 class TensorBoardMonitor(Monitor):
-    """``tensorboard``: scalars through ``torch.utils.tensorboard.SummaryWriter`` (tensorboard's own event-file
-    writer) in ``{output_path}/{job_name}/``, step = x."""
+    """``tensorboard``: scalars in ``{output_path}/{job_name}/``, step = x, through the ``tensorboard`` package's
+    own ``EventFileWriter`` (the writer ``torch.utils.tensorboard.SummaryWriter`` wraps).
+
+    One event per x holding all of that x's scalars (``simple_value``, float32, as ``add_scalar`` writes them),
+    rather than ``SummaryWriter.add_scalar``'s one event per scalar: the same file for tensorboard's readers, at a
+    tenth of the cost (``add_scalar`` spends ~80 us per scalar converting and checking its argument; measured for
+    the monitor benchmark)."""
 
     def __init__(self, config: TensorBoardConfig) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (the monitor extra)
+        # the monitor extra's tensorboard package
+        from tensorboard.compat.proto.event_pb2 import Event as TbEvent
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.log_dir = job_dir(config.output_path, config.job_name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.writer: Any = SummaryWriter(log_dir=str(self.log_dir))
+        self._event, self._summary = TbEvent, Summary
+        self.writer: Any = EventFileWriter(str(self.log_dir))
 
     def write_events(self, events: Sequence[Event]) -> None:
+        if self.writer is None:
+            return
+        by_x: dict[int, list[Any]] = {}
         for tag, value, x in events:
-            self.writer.add_scalar(tag, value, x)
+            by_x.setdefault(int(x), []).append(self._summary.Value(tag=tag, simple_value=float(value)))
+        now = time.time()
+        for x, values in by_x.items():
+            self.writer.add_event(self._event(wall_time=now, step=x, summary=self._summary(value=values)))
         self.flush()  # [Note: monitors never lose the last events]
 
     def flush(self) -> None:
