@@ -151,7 +151,12 @@ def test_engine_writes_tensorboard_csv_and_a_user_monitor(tmp_path: Path) -> Non
     engine, losses, recorder = _train(
         {"tensorboard": {"enabled": True, **monitors}, "csv_monitor": {"enabled": True, **monitors}}
     )
-    # Before destroy (a crash now): every step is already on disk, readable by tensorboard's own reader
+    # Before destroy: the CSV files hold every step already (flushed per step); TensorBoard's writer thread flushes
+    # every 2 s, or now
+    rows = _read_csv(tmp_path / "job" / "Train_Samples_train_loss.csv")
+    assert rows[0] == ["step", "train_loss"]
+    assert [(int(x), float(v)) for x, v in rows[1:]] == list(zip([2, 4, 6], losses))
+    engine.monitor.flush()
     acc = EventAccumulator(str(tmp_path / "job"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
@@ -160,9 +165,6 @@ def test_engine_writes_tensorboard_csv_and_a_user_monitor(tmp_path: Path) -> Non
     loss_events = acc.Scalars("Train/Samples/train_loss")
     assert [e.step for e in loss_events] == [2, 4, 6]  # x = global samples
     assert [e.value for e in loss_events] == [float(torch.tensor(v, dtype=torch.float32)) for v in losses]
-    rows = _read_csv(tmp_path / "job" / "Train_Samples_train_loss.csv")
-    assert rows[0] == ["step", "train_loss"]
-    assert [(int(x), float(v)) for x, v in rows[1:]] == list(zip([2, 4, 6], losses))
     tokens = _read_csv(tmp_path / "job" / "Train_Samples_tokens_per_second.csv")
     samples = _read_csv(tmp_path / "job" / "Train_Samples_samples_per_second.csv")
     assert [float(t) for _, t in tokens[1:]] == pytest.approx([3 * float(s) for _, s in samples[1:]])  # S = 3

@@ -2,10 +2,13 @@
 and W&B. Each is built only on the writing rank (``MonitorMaster``); the optional packages are imported here,
 inside the constructors, so shardspeed imports without the ``monitor`` extra.
 
-[Note: monitors never lose the last events] Every ``write_events`` call ends with a flush: the CSV files and the
-TensorBoard event file hold every step written so far even if the process is killed mid-run (DeepSpeed's CSV
-monitor re-opens its files per event; its TensorBoard monitor flushes per call too). W&B buffers in its own
-service; ``close()`` finishes the run, which writes its files (``WANDB_MODE=offline``: under ``./wandb`` or
+[Note: monitors never lose the last events] ``close()`` (``engine.destroy()``) flushes and closes every monitor.
+Before that, a crash mid-run leaves readable files: the CSV monitor flushes at the end of every ``write_events``
+(the files hold every step written so far, as DeepSpeed's, which re-opens its files per event); the TensorBoard
+event file is written and flushed by tensorboard's ``EventFileWriter`` thread every ``TENSORBOARD_FLUSH_SECS``
+(a crash loses at most that much; DeepSpeed flushes on the training thread per call, which cost ~1-4 ms a step in the
+monitor benchmark, waiting for that thread); ``engine.monitor.flush()`` forces it. W&B buffers in its own service;
+``close()`` finishes the run, which completes its files (``WANDB_MODE=offline``: under ``./wandb`` or
 ``$WANDB_DIR``).
 """
 
@@ -23,6 +26,9 @@ from shardspeed.config.monitor import CsvMonitorConfig, TensorBoardConfig, Wandb
 from .base import Event, Monitor
 
 __all__ = ["CsvMonitor", "TensorBoardMonitor", "WandbMonitor", "csv_file_name", "csv_header"]
+
+TENSORBOARD_FLUSH_SECS = 2
+"""How often tensorboard's writer thread flushes the event file ([Note: monitors never lose the last events])."""
 
 
 def job_dir(output_path: str, job_name: str) -> Path:
@@ -95,7 +101,8 @@ class TensorBoardMonitor(Monitor):
         self.log_dir = job_dir(config.output_path, config.job_name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._event, self._summary = TbEvent, Summary
-        self.writer: Any = EventFileWriter(str(self.log_dir))
+        # the writer's own thread writes the queue and flushes every FLUSH_SECS: [Note: monitors never lose ...]
+        self.writer: Any = EventFileWriter(str(self.log_dir), flush_secs=TENSORBOARD_FLUSH_SECS)
 
     def write_events(self, events: Sequence[Event]) -> None:
         if self.writer is None:
@@ -104,9 +111,8 @@ class TensorBoardMonitor(Monitor):
         for tag, value, x in events:
             by_x.setdefault(int(x), []).append(self._summary.Value(tag=tag, simple_value=float(value)))
         now = time.time()
-        for x, values in by_x.items():
+        for x, values in by_x.items():  # queued; written and flushed by the writer's thread
             self.writer.add_event(self._event(wall_time=now, step=x, summary=self._summary(value=values)))
-        self.flush()  # [Note: monitors never lose the last events]
 
     def flush(self) -> None:
         if self.writer is not None:
