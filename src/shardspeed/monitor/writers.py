@@ -14,9 +14,11 @@ monitor benchmark, waiting for that thread); ``engine.monitor.flush()`` forces i
 
 from __future__ import annotations
 
+import atexit
 import csv
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -103,6 +105,7 @@ class TensorBoardMonitor(Monitor):
         self._event, self._summary = TbEvent, Summary
         # the writer's own thread writes the queue and flushes every FLUSH_SECS: [Note: monitors never lose ...]
         self.writer: Any = EventFileWriter(str(self.log_dir), flush_secs=TENSORBOARD_FLUSH_SECS)
+        _close_at_exit(self)  # a script that never calls engine.destroy() still gets its queued events written
 
     def write_events(self, events: Sequence[Event]) -> None:
         if self.writer is None:
@@ -122,6 +125,18 @@ class TensorBoardMonitor(Monitor):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _close_at_exit(monitor: Monitor) -> None:
+    """Close ``monitor`` at interpreter exit unless it was closed (or collected) before."""
+    ref = weakref.ref(monitor)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
 
 
 class WandbMonitor(Monitor):
