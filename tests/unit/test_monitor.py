@@ -211,3 +211,14 @@ def test_monitors_stay_off_unless_enabled() -> None:
     engine.step()
     assert engine.monitor.listener.steps_written == 0
     assert engine.get_global_grad_norm() is None  # no monitor: the norm is not computed for it
+
+
+def test_offloaded_optimizer_io_is_a_wall_clock_tag(tmp_path: Path) -> None:
+    offload = {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    engine, _, recorder = _train({"wall_clock_breakdown": True, "zero_optimization": offload}, steps=2)
+    io = [(x, v) for tag, v, x in recorder.events if tag == "Train/Samples/elapsed_time_ms_offload_io"]
+    assert [x for x, _ in io] == [2, 4] and all(v >= 0 for _, v in io)
+    # within the step phase: the time blocked on the swap file is part of the step's time
+    steps = [v for tag, v, _ in recorder.events if tag == "Train/Samples/elapsed_time_ms_step"]
+    assert all(v_io <= v_step for (_, v_io), v_step in zip(io, steps))
+    engine.destroy()
