@@ -222,3 +222,60 @@ def test_offloaded_optimizer_io_is_a_wall_clock_tag(tmp_path: Path) -> None:
     steps = [v for tag, v, _ in recorder.events if tag == "Train/Samples/elapsed_time_ms_step"]
     assert all(v_io <= v_step for (_, v_io), v_step in zip(io, steps))
     engine.destroy()
+
+
+def test_wandb_monitor_maps_team_to_entity_and_logs_each_x_once(monkeypatch) -> None:
+    import types
+
+    from shardspeed.config.monitor import WandbConfig
+    from shardspeed.monitor import WandbMonitor
+
+    calls: list[tuple[str, object]] = []
+
+    class Run:
+        def log(self, data: dict, step: int) -> None:
+            calls.append(("log", (data, step)))
+
+        def finish(self) -> None:
+            calls.append(("finish", None))
+
+    def init(**kwargs: object) -> Run:
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monitor = WandbMonitor(WandbConfig(enabled=True, team="my-team", group="g", project="p"))
+    monitor.write_events([("b", 2.0, 8), ("a", 1.0, 4), ("c", 3.0, 8)])
+    monitor.close()
+    monitor.close()
+    assert calls == [
+        ("init", {"project": "p", "entity": "my-team", "group": "g"}),
+        ("log", ({"a": 1.0}, 4)),  # W&B steps never decrease: each x once, in order
+        ("log", ({"b": 2.0, "c": 3.0}, 8)),
+        ("finish", None),
+    ]
+
+
+def test_mfu_tag_from_the_flops_profilers_figure(monkeypatch) -> None:
+    """S5's wiring: ``model_flops_utilization(per-sample FLOPs, samples/s, world size, peak)`` from
+    ``engine.flops_profiler`` (helper F's), stubbed here so the test runs with or without F's branch."""
+    import types
+
+    seen: list[tuple] = []
+
+    def model_flops_utilization(*args: float) -> float:
+        seen.append(args)
+        return 0.125
+
+    stub = types.ModuleType("shardspeed.profiling.mfu")
+    stub.model_flops_utilization = model_flops_utilization  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "shardspeed.profiling.mfu", stub)
+    engine, _, recorder = _train({}, steps=1)
+    assert "Train/Samples/mfu" not in {tag for tag, _, _ in recorder.events}  # no profiler figure yet
+    engine.flops_profiler = types.SimpleNamespace(model_flops_per_sample=1e6, peak_flops=1e9)
+    engine.backward(engine(torch.randint(0, 10, (2, 3))).square().mean())
+    engine.step()
+    at = {tag: value for tag, value, x in recorder.events if x == 4}
+    assert at["Train/Samples/mfu"] == 0.125
+    assert seen == [(1e6, at["Train/Samples/samples_per_second"], 1, 1e9)]
+    engine.destroy()
