@@ -46,6 +46,7 @@ from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
 from shardspeed.monitor.listener import attach_monitor
+from shardspeed.monitor.master import agree_monitor_packages
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
@@ -96,6 +97,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
         # comms log; interruptible waits (the board); order verification (a debug option)
         self.collectives = engine_collectives(config, topology, board, self.device)
+        agree_monitor_packages(config, topology, self.collectives)  # tensorboard / wandb import on every rank
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
         # Specs, then the structure (global shapes) agreed over the world: an error on every rank, not a hang.
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)

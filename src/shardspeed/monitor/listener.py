@@ -192,8 +192,9 @@ def _mfu(engine: Any, samples_per_second: float | None) -> float | None:
 
 
 def attach_monitor(engine: Any) -> MonitorMaster:
-    """``engine.monitor``: the configured monitors, and the step listener subscribed to ``engine.events``."""
-    master = MonitorMaster.from_config(engine.config, engine.topology, engine.collectives)
+    """``engine.monitor``: the configured monitors, and the step listener subscribed to ``engine.events``. The
+    engine called ``agree_monitor_packages`` at its start."""
+    master = MonitorMaster.from_config(engine.config, engine.topology, engine.collectives, packages_agreed=True)
     master.listener = MonitorListener(engine, master)
     master.listener.attach()
     return master

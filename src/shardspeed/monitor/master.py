@@ -10,7 +10,8 @@ it on every rank.
 [Note: monitor packages agreed] ``tensorboard`` and ``wandb`` are optional (the ``monitor`` extra). Whether they
 import is checked on *every* rank and all-gathered over the world before any monitor is built, so a missing package
 on any host is the same ``MonitorPackageError`` on every rank (naming the config key and the extra) at
-``initialize()``, never an error on the writer while its peers train on into a hang.
+``initialize()``, never an error on the writer while its peers train on into a hang. The engine checks right after
+building its ``Collectives``, before any model state, hook or swap file exists.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from shardspeed.topology import Topology
 from .base import Event, Monitor
 from .writers import CsvMonitor, TensorBoardMonitor, WandbMonitor
 
-__all__ = ["MONITOR_EXTRA", "MonitorMaster", "MonitorPackageError", "is_writing_rank", "missing_packages"]
+__all__ = [
+    "MONITOR_EXTRA",
+    "MonitorMaster",
+    "MonitorPackageError",
+    "agree_monitor_packages",
+    "is_writing_rank",
+    "missing_packages",
+]
 
 MONITOR_EXTRA = "pip install shardspeed[monitor]"
 
@@ -56,6 +64,24 @@ def _importable(package: str) -> bool:
         return False
 
 
+def agree_monitor_packages(config: ShardSpeedConfig, topology: Topology, collectives: Collectives) -> None:
+    """[Note: monitor packages agreed]: one ``MonitorPackageError`` on every rank when an enabled monitor's package
+    does not import on any rank. Collective over the world when a monitor is enabled; nothing otherwise."""
+    if not any_monitor_enabled(config.tensorboard, config.csv_monitor, config.wandb):
+        return
+    gathered = collectives.all_gather_object(missing_packages(config), topology.world)
+    problems = sorted({p for rank_missing in gathered for p in rank_missing})  # type: ignore[attr-defined]
+    if problems:
+        ranks = [topology.world.ranks[i] for i, m in enumerate(gathered) if m]
+        raise mark_agreed(
+            MonitorPackageError(
+                f"{', '.join(problems)}: the monitor's package does not import on rank(s) "
+                f"{', '.join(map(str, ranks))}; install the monitor extra ({MONITOR_EXTRA}) or set "
+                f'"enabled": false'
+            )
+        )
+
+
 def is_writing_rank(topology: Topology) -> bool:
     """[Note: the writing rank]."""
     pipe, data, tensor = topology.pipe, topology.data, topology.tensor
@@ -79,21 +105,14 @@ class MonitorMaster(Monitor):
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: ShardSpeedConfig, topology: Topology, collectives: Collectives) -> MonitorMaster:
-        """The configured monitors (on the writing rank); collective over the world when any is enabled."""
+    def from_config(
+        cls, config: ShardSpeedConfig, topology: Topology, collectives: Collectives, *, packages_agreed: bool = False
+    ) -> MonitorMaster:
+        """The configured monitors (on the writing rank); ``agree_monitor_packages`` first (a collective over the
+        world when a monitor is enabled) unless the caller did (``packages_agreed``)."""
         configured = any_monitor_enabled(config.tensorboard, config.csv_monitor, config.wandb)
-        if configured:  # [Note: monitor packages agreed]
-            gathered = collectives.all_gather_object(missing_packages(config), topology.world)
-            problems = sorted({p for rank_missing in gathered for p in rank_missing})  # type: ignore[attr-defined]
-            if problems:
-                ranks = [topology.world.ranks[i] for i, m in enumerate(gathered) if m]
-                raise mark_agreed(
-                    MonitorPackageError(
-                        f"{', '.join(problems)}: the monitor's package does not import on rank(s) "
-                        f"{', '.join(map(str, ranks))}; install the monitor extra ({MONITOR_EXTRA}) or set "
-                        f'"enabled": false'
-                    )
-                )
+        if not packages_agreed:
+            agree_monitor_packages(config, topology, collectives)
         writes = is_writing_rank(topology)
         monitors: list[Monitor] = []
         if configured and writes:
