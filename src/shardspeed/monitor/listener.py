@@ -126,7 +126,7 @@ class MonitorListener:
         previous = self._collect()  # the last step's gather, launched one step ago: [Note: one gather per step]
         self._launch(engine, report.global_samples)  # this step's, on every rank
         if self.master.writes:
-            rate = engine.config.train_batch_size / window if window else None
+            rate = engine._driver.train_batch_size / window if window else None  # set_train_batch_size changes it
             override = self.master.tokens_per_sample
             events = step_events(
                 report,
