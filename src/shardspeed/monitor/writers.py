@@ -8,8 +8,8 @@ Before that, a crash mid-run leaves readable files: the CSV monitor flushes at t
 event file is written and flushed by tensorboard's ``EventFileWriter`` thread every ``TENSORBOARD_FLUSH_SECS``
 (a crash loses at most that much; DeepSpeed flushes on the training thread per call, which cost ~1-4 ms a step in the
 monitor benchmark, waiting for that thread); ``engine.monitor.flush()`` forces it. W&B's events go through our
-writer thread to W&B's own service; ``close()`` drains the thread and finishes the run, which completes its files (``WANDB_MODE=offline``: under ``./wandb`` or
-``$WANDB_DIR``).
+writer thread to W&B's own service; ``close()`` drains the thread and finishes the run, which completes its files
+(``WANDB_MODE=offline``: under ``./wandb`` or ``$WANDB_DIR``).
 """
 
 from __future__ import annotations
