@@ -279,3 +279,16 @@ def test_mfu_tag_from_the_flops_profilers_figure(monkeypatch) -> None:
     assert at["Train/Samples/mfu"] == 0.125
     assert seen == [(1e6, at["Train/Samples/samples_per_second"], 1, 1e9)]
     engine.destroy()
+
+
+def test_evaluation_between_steps_is_outside_the_throughput_window() -> None:
+    engine, _, recorder = _train({}, steps=1)
+    listener = engine.monitor.listener
+    with torch.no_grad():
+        engine(torch.randint(0, 10, (2, 3)))  # an evaluation forward: no window yet
+    assert listener._window_start is None
+    engine.backward(engine(torch.randint(0, 10, (2, 3))).square().mean())  # the next training step opens it
+    assert listener._window_start is not None
+    engine.step()
+    assert listener._window_start is None and listener.steps_written == 2
+    engine.destroy()

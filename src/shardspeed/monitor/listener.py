@@ -103,7 +103,9 @@ class MonitorListener:
 
     # --- EngineListener ---------------------------------------------------------------------------------------------
     def on_phase_start(self, phase: str) -> None:
-        if self._window_start is None:
+        # an evaluation forward (under no_grad: engine(x) in eval, the pipeline's eval_batch) between two training
+        # steps does not start the next step's throughput window
+        if self._window_start is None and (phase != "forward" or torch.is_grad_enabled()):
             self._window_start = time.perf_counter()
 
     def on_step(self, report: StepReport) -> None:
