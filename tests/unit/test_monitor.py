@@ -282,7 +282,7 @@ def test_mfu_tag_from_the_flops_profilers_figure(monkeypatch) -> None:
 
 
 def test_evaluation_between_steps_is_outside_the_throughput_window() -> None:
-    engine, _, recorder = _train({}, steps=1)
+    engine, _, _ = _train({}, steps=1)
     listener = engine.monitor.listener
     with torch.no_grad():
         engine(torch.randint(0, 10, (2, 3)))  # an evaluation forward: no window yet
