@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import csv
 import glob
+import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -292,3 +294,23 @@ def test_evaluation_between_steps_is_outside_the_throughput_window() -> None:
     engine.step()
     assert listener._window_start is None and listener.steps_written == 2
     engine.destroy()
+
+
+def _train_then_die(root: str) -> None:
+    monitors = {"output_path": root, "job_name": "job"}
+    _train({"tensorboard": {"enabled": True, **monitors}, "csv_monitor": {"enabled": True, **monitors}}, steps=2)
+    os._exit(1)  # killed mid-run: no destroy(), no atexit
+
+
+def test_a_crash_mid_run_leaves_readable_files(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    child = multiprocessing.get_context("fork").Process(target=_train_then_die, args=(str(tmp_path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 1
+    rows = _read_csv(tmp_path / "job" / "Train_Samples_train_loss.csv")
+    assert [row[0] for row in rows] == ["step", "2", "4"]  # every step written (flushed per step)
+    acc = EventAccumulator(str(tmp_path / "job"))
+    acc.Reload()  # readable; scalars queued in the last TENSORBOARD_FLUSH_SECS may be missing
+    assert isinstance(acc.Tags()["scalars"], list)
