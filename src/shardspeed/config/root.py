@@ -15,6 +15,7 @@ from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
 from .fault_tolerance import FaultToleranceConfig
 from .flops_profiler import FlopsProfilerConfig
+from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
@@ -132,6 +133,14 @@ class ShardSpeedConfig(ConfigModel):
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
+
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    """CSV monitor, DeepSpeed's file layout (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
+
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,
