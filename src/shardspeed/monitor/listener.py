@@ -181,16 +181,14 @@ class MonitorListener:
 
 
 def _mfu(engine: Any, samples_per_second: float | None) -> float | None:
-    """S5: ``model_flops_utilization`` from the flops profiler's figure, once it has one (helper F's module)."""
+    """S5: ``model_flops_utilization`` from the flops profiler's figure, once it has one."""
     profiler = getattr(engine, "flops_profiler", None)
     per_sample = getattr(profiler, "model_flops_per_sample", None)
     if per_sample is None or not samples_per_second:
         return None
-    try:
-        from shardspeed.profiling.mfu import model_flops_utilization
-    except ImportError:  # the profiler's branch is not merged
-        return None
-    return model_flops_utilization(per_sample, samples_per_second, engine.topology.world.size, profiler.peak_flops)
+    from shardspeed.profiling import mfu  # read at call time (tests replace the function)
+
+    return mfu.model_flops_utilization(per_sample, samples_per_second, engine.topology.world.size, profiler.peak_flops)
 
 
 def attach_monitor(engine: Any) -> MonitorMaster:
