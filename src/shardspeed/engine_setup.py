@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives, CommsLog
-from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel, reduce_bucket_numel
+from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel
 from shardspeed.comm.calibrate import resolve_choice
 from shardspeed.comm.order_check import check_flags_agree, requested
 from shardspeed.config import ShardSpeedConfig, ZeroConfig
@@ -68,27 +68,22 @@ def engine_collectives(
 def bucket_defaults(zero: ZeroConfig, choice: CollectiveChoice, log: bool = False) -> ZeroConfig:
     """``zero`` with ``reduce_bucket_size`` / ``allgather_bucket_size`` at the knee of ``choice``'s measured
     bandwidth curve where the config did not set them (``model_fields_set``; ``"auto"`` counts as unset); set
-    values always win, and without a curve (native, NCCL) DeepSpeed's defaults stay, as does the gradient bucket
-    on ranks without a spare core ([Note: overlap needs a spare core] in comm/algorithms.py). Logged when ``log``."""
-    defaults = {
-        "reduce_bucket_size": reduce_bucket_numel(choice),
-        "allgather_bucket_size": default_bucket_numel(choice),
-    }
-    update = {key: value for key, value in defaults.items() if value is not None and key not in zero.model_fields_set}
-    if not update:
+    values always win, and without a curve (native, NCCL) or a spare core per rank ([Note: overlap needs a spare
+    core] in comm/algorithms.py) DeepSpeed's defaults stay. Logged when ``log``."""
+    knee = default_bucket_numel(choice)
+    unset = {"reduce_bucket_size", "allgather_bucket_size"} - zero.model_fields_set
+    if log and unset and choice.cores_per_rank is not None:
+        logging.getLogger("shardspeed").info(
+            "%s: %s (%g cores per rank)",
+            " and ".join(sorted(unset)),
+            f"{knee:,} elements, the knee of the {choice.source} bandwidth curve"
+            if knee
+            else "DeepSpeed's default (no spare core to overlap communication with compute)",
+            choice.cores_per_rank,
+        )
+    if knee is None or not unset:
         return zero
-    if log:
-        cores = "" if choice.cores_per_rank is None else f"; {choice.cores_per_rank:g} cores per rank"
-        for key, value in sorted(update.items()):
-            logging.getLogger("shardspeed").info(
-                "%s: %s elements (the knee of the %s bandwidth curve%s)", key, f"{value:,}", choice.source, cores
-            )
-        if "reduce_bucket_size" not in update and "reduce_bucket_size" not in zero.model_fields_set:
-            logging.getLogger("shardspeed").info(
-                "reduce_bucket_size: DeepSpeed's default (%g cores per rank: no spare core for overlapped reductions)",
-                choice.cores_per_rank,
-            )
-    return zero.model_copy(update=update)
+    return zero.model_copy(update=dict.fromkeys(unset, knee))
 
 
 def check_param_offload(config: ShardSpeedConfig, device: torch.device) -> None:

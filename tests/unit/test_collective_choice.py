@@ -21,7 +21,6 @@ from shardspeed.comm.algorithms import (
     default_bucket_numel,
     from_json,
     knee_bytes,
-    reduce_bucket_numel,
     table_choice,
     to_json,
 )
@@ -170,12 +169,12 @@ def test_cores_per_rank_is_the_most_crowded_hosts_share() -> None:
     assert cores_per_rank([("a", [0, 1]), ("a", [0, 1]), ("b", range(16))]) == 1.0  # the minimum over hosts
 
 
-def test_gradient_buckets_keep_deepspeeds_default_without_a_spare_core() -> None:
-    """[Note: overlap needs a spare core]: one core per rank → one large gradient bucket; the parameter gather's
-    buckets (overlapping the next forward) keep the knee."""
+def test_buckets_keep_deepspeeds_default_without_a_spare_core() -> None:
+    """[Note: overlap needs a spare core]: one core per rank → DeepSpeed's one large bucket for both sizes."""
     crowded = replace(table_choice("gloo", 2, 4), cores_per_rank=1.0)
     roomy = replace(table_choice("gloo", 2, 4), cores_per_rank=8.0)
-    assert reduce_bucket_numel(crowded) is None and reduce_bucket_numel(roomy) == M
+    assert default_bucket_numel(crowded) is None and default_bucket_numel(roomy) == M
     zero = bucket_defaults(ZeroConfig(stage=1), crowded)
-    assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (500_000_000, M)
-    assert bucket_defaults(ZeroConfig(stage=1), roomy).reduce_bucket_size == M
+    assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (500_000_000, 500_000_000)
+    roomy_zero = bucket_defaults(ZeroConfig(stage=1), roomy)
+    assert (roomy_zero.reduce_bucket_size, roomy_zero.allgather_bucket_size) == (M, M)
