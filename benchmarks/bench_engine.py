@@ -60,6 +60,7 @@ from bench_report import BEFORE_SUFFIX, format_cross_set, format_report
 from bench_rows import (
     DEEPSPEED_ROWS,
     MODEL_SIZES,
+    PEER_ADAM_ENV,
     ROWS,
     BenchSetup,
     Row,
@@ -102,6 +103,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=os.environ.get("SHARDSPEED_DEEPSPEED_PYTHON"),
         help="python of a venv with deepspeed 0.19.x: its rows run in processes of that python "
         "(default $SHARDSPEED_DEEPSPEED_PYTHON)",
+    )
+    parser.add_argument(
+        "--peer-adam",
+        choices=("default", "fused"),
+        default="default",
+        help="the torch peers' AdamW kernel: default (torch.optim.AdamW(params), the per-tensor loop on CPU) or "
+        "fused (fused=True, the kernel shardspeed's config-built AdamW runs: compares the systems alone)",
     )
     parser.add_argument("--skip-memory", action="store_true", help="no per-row memory runs (timing only)")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
@@ -254,7 +262,8 @@ def run_model(args: argparse.Namespace, model: str, ds_python: str | None, world
         print(
             f"bench_engine: {timing['model']} ({timing['parameters']:,} parameters), fp32, AdamW, "
             f"{world_note}, {timing['threads']} thread(s) per rank, micro batch {timing['micro_batch']}, "
-            f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}"
+            f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, torch {torch.__version__}, "
+            f"torch peers' AdamW kernel {args.peer_adam}"
         )
     if out["timing"] is not None:
         print()
@@ -280,7 +289,8 @@ def launcher_main(args: argparse.Namespace) -> None:
         args.nproc, world_note = plan_world(args.nproc, args.device, gpu_count)
     except ValueError as error:
         raise SystemExit(f"bench_engine: {error}") from None
-    print(f"bench_engine: {world_note}")
+    print(f"bench_engine: {world_note}; torch peers' AdamW kernel: {args.peer_adam}")
+    os.environ[PEER_ADAM_ENV] = args.peer_adam  # every rank (and DeepSpeed's set) builds its peers from it
     ds_python = deepspeed_python(args.deepspeed_python)
     started, load_before = time.perf_counter(), _load_average()
     results = [run_model(args, model, ds_python, world_note) for model in models_of(args.model)]

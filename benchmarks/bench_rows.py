@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -57,29 +58,51 @@ class RowRun:
 # defaults (shardspeed, like DeepSpeed, defaults AdamW's weight_decay differently from torch).
 ADAMW_PARAMS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
+# Which AdamW kernel the torch peers run (bench_engine.py --peer-adam, passed to the ranks in the environment):
+# "default" = what `torch.optim.AdamW(params)` gives a torch user (the per-tensor loop on CPU); "fused" = torch's
+# fused kernel, the one shardspeed's config-built AdamW runs ([Note: fused Adam by default] in optim/build.py), so
+# the ratio measures the training systems alone.
+PEER_ADAM_ENV = "SHARDSPEED_BENCH_PEER_ADAM"
+
+
+def peer_adamw_params() -> dict[str, Any]:
+    kernel = os.environ.get(PEER_ADAM_ENV, "default")
+    if kernel not in ("default", "fused"):
+        raise ValueError(f"{PEER_ADAM_ENV}={kernel!r}: expected 'default' or 'fused'")
+    return {**ADAMW_PARAMS, **({"fused": True} if kernel == "fused" else {})}
+
 
 def engine_config(
     setup: BenchSetup,
     stage: int,
     zero_extra: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    adam_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed-format config shared by shardspeed and DeepSpeed rows; ``zero_extra`` adds
-    ``zero_optimization`` keys (e.g. a stage-3 persistence threshold), ``extra`` top-level sections."""
+    ``zero_optimization`` keys (e.g. a stage-3 persistence threshold), ``extra`` top-level sections, ``adam_extra``
+    optimizer params (the before rows' ``fused: false``)."""
+    adam = {**ADAMW_PARAMS, "betas": list(ADAMW_PARAMS["betas"]), **(adam_extra or {})}
     return {
         "train_micro_batch_size_per_gpu": setup.micro_batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW_PARAMS, "betas": list(ADAMW_PARAMS["betas"])}},
+        "optimizer": {"type": "AdamW", "params": adam},
         "zero_optimization": {"stage": stage, **(zero_extra or {})},
         "steps_per_print": 10**9,
         **(extra or {}),
     }
 
 
-# The pre-issue-16 behaviour, for the "before" rows: parameters gathered synchronously after the step, and the
-# backend's native reduce-scatter / all-gather whatever their measured speed.
-BEFORE_ZERO: dict[str, Any] = {"overlap_param_gather": False}
+# The pre-issue-16 behaviour, for the "before" rows: parameters gathered synchronously after the step, the
+# backend's native reduce-scatter / all-gather whatever their measured speed, DeepSpeed's 5e8-element buckets and
+# torch's per-tensor AdamW loop.
+BEFORE_ZERO: dict[str, Any] = {
+    "overlap_param_gather": False,
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+}
 BEFORE_EXTRA: dict[str, Any] = {"communication": {"collectives": "native"}}
+BEFORE_ADAM: dict[str, Any] = {"fused": False}
 
 
 def _engine_step(engine: Any, setup: BenchSetup, blocked: Any = None) -> RowRun:
@@ -108,12 +131,16 @@ def _torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Bench
 
 
 def _build_shardspeed(
-    setup: BenchSetup, stage: int, zero_extra: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+    setup: BenchSetup,
+    stage: int,
+    zero_extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    adam_extra: dict[str, Any] | None = None,
 ) -> RowRun:
     import shardspeed
 
     model = setup.fresh_model()
-    config = engine_config(setup, stage, zero_extra, extra)
+    config = engine_config(setup, stage, zero_extra, extra, adam_extra)
     engine, _, _, _ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return _engine_step(engine, setup, blocked=engine.collectives.blocked)
 
@@ -128,7 +155,7 @@ def _ddp(setup: BenchSetup) -> DDP:
 
 def _build_ddp(setup: BenchSetup) -> RowRun:
     model = _ddp(setup)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
+    optimizer = torch.optim.AdamW(model.parameters(), **peer_adamw_params())
     return _torch_step(model, optimizer, setup)
 
 
@@ -138,7 +165,7 @@ def _build_zero_redundancy(setup: BenchSetup) -> RowRun:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     model = _ddp(setup)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW_PARAMS)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **peer_adamw_params())
     return _torch_step(model, optimizer, setup)
 
 
@@ -163,7 +190,7 @@ def _build_fsdp2(setup: BenchSetup) -> RowRun:
     for block in _fsdp_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_PARAMS)
+    optimizer = torch.optim.AdamW(model.parameters(), **peer_adamw_params())
     return _torch_step(model, optimizer, setup)
 
 
@@ -217,10 +244,17 @@ STAGE_PEERS: dict[int, str] = {0: "ddp", 1: "zero_redundancy", 2: "ddp", 3: "fsd
 
 def _shardspeed_row(name: str, description: str, stage: int, *, before: bool = False, **zero_extra: Any) -> Row:
     if before:
-        name, description = name + BEFORE_SUFFIX, description + " (before: no param-gather overlap, native collectives)"
+        name, description = (
+            name + BEFORE_SUFFIX,
+            description + " (before: no param-gather overlap, native collectives, 5e8 buckets, per-tensor AdamW)",
+        )
         zero_extra = {**zero_extra, **BEFORE_ZERO}
     build = partial(
-        _build_shardspeed, stage=stage, zero_extra=zero_extra or None, extra=BEFORE_EXTRA if before else None
+        _build_shardspeed,
+        stage=stage,
+        zero_extra=zero_extra or None,
+        extra=BEFORE_EXTRA if before else None,
+        adam_extra=BEFORE_ADAM if before else None,
     )
     return Row(name, description, build, STAGE_PEERS[stage], preload=_import_shardspeed, target=STAGE_TARGETS[stage])
 

@@ -68,18 +68,21 @@ def engine_collectives(
 def bucket_defaults(zero: ZeroConfig, choice: CollectiveChoice, log: bool = False) -> ZeroConfig:
     """``zero`` with ``reduce_bucket_size`` / ``allgather_bucket_size`` at the knee of ``choice``'s measured
     bandwidth curve where the config did not set them (``model_fields_set``; ``"auto"`` counts as unset); set
-    values always win, and without a curve (native, NCCL) DeepSpeed's defaults stay. Logged when ``log``."""
+    values always win, and without a curve (native, NCCL) or a spare core per rank ([Note: overlap needs a spare
+    core] in comm/algorithms.py) DeepSpeed's defaults stay. Logged when ``log``."""
     knee = default_bucket_numel(choice)
     unset = {"reduce_bucket_size", "allgather_bucket_size"} - zero.model_fields_set
+    if log and unset and choice.cores_per_rank is not None:
+        logging.getLogger("shardspeed").info(
+            "%s: %s (%g cores per rank)",
+            " and ".join(sorted(unset)),
+            f"{knee:,} elements, the knee of the {choice.source} bandwidth curve"
+            if knee
+            else "DeepSpeed's default (no spare core to overlap communication with compute)",
+            choice.cores_per_rank,
+        )
     if knee is None or not unset:
         return zero
-    if log:
-        logging.getLogger("shardspeed").info(
-            "%s: %s elements (the knee of the %s bandwidth curve)",
-            " and ".join(sorted(unset)),
-            f"{knee:,}",
-            choice.source,
-        )
     return zero.model_copy(update=dict.fromkeys(unset, knee))
 
 

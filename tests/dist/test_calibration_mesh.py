@@ -51,6 +51,7 @@ def _mesh_calibration(rank: int, world: int, cache: str) -> dict[str, Any]:
     c.reduce_scatter(shard, torch.ones(8), topology.data, tag="grads")
     return {
         "describe": c.algorithms.describe(),
+        "cores_per_rank": c.algorithms.cores_per_rank,
         "tensor_counts": tensor_counts,
         "data_counts": dict(c.algorithm_counts),
         "gathered": out.tolist(),
@@ -64,6 +65,8 @@ def test_calibration_is_agreed_over_the_world_and_used_on_the_data_axis(dist_run
     results = dist_run(_mesh_calibration, 4, str(tmp_path), deadline_s=40.0)  # a hang before the fix
     assert len({r["describe"] for r in results}) == 1  # world rank 0's decision everywhere, bucket knee included
     assert "all_gather broadcast" in results[0]["describe"]  # rank 0's group found the alternatives faster
+    # four ranks on this host share its CPUs: one agreed figure ([Note: overlap needs a spare core])
+    assert {r["cores_per_rank"] for r in results} == {len(os.sched_getaffinity(0)) / 4}
     for rank, r in enumerate(results):
         assert r["tensor_counts"] == {"all_gather=native": 1}  # measured on the data axis: the tensor axis is native
         assert r["data_counts"] == {"reduce_scatter=all_reduce": 1}

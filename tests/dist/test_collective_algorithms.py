@@ -219,3 +219,38 @@ def test_zero_parity_and_traffic_under_every_algorithm(dist_run, stage: int, kin
         if wire is None:  # a bf16 wire rounds the gradients: bit-identity to native is the check there
             for n, p in native["params"].items():
                 torch.testing.assert_close(p, expected[n], rtol=1e-5, atol=1e-5)
+
+
+def _in_place(rank: int, world: int) -> dict[str, Any]:
+    """A shard that is this rank's own slot of the collective's other tensor (stage 1's reduced gradient slice, the
+    stepped parameter slice), under every algorithm: the same bits as out-of-place calls, the slot left holding the
+    result, and an in-place reduce-scatter without clobber_input refused."""
+    axis, c = _axis(rank, world), Collectives()
+    n, wrong, refused = 5, [], False
+    g = torch.Generator().manual_seed(rank)
+    full, mine = torch.randn(n * world, generator=g), torch.randn(n, generator=g)
+    for choice in (NATIVE, ALTERNATIVES):
+        c.algorithms = choice
+        expected_rs, expected_ag = torch.empty(n), torch.empty(n * world)
+        c.reduce_scatter(expected_rs, full.clone(), axis)
+        c.all_gather(expected_ag, mine, axis)
+        buffer = full.clone()
+        slot = buffer[rank * n : (rank + 1) * n]
+        c.reduce_scatter(slot, buffer, axis, async_op=True, clobber_input=True).wait()
+        gathered = torch.zeros(n * world)
+        gathered[rank * n : (rank + 1) * n] = mine
+        c.all_gather(gathered, gathered[rank * n : (rank + 1) * n], axis, async_op=True).wait()
+        if not (torch.equal(slot, expected_rs) and torch.equal(gathered, expected_ag)):
+            wrong.append(choice.source)
+    c.algorithms = NATIVE
+    buffer = full.clone()
+    try:
+        c.reduce_scatter(buffer[rank * n : (rank + 1) * n], buffer, axis)
+    except ValueError as err:
+        refused = "clobber_input" in str(err)
+    return {"wrong": wrong, "refused": refused}
+
+
+def test_in_place_shards_under_every_algorithm(dist_run) -> None:
+    for r in dist_run(_in_place, 2):
+        assert r == {"wrong": [], "refused": True}

@@ -18,13 +18,16 @@ from bench_exposed import by_category, category, median_over_rounds, per_step_ms
 from bench_models import MODEL_SIZES, build_template_model, make_setup
 from bench_report import before_after_pairs, exposed_lines, format_cross_set, format_report, target_verdict
 from bench_rows import (
+    BEFORE_ADAM,
     BEFORE_EXTRA,
     BEFORE_ZERO,
     DEEPSPEED_ROWS,
+    PEER_ADAM_ENV,
     ROWS,
     Row,
     default_rows,
     engine_config,
+    peer_adamw_params,
     resolve_rows,
     timing_order,
 )
@@ -59,10 +62,27 @@ def test_rows_carry_the_issue_targets_and_peers() -> None:
 
 def test_before_rows_turn_off_the_overlap_and_pin_native_collectives() -> None:
     setup = make_setup(MODEL_SIZES["small"], rank=0)
-    config = engine_config(setup, 1, BEFORE_ZERO, BEFORE_EXTRA)
-    assert config["zero_optimization"] == {"stage": 1, "overlap_param_gather": False}
+    config = engine_config(setup, 1, BEFORE_ZERO, BEFORE_EXTRA, BEFORE_ADAM)
+    assert config["zero_optimization"] == {
+        "stage": 1,
+        "overlap_param_gather": False,
+        "reduce_bucket_size": 500_000_000,  # DeepSpeed's default, the buckets before the knee
+        "allgather_bucket_size": 500_000_000,
+    }
     assert config["communication"] == {"collectives": "native"}
-    assert "communication" not in engine_config(setup, 1)  # after rows: the config's defaults
+    assert config["optimizer"]["params"]["fused"] is False  # torch's per-tensor AdamW loop, as before
+    after = engine_config(setup, 1)
+    assert "communication" not in after and "fused" not in after["optimizer"]["params"]  # the config's defaults
+
+
+def test_peer_adam_kernel_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PEER_ADAM_ENV, raising=False)
+    assert "fused" not in peer_adamw_params()  # what torch.optim.AdamW(params) gives a torch user
+    monkeypatch.setenv(PEER_ADAM_ENV, "fused")
+    assert peer_adamw_params()["fused"] is True
+    monkeypatch.setenv(PEER_ADAM_ENV, "fast")
+    with pytest.raises(ValueError, match="SHARDSPEED_BENCH_PEER_ADAM='fast'"):
+        peer_adamw_params()
 
 
 def test_default_rows_per_model() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from shardspeed.comm.algorithms import (
     SizeRule,
     Timing,
     choose,
+    cores_per_rank,
     default_bucket_numel,
     from_json,
     knee_bytes,
@@ -158,3 +160,21 @@ def test_cache_key_names_the_device(tmp_path: Path) -> None:
     assert cache_file(tmp_path, cpu) != cache_file(tmp_path, cuda)
     store_cached(cache_file(tmp_path, cpu), table_choice("gloo", 2), cpu)
     assert load_cached(cache_file(tmp_path, cpu), cuda) is None  # a CPU file read under a CUDA key: foreign
+
+
+def test_cores_per_rank_is_the_most_crowded_hosts_share() -> None:
+    # two ranks unpinned on a 2-core host share both cores; a 16-core host with 4 pinned ranks has 4 each
+    assert cores_per_rank([("a", [0, 1]), ("a", [0, 1])]) == 1.0
+    assert cores_per_rank([("b", range(0, 4)), ("b", range(4, 8)), ("b", range(8, 12)), ("b", range(12, 16))]) == 4
+    assert cores_per_rank([("a", [0, 1]), ("a", [0, 1]), ("b", range(16))]) == 1.0  # the minimum over hosts
+
+
+def test_buckets_keep_deepspeeds_default_without_a_spare_core() -> None:
+    """[Note: overlap needs a spare core]: one core per rank → DeepSpeed's one large bucket for both sizes."""
+    crowded = replace(table_choice("gloo", 2, 4), cores_per_rank=1.0)
+    roomy = replace(table_choice("gloo", 2, 4), cores_per_rank=8.0)
+    assert default_bucket_numel(crowded) is None and default_bucket_numel(roomy) == M
+    zero = bucket_defaults(ZeroConfig(stage=1), crowded)
+    assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (500_000_000, 500_000_000)
+    roomy_zero = bucket_defaults(ZeroConfig(stage=1), roomy)
+    assert (roomy_zero.reduce_bucket_size, roomy_zero.allgather_bucket_size) == (M, M)

@@ -367,3 +367,36 @@ def test_validation_uses_the_given_path() -> None:
         validate_optimizer_params("Adam", {"lrr": 1}, path="zero.optimizer.params")
     with pytest.raises(ConfigError, match=r"zero\.optimizer\.type"):
         validate_optimizer_params("Nope", {}, path="zero.optimizer.params")
+
+
+# ---------------------------------------------------------------- which kernel ([Note: fused Adam by default])
+
+
+def test_config_adam_runs_torchs_fused_kernel_and_matches_the_per_tensor_loop() -> None:
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    built = [t.clone().requires_grad_() for t in start]
+    reference = [t.clone().requires_grad_() for t in start]
+    optimizer = build_optimizer("AdamW", {"lr": 1e-2}, built)
+    loop = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0, foreach=False)  # the config default
+    assert optimizer.defaults["fused"] is True
+    for step in range(5):
+        for a, b in zip(built, reference):
+            a.grad = b.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
+        optimizer.step()
+        loop.step()
+    for a, b in zip(built, reference):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("choice", [{"fused": False}, {"foreach": True}, {"foreach": False}])
+def test_a_kernel_chosen_in_the_config_is_kept(choice: dict) -> None:
+    optimizer = build_optimizer("Adam", {"lr": 1e-3, **choice}, _params([1.0]))
+    assert not optimizer.defaults.get("fused")
+
+
+def test_no_fused_kernel_for_integer_or_generator_groups_falls_back_to_torchs_default() -> None:
+    generator_group = [{"params": (p for p in _params([1.0]))}]
+    assert not build_optimizer("Adam", {"lr": 1e-3}, generator_group).defaults.get("fused")
+    complex_param = [torch.zeros(2, dtype=torch.complex64, requires_grad=True)]
+    assert not build_optimizer("Adam", {"lr": 1e-3}, complex_param).defaults.get("fused")

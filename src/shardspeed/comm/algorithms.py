@@ -42,7 +42,17 @@ Bucket size (``default_bucket_numel``): the knee of the bus-bandwidth curve — 
 combined reduce-scatter + all-gather bus bandwidth (chosen algorithms; nccl-tests' busbw, (N-1)/N × bytes per
 op) reaches ``KNEE_FRACTION`` (90%) of the best measured. Bigger buckets only add latency before the first
 launch and staging memory; smaller ones pay per-call overhead. The engine uses it for ``reduce_bucket_size`` /
-``allgather_bucket_size`` when the config does not set them (engine_setup.bucket_defaults).
+``allgather_bucket_size`` when the config does not set them (engine_setup.bucket_defaults), with one exception:
+
+[Note: overlap needs a spare core] Buckets communicated while compute runs (gradients reduced during backward,
+parameters gathered during the next forward) only win if the backend's worker thread gets a core of its own: gloo
+reduces and copies CPU tensors on its worker thread, so with fewer than two cores per rank (``cores_per_rank``,
+agreed at startup: the CPUs this rank may run on, shared by the ranks on its host, the minimum over hosts) the
+communication steals the cycles compute needs, and more buckets only add launches. Measured on the 2-core VM,
+world 2 (one core per rank), the comm-bound MLP, wall ms per step (3 × 10 steps, two runs): stage 1 with knee
+buckets (12 per step) 103-113, with 3.2M-element buckets 93-107, with one 5e8-element bucket 81-90; stage 2
+105-112 / 96-107 / 84-90; stage 0 with knee buckets 1.11× DDP's step time, one bucket 1.01× (issue #16). There
+both bucket sizes keep DeepSpeed's default (one bucket for this model); with a spare core they default to the knee.
 """
 
 from __future__ import annotations
@@ -106,6 +116,9 @@ class CollectiveChoice:
     source: str = field(default="native", compare=False)
     """Where it came from: native, table, cache, calibration (logged on rank 0)."""
     timings: tuple[Timing, ...] = field(default=(), compare=False)
+    cores_per_rank: float | None = field(default=None, compare=False)
+    """CPU cores per rank, agreed world-wide (the fewest on any host; [Note: overlap needs a spare core]); None:
+    not measured (native choices)."""
     axis: str | None = field(default=None, compare=False)
     """The name of the axis the choice was agreed for (the engine's: ``"data"``); ``Collectives`` runs every other
     axis native, since nothing agreed a choice over it. None: every axis (a test's forced choice, a measurement)."""
@@ -197,6 +210,19 @@ def _ranges(sizes: Sequence[int], winners: Sequence[str]) -> tuple[SizeRule, ...
     return tuple(rules)
 
 
+OVERLAP_MIN_CORES = 2.0  # a rank's compute thread plus the backend's worker thread ([Note: overlap needs a spare core])
+
+
+def cores_per_rank(placements: Sequence[tuple[str, Sequence[int]]]) -> float:
+    """(host, CPUs the rank may run on) of every rank → cores per rank on the most crowded host: a host's ranks
+    share the union of their CPUs."""
+    hosts: dict[str, tuple[set[int], int]] = {}
+    for host, cpus in placements:
+        union, ranks = hosts.get(host, (set(), 0))
+        hosts[host] = (union | set(cpus), ranks + 1)
+    return min(len(union) / ranks for union, ranks in hosts.values())
+
+
 def knee_bytes(curve: Sequence[CurvePoint], fraction: float = KNEE_FRACTION) -> int | None:
     """The smallest size whose bus bandwidth reaches ``fraction`` of the best on the curve (None: no curve)."""
     if not curve:
@@ -206,8 +232,10 @@ def knee_bytes(curve: Sequence[CurvePoint], fraction: float = KNEE_FRACTION) -> 
 
 
 def default_bucket_numel(choice: CollectiveChoice) -> int | None:
-    """Bucket elements at the knee of ``choice``'s bandwidth curve; None without a curve (native, NCCL): the
-    config's defaults stay."""
+    """Bucket elements at the knee of ``choice``'s bandwidth curve; None without a curve (native, NCCL) or without a
+    spare core per rank ([Note: overlap needs a spare core]): the config's defaults stay."""
+    if choice.cores_per_rank is not None and choice.cores_per_rank < OVERLAP_MIN_CORES:
+        return None
     knee = knee_bytes(choice.curve)
     return None if knee is None else max(1, knee // choice.itemsize)
 

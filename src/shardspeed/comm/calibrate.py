@@ -42,6 +42,7 @@ from shardspeed.comm.algorithms import (
     SizeRule,
     Timing,
     choose,
+    cores_per_rank,
     from_json,
     table_choice,
     to_json,
@@ -187,7 +188,10 @@ def resolve_choice(
     key = cache_key(backend, axis.size, dtype, device.type)
     path = cache_file(cache_dir(configured_dir), key)
     mine = load_cached(path, key)
-    everyone = collectives.all_gather_object(None if mine is None else to_json(mine, {}), world)
+    placement = (socket.gethostname(), sorted(os.sched_getaffinity(0)))
+    gathered = collectives.all_gather_object((None if mine is None else to_json(mine, {}), placement), world)
+    everyone = [cached for cached, _ in gathered]
+    cores = cores_per_rank([where for _, where in gathered])  # the same on every rank: computed from one gather
     if everyone[0] is not None and all(c == everyone[0] for c in everyone):
         choice = mine
     elif mode == "calibrate":
@@ -206,7 +210,7 @@ def resolve_choice(
     assert choice is not None
     if world.rank == 0:
         logger.info(choice.describe())
-    return replace(choice, axis=axis.name)  # measured on ``axis``: other axes run native
+    return replace(choice, axis=axis.name, cores_per_rank=cores)  # measured on ``axis``: other axes run native
 
 
 # --- `python -m shardspeed.comm.calibrate`: the measured table ----------------------------------------------------

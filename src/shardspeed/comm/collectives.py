@@ -20,7 +20,14 @@ import torch.distributed as dist
 
 from shardspeed.comm.algorithms import NATIVE, CollectiveChoice
 from shardspeed.comm.blocked import BlockedTime, timed_wait
-from shardspeed.comm.composite import Launched, all_gather_by_broadcast, reduce_scatter_by_all_reduce
+from shardspeed.comm.composite import (
+    Launched,
+    all_gather_by_broadcast,
+    all_gather_from_copy,
+    in_slot,
+    reduce_scatter_by_all_reduce,
+    reduce_scatter_into_slot,
+)
 from shardspeed.comm.log import CommsLog
 from shardspeed.comm.order_check import OrderChecker
 from shardspeed.comm.work import CompositeWork, P2PWork, Work
@@ -127,7 +134,9 @@ class Collectives:
         async_op: bool = False,
         tag: str = "",
     ) -> Work:
-        """Concatenate every rank's equal-sized ``shard`` into ``unsharded`` (size = shard × axis size)."""
+        """Concatenate every rank's equal-sized ``shard`` into ``unsharded`` (size = shard × axis size). ``shard`` may
+        be this rank's own slot of ``unsharded`` (in place: per-owner broadcasts and NCCL take it as is; gloo's native
+        all-gather gets a copy, since its input aliasing its output is not documented to work)."""
         if self.order is not None:
             self.order.check("all_gather", axis, (shard, unsharded), tag)
         if unsharded.numel() != shard.numel() * axis.size:
@@ -143,6 +152,11 @@ class Collectives:
         if algorithm == "broadcast":
             return self._run_composite(
                 lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op
+            )
+        if in_slot(shard, unsharded, axis) and dist.get_backend(axis.group) != "nccl":
+            # NCCL documents in-place all-gather; elsewhere the input gets its own memory, kept until the gather lands
+            return self._run_composite(
+                lambda: all_gather_from_copy(unsharded, shard, axis), axis, "all_gather", tag, async_op
             )
         return self._run(
             lambda a: _all_gather_single(unsharded, shard, group=axis.group, async_op=a),
@@ -164,7 +178,8 @@ class Collectives:
     ) -> Work:
         """Sum ``unsharded`` over ``axis`` and keep this rank's equal slice in ``shard``. ``clobber_input``: the
         caller allows ``unsharded`` to be overwritten (an all-reduce-then-slice then runs in place, no scratch
-        copy); without it the input is left as it was."""
+        copy); without it the input is left as it was. With ``clobber_input``, ``shard`` may be this rank's own slot
+        of ``unsharded`` (in place: the all-reduce leaves the result there, no copy)."""
         if self.order is not None:
             self.order.check("reduce_scatter(sum)", axis, (unsharded, shard), tag)
         if unsharded.numel() != shard.numel() * axis.size:
@@ -184,6 +199,12 @@ class Collectives:
                 "reduce_scatter",
                 tag,
                 async_op,
+            )
+        if in_slot(shard, unsharded, axis):
+            if not clobber_input:
+                raise ValueError("reduce_scatter: an in-place shard (its slot of the input) needs clobber_input=True")
+            return self._run_composite(
+                lambda: reduce_scatter_into_slot(shard, unsharded, axis), axis, "reduce_scatter", tag, async_op
             )
         return self._run(
             lambda a: _reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),

@@ -33,9 +33,28 @@ def reduce_scatter_by_all_reduce(
     mine = full.reshape(-1)[axis.rank * n : (axis.rank + 1) * n]
 
     def finish() -> None:
-        shard.copy_(mine.view(shard.shape))
+        if mine.data_ptr() != shard.data_ptr():  # an in-place shard (its slot of a clobbered input) is already there
+            shard.copy_(mine.view(shard.shape))
 
     return Launched([handle], finish, (full,))
+
+
+def in_slot(shard: torch.Tensor, unsharded: torch.Tensor, axis: AxisGroup) -> bool:
+    """Whether ``shard`` is this rank's own slot of ``unsharded`` (an in-place collective)."""
+    n = shard.numel()
+    return (
+        shard.is_contiguous()
+        and unsharded.is_contiguous()
+        and shard.data_ptr() == unsharded.data_ptr() + axis.rank * n * unsharded.element_size()
+    )
+
+
+def reduce_scatter_into_slot(shard: torch.Tensor, unsharded: torch.Tensor, axis: AxisGroup) -> Launched:
+    """A native reduce-scatter whose output is its own input's slot: a separate output, copied into the slot when it
+    lands (an output aliasing the input is not portable across backends)."""
+    out = torch.empty_like(shard)
+    handle = dist.reduce_scatter_tensor(out, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    return Launched([handle], lambda: shard.copy_(out), (out, unsharded))
 
 
 def all_gather_by_broadcast(unsharded: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> Launched:
@@ -51,3 +70,10 @@ def all_gather_by_broadcast(unsharded: torch.Tensor, shard: torch.Tensor, axis: 
         for i, src in enumerate(axis.ranks)
     ]
     return Launched(handles, None, (unsharded, shard))
+
+
+def all_gather_from_copy(unsharded: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> Launched:
+    """A native all-gather of an in-place shard from a copy of it (kept alive until the gather lands)."""
+    copy = shard.clone()
+    handle = dist.all_gather_into_tensor(unsharded, copy, group=axis.group, async_op=True)
+    return Launched([handle], None, (copy, unsharded))

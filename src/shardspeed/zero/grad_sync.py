@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from shardspeed.comm import Collectives, Work
+from shardspeed.comm.composite import in_slot
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.grad_buffer import FlatGradBuffer
 from shardspeed.zero.layout import ShardLayout
@@ -159,13 +160,18 @@ class _ShardReduceScatter:
         self.meter = meter if meter is not None else StagingMeter()
         self._inflight: list[tuple[torch.Tensor, torch.Tensor, bool] | None] = [None] * len(layout.buckets)
 
-    def _reduce_scatter(self, k: int, full_bucket: torch.Tensor) -> Work:
+    def _reduce_scatter(self, k: int, full_bucket: torch.Tensor, into: torch.Tensor | None = None) -> Work:
+        """``into``: where the caller keeps the result, used as the output when it is this rank's slot of the input
+        (stage 1 in the wire dtype: the all-reduce-then-slice then leaves it in place, no copies; ``Collectives``
+        gives a native reduce-scatter a separate output)."""
         staged = self.ctx.staged(full_bucket)
         copied = staged is not full_bucket  # a wire-dtype copy: staging of its own (else counted by the caller)
         if copied:
             self.meter.add(staged)
-        # A separate output: in-place reduce-scatter (output aliasing the input) is not portable across backends.
-        out = torch.empty(staged.numel() // self.layout.world, dtype=staged.dtype, device=staged.device)
+        if into is not None and not copied and in_slot(into, staged, self.ctx.axis):
+            out = into
+        else:
+            out = torch.empty(staged.numel() // self.layout.world, dtype=staged.dtype, device=staged.device)
         self._inflight[k] = (staged, out, copied)  # both must outlive the async collective
         # clobber_input: nothing reads the staged bucket after its reduction ([Note: clobbered inputs])
         return self.ctx.collectives.reduce_scatter(
@@ -205,10 +211,12 @@ class ReduceScatterGrads(_ShardReduceScatter):
 
     def launch(self, k: int) -> Work:
         b = self.layout.buckets[k]
-        return self._reduce_scatter(k, self.buffer.flat[b.start : b.end])
+        return self._reduce_scatter(k, self.buffer.flat[b.start : b.end], into=self.grad_shards[k])
 
     def complete(self, k: int) -> None:
-        self.grad_shards[k].copy_(self._take_output(k))
+        out = self._take_output(k)
+        if out is not self.grad_shards[k]:  # else reduced in place
+            self.grad_shards[k].copy_(out)
 
     def zero(self) -> None:
         self.buffer.zero()

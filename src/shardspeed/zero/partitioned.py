@@ -315,7 +315,7 @@ class PartitionedStates(FlatLayoutStates):
                 shard = self.master_shard[lo:hi].to(self.compute_dtype)  # a temporary: kept until the gather lands
             else:
                 start, end = self.layout.rank_slice(k, rank)
-                shard = self.param_flat[start:end].clone()  # input must not alias the output on every backend
+                shard = self.param_flat[start:end]  # in place: Collectives copies it where a backend needs that
             out = self.param_flat[bucket.start : bucket.end]
             work = self.ctx.collectives.all_gather(out, shard, self.ctx.axis, async_op=True, tag="params")
             gather.launch(k, work, shard)
