@@ -51,7 +51,7 @@ def _engine(template: torch.nn.Module, size: ModelSize, monitors: dict[str, Any]
     config = {
         "train_micro_batch_size_per_gpu": size.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "gradient_clipping": 1.0,  # the demo's config: the norm is computed every step either way
+        "gradient_clipping": 1.0,  # the demo's config: it computes the norm every step, so grad_norm is logged
         "zero_optimization": {"stage": 1},
         "steps_per_print": 1_000_000,
         **monitors,

@@ -392,3 +392,31 @@ def test_one_failing_monitor_does_not_stop_the_others() -> None:
     assert {x for _, _, x in recorder.events} == {x for _, _, x in later.events} == {2, 4}
     engine.destroy()  # Broken's close raises: warned, the others still close
     assert recorder.closed == later.closed == 1
+
+
+def test_wandb_close_gives_up_on_a_hung_log(monkeypatch) -> None:
+    import threading
+    import types
+
+    from shardspeed.config.monitor import WandbConfig
+    from shardspeed.monitor import WandbMonitor, writers
+
+    release = threading.Event()
+    finished: list[bool] = []
+
+    class Run:
+        def log(self, data: dict, step: int) -> None:
+            release.wait(30)  # wandb's service gone: log never returns
+
+        def finish(self) -> None:
+            finished.append(True)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    monkeypatch.setattr(writers, "WANDB_CLOSE_TIMEOUT_S", 0.2)
+    monitor = WandbMonitor(WandbConfig(enabled=True))
+    monitor.write_events([("a", 1.0, 2)])
+    with pytest.raises(RuntimeError, match="did not finish"):
+        monitor.close()  # bounded: destroy() and interpreter exit never hang on W&B
+    monitor.close()  # once
+    release.set()
+    assert finished == []
