@@ -98,7 +98,7 @@ def agree_monitor_config(config: ShardSpeedConfig, topology: Topology, collectiv
         raise mark_agreed(
             MonitorConfigError(
                 f"the ranks enable different monitors ({by_rank}); enable the same monitor sections on every rank "
-                "(only the writing rank writes; DeepSpeed's rank-0-only monitors are not needed here)"
+                "(only the writing rank writes: DeepSpeed's '\"enabled\": rank == 0' is not needed)"
             )
         )
     problems = sorted({p for _, rank_missing in gathered for p in rank_missing})
