@@ -17,8 +17,7 @@ import torch
 from pipe_models import gpt_layers, gpt_loss_fn, make_batches, rank_iterator
 
 import shardspeed
-from shardspeed.monitor import Monitor, MonitorPackageError
-from shardspeed.monitor.master import MonitorConfigError
+from shardspeed.monitor import Monitor, MonitorConfigError, MonitorPackageError
 from shardspeed.monitor.memory import model_state_total
 from shardspeed.topology import MeshShape, Topology
 
