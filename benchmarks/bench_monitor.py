@@ -11,11 +11,11 @@ both, in an order that alternates per round. Two figures, each a median over rou
 - inside / step: the wall time spent inside the monitor listener (``engine.monitor.listener.seconds_inside``: a
   perf_counter around its whole per-step work on the training thread — events built, the per-rank memory gather
   launched and the last one collected, every monitor's write: CSV rows and flush, TensorBoard events queued to its
-  writer thread, W&B events queued to ours) divided by the monitored engine's step time, on the writing rank
+  writer thread and flushed, W&B events queued to ours) divided by the monitored engine's step time, on the writing rank
   (rank 0). Target: <= 2%.
 - paired step ratio: monitored step time / plain step time in the same round: the listener's cost plus what runs
-  elsewhere (the writer threads' CPU time, the forward pre-hook reading the batch shape, the gradient norm every
-  step — free here: the demo clips); on a shared machine mostly noise.
+  elsewhere (the writer threads' CPU time, the engine reading the batch shape; a monitor computes no gradient norm
+  of its own: grad_norm is logged because the demo clips); on a shared machine mostly noise.
 
 Rank 0 prints the table. Timings on a machine shared with other jobs are indicative only.
 """
@@ -51,7 +51,7 @@ def _engine(template: torch.nn.Module, size: ModelSize, monitors: dict[str, Any]
     config = {
         "train_micro_batch_size_per_gpu": size.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "gradient_clipping": 1.0,  # the demo's config: the norm is computed every step either way
+        "gradient_clipping": 1.0,  # the demo's config: it computes the norm every step, so grad_norm is logged
         "zero_optimization": {"stage": 1},
         "steps_per_print": 1_000_000,
         **monitors,

@@ -46,7 +46,7 @@ from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
 from shardspeed.monitor.listener import attach_monitor
-from shardspeed.monitor.master import agree_monitor_packages
+from shardspeed.monitor.master import agree_monitor_config
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
@@ -98,7 +98,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
         # comms log; interruptible waits (the board); order verification (a debug option)
         self.collectives = engine_collectives(config, topology, board, self.device)
-        agree_monitor_packages(config, topology, self.collectives)  # tensorboard / wandb import on every rank
+        agree_monitor_config(config, topology, self.collectives)  # the same monitors on every rank, packages import
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
         # Specs, then the structure (global shapes) agreed over the world: an error on every rank, not a hang.
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)
@@ -260,6 +260,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
         self._first_batch(args, kwargs)  # the first forward only: identical across the tensor axis
+        self.events.inputs(args, kwargs)  # the monitors' tokens per sample (no hook on the user's module)
         with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
             return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
@@ -387,13 +388,19 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
         self.flops_profiler.close()  # a profile window still open: its hooks and dispatch mode go
-        self.monitor.close()  # flushes and closes every monitor (files readable, W&B run finished)
-        self.states.reducer.remove_hooks()
-        for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
-            handle.remove()
-        close = getattr(self.optimizer, "close", None)
-        if close is not None:
-            close()
-        close_states = getattr(self.states, "close", None)  # stage 3 parameter offload
-        if close_states is not None:
-            close_states()
+        try:
+            self.states.reducer.remove_hooks()
+            for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
+                handle.remove()
+            close = getattr(self.optimizer, "close", None)
+            if close is not None:
+                close()
+            close_states = getattr(self.states, "close", None)  # stage 3 parameter offload
+            if close_states is not None:
+                close_states()
+        finally:
+            # last, and whatever the cleanup above did: flushes and closes every monitor (files readable, W&B run
+            # finished); never raises. After a known failure the last memory gather is not waited (a failed peer
+            # never joins it): [Note: one gather per step] in monitor/listener.py
+            board = self.collectives.board
+            self.monitor.close(peer_failed=board is not None and board.failure is not None)

@@ -10,6 +10,12 @@ communication is the time the training thread sat blocked in a wait. ``backward_
 growth of the engine's ``BlockedTime`` (comm/blocked.py: every real ``Work.wait()`` and synchronous collective)
 while the backward phase ran — reductions, and ZeRO-3's parameter gathers, whatever the training thread waited on
 — and ``backward_inner = backward - backward_allreduce``. The two add up to ``backward`` by construction.
+Under a pipeline the data-axis (and tied-weight) reductions run after the last backward, in the schedule's
+``ReduceTiedGrads`` / ``ReduceGrads`` (the executor's ``reduce`` phase): that whole phase counts as
+``backward_allreduce``, and so as ``backward``. The pipeline's p2p waits (receiving activations and gradients) are
+outside every phase and in no tag. The step phase includes, under ZeRO-1/2, the wait for the last step's overlapped
+parameter all-gather (``states.wait_params()`` at the start of ``StepCore.run``) — communication counted as ``step``.
+The pipeline's ``batch`` phase (a whole ``train_batch``, for the monitors' throughput window) is not timed.
 ``offload_io`` is the time the offloaded optimizer's step was blocked on its store's reads and writes
 (``StreamedAdam.timings``: offload/stream.py), measured across the step phase; absent without a streamed optimizer.
 """
@@ -60,7 +66,7 @@ class PhaseTimers:
         self._io_at = 0.0
 
     def on_phase_start(self, phase: str) -> None:
-        if not self.enabled:
+        if not self.enabled or phase == "batch":
             return
         self._sync()
         if phase == "backward" and self.blocked is not None:
@@ -74,6 +80,10 @@ class PhaseTimers:
             return
         self._sync()
         elapsed = time.perf_counter() - self._started.pop(phase)
+        if phase == "reduce":  # the pipeline's gradient reductions: [Note: backward split]
+            self._add("backward", elapsed)
+            self._add("backward_allreduce", elapsed)
+            return
         self._add(phase, elapsed)
         if phase == "backward":
             # [Note: backward split]; clamped: a benchmark may reset the meter while a backward runs

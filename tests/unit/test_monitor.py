@@ -79,7 +79,7 @@ def test_step_events_tags_values_and_x() -> None:
         loss_scale=1024.0,
         skipped=False,
     )
-    memory = [RankMemory(0, 100, None, 40), RankMemory(1, 200, 300, 50)]
+    memory = [RankMemory(0, 100, None, 40, 45), RankMemory(1, 200, 300, 50, 55)]
     events = step_events(
         report,
         skipped_steps=1,
@@ -104,9 +104,11 @@ def test_step_events_tags_values_and_x() -> None:
         "Train/Samples/mfu": 0.25,
         "Memory/rank0/host_peak_bytes": 100.0,
         "Memory/rank0/predicted_model_state_bytes": 40.0,
+        "Memory/rank0/model_state_bytes": 45.0,
         "Memory/rank1/host_peak_bytes": 200.0,
         "Memory/rank1/device_peak_bytes": 300.0,
         "Memory/rank1/predicted_model_state_bytes": 50.0,
+        "Memory/rank1/model_state_bytes": 55.0,
     }
     bare = StepReport(1, 2, None, (0.1,), None, None, False)
     assert [tag for tag, _, _ in step_events(bare, skipped_steps=0)] == [
@@ -162,7 +164,8 @@ def test_engine_writes_tensorboard_csv_and_a_user_monitor(tmp_path: Path) -> Non
     acc = EventAccumulator(str(tmp_path / "job"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/grad_norm"} <= set(tags)
+    assert {"Train/Samples/train_loss", "Train/Samples/lr"} <= set(tags)
+    assert "Train/Samples/grad_norm" not in tags  # no clipping, no print step: the norm is never computed
     assert "Train/Samples/elapsed_time_ms_forward" not in tags  # wall_clock_breakdown is off
     loss_events = acc.Scalars("Train/Samples/train_loss")
     assert [e.step for e in loss_events] == [2, 4, 6]  # x = global samples
@@ -171,7 +174,9 @@ def test_engine_writes_tensorboard_csv_and_a_user_monitor(tmp_path: Path) -> Non
     samples = _read_csv(tmp_path / "job" / "Train_Samples_samples_per_second.csv")
     assert [float(t) for _, t in tokens[1:]] == pytest.approx([3 * float(s) for _, s in samples[1:]])  # S = 3
     predicted = _read_csv(tmp_path / "job" / "Memory_rank0_predicted_model_state_bytes.csv")
-    assert float(predicted[-1][1]) == model_state_total(engine.memory_breakdown())
+    assert float(predicted[-1][1]) == engine.predicted_memory.total()  # the memory model's prediction
+    held = _read_csv(tmp_path / "job" / "Memory_rank0_model_state_bytes.csv")
+    assert float(held[-1][1]) == model_state_total(engine.memory_breakdown())  # what the engine holds
     assert not (tmp_path / "job" / "Memory_rank0_device_peak_bytes.csv").exists()  # CPU: no device figure
     # the user's monitor got exactly what the file monitors got
     assert {(t, x) for t, _, x in recorder.events} == {(t, e.step) for t in tags for e in acc.Scalars(t)}
@@ -208,7 +213,7 @@ def test_monitors_stay_off_unless_enabled() -> None:
     engine, *_ = shardspeed.initialize(
         model=torch.nn.Linear(2, 2), config={"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 1}}}
     )
-    assert not engine.monitor.enabled and not engine.monitor.active and engine.monitor.monitors == []
+    assert not engine.monitor.enabled and not engine.monitor.configured and engine.monitor.monitors == []
     engine.backward(engine(torch.ones(1, 2)).sum())
     engine.step()
     assert engine.monitor.listener.steps_written == 0
@@ -312,5 +317,106 @@ def test_a_crash_mid_run_leaves_readable_files(tmp_path: Path) -> None:
     rows = _read_csv(tmp_path / "job" / "Train_Samples_train_loss.csv")
     assert [row[0] for row in rows] == ["step", "2", "4"]  # every step written (flushed per step)
     acc = EventAccumulator(str(tmp_path / "job"))
-    acc.Reload()  # readable; scalars queued in the last TENSORBOARD_FLUSH_SECS may be missing
-    assert isinstance(acc.Tags()["scalars"], list)
+    acc.Reload()  # readable, and every written step is there (flushed per write_events)
+    assert [e.step for e in acc.Scalars("Train/Samples/train_loss")] == [2, 4]
+
+
+def _nan_step(config: dict) -> tuple[bool, int, bool]:
+    torch.manual_seed(0)
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = shardspeed.initialize(model=torch.nn.Linear(4, 1), config={**base, "steps_per_print": 1000, **config})
+    x = torch.ones(2, 4)
+    x[0, 0] = float("nan")
+    engine.backward(engine(x).sum())
+    engine.step()
+    out = (bool(engine.module.weight.isnan().any()), engine.skipped_steps, engine.was_step_applied())
+    engine.destroy()
+    return out
+
+
+def test_a_monitor_does_not_change_what_training_computes(tmp_path: Path) -> None:
+    # the non-finite check runs on steps that compute the norm anyway; a monitor must not force the norm
+    csv_on = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    assert _nan_step(csv_on) == _nan_step({}) == (True, 0, True)
+    assert not (tmp_path / "job" / "Train_Samples_grad_norm.csv").exists()
+
+
+def test_deepcopy_and_pickle_of_the_module_with_monitors_on(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    monitors = {"output_path": str(tmp_path), "job_name": "job"}
+    engine, _, _ = _train({"csv_monitor": {"enabled": True, **monitors}}, steps=1)
+    copied = copy.deepcopy(engine.module)  # an EMA / teacher copy: no hook reaching the open files
+    pickle.loads(pickle.dumps(engine.module))
+    engine.monitor.listener.seen_tokens = None
+    copied(torch.randint(0, 10, (2, 3)))  # the copy's forwards are not the engine's
+    assert engine.monitor.listener.seen_tokens is None
+    engine.destroy()
+
+
+def test_csv_monitor_keeps_a_bounded_number_of_files_open(tmp_path: Path) -> None:
+    from shardspeed.config.monitor import CsvMonitorConfig
+    from shardspeed.monitor.writers import CsvMonitor
+
+    monitor = CsvMonitor(CsvMonitorConfig(enabled=True, output_path=str(tmp_path), job_name="job"), max_open_files=4)
+    tags = [f"Memory/rank{r}/host_peak_bytes" for r in range(10)]
+    for x in (1, 2):
+        monitor.write_events([(tag, float(r), x) for r, tag in enumerate(tags)])
+        assert len(monitor._files) <= 4
+    monitor.close()
+    for r in range(10):  # closed and re-opened in append mode: one header, every row
+        assert _read_csv(tmp_path / "job" / f"Memory_rank{r}_host_peak_bytes.csv") == [
+            ["step", "host_peak_bytes"],
+            ["1", f"{float(r)}"],
+            ["2", f"{float(r)}"],
+        ]
+
+
+class Broken(Monitor):
+    def write_events(self, events) -> None:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_one_failing_monitor_does_not_stop_the_others() -> None:
+    engine, _, recorder = _train({}, steps=0)
+    engine.monitor.monitors.insert(0, Broken())
+    later = Recorder()
+    engine.monitor.add(later)
+    for _ in range(2):
+        engine.backward(engine(torch.randint(0, 10, (2, 3))).square().mean())
+        engine.step()
+    assert {x for _, _, x in recorder.events} == {x for _, _, x in later.events} == {2, 4}
+    engine.destroy()  # Broken's close raises: warned, the others still close
+    assert recorder.closed == later.closed == 1
+
+
+def test_wandb_close_gives_up_on_a_hung_log(monkeypatch) -> None:
+    import threading
+    import types
+
+    from shardspeed.config.monitor import WandbConfig
+    from shardspeed.monitor import WandbMonitor, writers
+
+    release = threading.Event()
+    finished: list[bool] = []
+
+    class Run:
+        def log(self, data: dict, step: int) -> None:
+            release.wait(30)  # wandb's service gone: log never returns
+
+        def finish(self) -> None:
+            finished.append(True)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    monkeypatch.setattr(writers, "WANDB_CLOSE_TIMEOUT_S", 0.2)
+    monitor = WandbMonitor(WandbConfig(enabled=True))
+    monitor.write_events([("a", 1.0, 2)])
+    with pytest.raises(RuntimeError, match="did not finish"):
+        monitor.close()  # bounded: destroy() and interpreter exit never hang on W&B
+    monitor.close()  # once
+    release.set()
+    assert finished == []

@@ -6,7 +6,7 @@ What is written each step: ``tags.step_events``; who writes: [Note: the writing 
 """
 
 from .base import Event, Monitor
-from .master import MONITOR_EXTRA, MonitorMaster, MonitorPackageError
+from .master import MONITOR_EXTRA, MonitorConfigError, MonitorMaster, MonitorPackageError
 from .writers import CsvMonitor, TensorBoardMonitor, WandbMonitor
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "CsvMonitor",
     "Event",
     "Monitor",
+    "MonitorConfigError",
     "MonitorMaster",
     "MonitorPackageError",
     "TensorBoardMonitor",

@@ -1,26 +1,33 @@
 """``MonitorListener``: the ``EngineListener`` that turns each finished optimizer step into events.
 
-[Note: when a step is written] A ``StepReport`` arrives inside the ``step`` phase (training/micro_driver.py), before
-the phase timer stops, so the listener keeps it and writes when the ``step`` phase ends — after ``PhaseTimers``
-(subscribed earlier) has closed the step and published ``last_step``. The throughput window runs from the first
-phase of the step (its first forward) to the end of its ``step`` phase, like DeepSpeed's throughput timer: time the
-script spends between steps (data loading) is not counted. The listener's own cost is outside the window and is
+[Note: when a step is written] A ``StepReport`` arrives inside the ``step`` phase (training/micro_driver.py), before the
+phase timer stops, so the listener keeps it and writes when the ``step`` phase ends — after ``PhaseTimers`` (subscribed
+earlier) has closed the step and published ``last_step``. The throughput window runs from the first phase of the step
+(its first training forward; under a pipeline the ``batch`` phase, entered with ``train_batch``, so the writer's wait
+for the pipeline to fill counts, as DeepSpeed's timer started in ``train_batch``) to the end of its ``step`` phase: time
+the script spends between steps (data loading) is not counted. The listener's own cost is outside the window and is
 summed in ``seconds_inside`` (the monitor benchmark divides it by the step time).
 
-[Note: one gather per step] The per-rank memory figures (and the tokens per sample each rank saw) travel in one
-small int64 all-gather over the world per step, tagged ``monitor.memory``, issued on *every* rank (never only on
-the writer, which would hang) whenever the monitors are active (the config enables one, or ``add`` was called on
-every rank). It goes through the engine's ``Collectives``, so it is logged and interruptible like every other
-collective; its tag keeps it apart from the data-parallel traffic figures (nothing sums it into ZeRO's traffic).
-It is launched asynchronously after step k and waited after step k+1 (or in ``engine.destroy()``), so neither its
-latency nor the ranks' skew lands on the training thread (waiting for it synchronously cost ~4 ms a step at 2 gloo
-ranks on the benchmark); its events keep step k's x, and reach the monitors one step later.
+[Note: one gather per step] The per-rank memory figures (and the tokens per sample each rank saw) travel in one small
+int64 all-gather over the world per step, tagged ``monitor.memory``, issued on *every* rank (never only on the writer,
+which would hang) whenever the config enables a monitor ([Note: monitor config agreed] in master.py: the same on every
+rank; ``add`` never starts it). It goes through the engine's ``Collectives``, so it is logged and interruptible like
+every other collective; its tag keeps it apart from the data-parallel traffic figures (nothing sums it into ZeRO's
+traffic). It is launched asynchronously after step k and waited after step k+1 (or in ``engine.destroy()``), so neither
+its latency nor the ranks' skew lands on the training thread (waiting for it synchronously cost ~4 ms a step at 2 gloo
+ranks on the benchmark); its events keep step k's x, and reach the monitors one step later. ``engine.destroy()`` waits
+for the last one, unless a failure is known (a failed peer never joins it): those figures are then lost. Per rank it
+carries the host and device peaks, the memory model's prediction (``engine.predicted_memory.total()``, the startup
+line's "model states per rank (predicted)"), the model-state bytes really held (``engine.memory_breakdown()``) and the
+tokens per sample.
 
-[Note: tokens per sample] ``tokens_per_second`` = samples/s × tokens per sample. The engine learns the tokens per
-sample from the shape of the model's first positional input (or ``input_ids=``) when it is an integer (B, S)
-tensor: S (padding included; the last forward's S, so a fixed sequence length is assumed). Under a pipeline only the
-first stage sees token ids; the figure travels to the writer in the per-step gather (the largest S any rank saw).
-``engine.monitor.tokens_per_sample = N`` overrides it (e.g. for packed or variable-length batches).
+[Note: tokens per sample] ``tokens_per_second`` = samples/s × tokens per sample. The engine learns the tokens per sample
+from the shape of the model's first positional input (or ``input_ids=``) when it is an integer (B, S) tensor: S (padding
+included; the last training forward's S, so a fixed sequence length is assumed). The engine's ``forward`` (and the
+pipeline's first stage) announce their inputs (``EngineEvents.inputs``): no hook is put on the user's module, so
+``copy.deepcopy`` / pickling ``engine.module`` is unaffected. Under a pipeline only the first stage sees token ids; the
+figure travels to the writer in the per-step gather (the largest S any rank saw). ``engine.monitor.tokens_per_sample =
+N`` overrides it (e.g. for packed or variable-length batches).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def tokens_per_sample_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int |
 
 
 class MonitorListener:
-    """Subscribed to ``engine.events`` by ``attach_monitor``; does nothing while the master is not active."""
+    """Subscribed to ``engine.events`` by ``attach_monitor``; writes only while some monitor is on."""
 
     def __init__(self, engine: Any, master: MonitorMaster) -> None:
         self._engine = weakref.ref(engine)  # the engine owns this listener (through its events)
@@ -67,45 +74,31 @@ class MonitorListener:
         self.seen_tokens: int | None = None
         self._pending: StepReport | None = None
         self._window_start: float | None = None
-        self._hook: Any = None
         self._unsubscribe: Any = None
         self._inflight: Any = None  # (work, sent, received, x, ranks) of the gather launched at the last step
         self._tokens: int | None = None  # the largest tokens per sample any rank saw, from the last gather
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def attach(self) -> None:
-        engine = self._engine()
-        self._unsubscribe = engine.events.subscribe(self)
-        if self.master.active:
-            self.activate()
-
-    def activate(self) -> None:
-        """The monitors became active: watch inputs for the tokens per sample, compute the norm every step."""
-        engine = self._engine()
-        if self._hook is None and engine is not None:
-            self._hook = engine.module.register_forward_pre_hook(self._see_inputs, with_kwargs=True)
-            driver = getattr(engine, "_driver", None)
-            if driver is not None:
-                driver.norm_every_step = True  # grad_norm every step (symmetric: active is the same everywhere)
+        self._unsubscribe = self._engine().events.subscribe(self)
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
 
-    def _see_inputs(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen = tokens_per_sample_of(args, kwargs)
+    # --- EngineListener ---------------------------------------------------------------------------------------------
+    def on_inputs(self, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """A training forward's inputs ([Note: tokens per sample])."""
+        seen = tokens_per_sample_of(*inputs)
         if seen is not None:
             self.seen_tokens = seen
 
-    # --- EngineListener ---------------------------------------------------------------------------------------------
     def on_phase_start(self, phase: str) -> None:
-        # an evaluation forward (under no_grad: engine(x) in eval, the pipeline's eval_batch) between two training
-        # steps does not start the next step's throughput window
-        if self._window_start is None and (phase != "forward" or torch.is_grad_enabled()):
+        # the pipeline's train_batch ("batch") opens the window; an evaluation forward (under no_grad: engine(x) in
+        # eval, the pipeline's eval_batch) between two training steps does not start the next step's window
+        opens = self._window_start is None and (phase != "forward" or torch.is_grad_enabled())
+        if phase == "batch" or opens:
             self._window_start = time.perf_counter()
 
     def on_step(self, report: StepReport) -> None:
@@ -122,12 +115,17 @@ class MonitorListener:
     def _write(self, report: StepReport, now: float) -> None:
         window, self._window_start = (now - self._window_start if self._window_start is not None else None), None
         engine = self._engine()
-        if not self.master.active or engine is None:
+        gathers = self.master.configured  # the same on every rank: [Note: one gather per step]
+        if engine is None or not (gathers or self.master.enabled):
             return
         began = time.perf_counter()
-        previous = self._collect()  # the last step's gather, launched one step ago: [Note: one gather per step]
-        self._launch(engine, report.global_samples)  # this step's, on every rank
-        if self.master.writes:
+        memory: list[Event] = []
+        if gathers:
+            memory = self._collect()  # the last step's gather, launched one step ago
+            self._launch(engine, report.global_samples)  # this step's, on every rank
+        elif self.master.enabled:  # only added monitors: no gather, this rank's own figures ([Note: added ...])
+            memory = _rank_events([engine.topology.global_rank], [self._figures(engine)], report.global_samples)
+        if self.master.enabled:
             rate = engine._driver.train_batch_size / window if window else None  # set_train_batch_size changes it
             override = self.master.tokens_per_sample
             events = step_events(
@@ -138,28 +136,35 @@ class MonitorListener:
                 phase_seconds=engine.timers.last_step if engine.timers.enabled else None,
                 mfu=_mfu(engine, rate),
             )
-            self.master.write_events(events + previous)
+            self.master.write_events(events + memory)
             self.steps_written += 1
         self.seconds_inside += time.perf_counter() - began
 
-    def finish(self) -> None:
-        """``engine.destroy()`` (every rank): wait for the last step's gather and write its memory figures."""
+    def finish(self, wait: bool = True) -> None:
+        """``engine.destroy()`` (every rank): wait for the last step's gather and write its memory figures;
+        ``wait=False`` (a failure is known): drop it unwaited."""
+        if not wait:
+            self._inflight = None
+            return
         events = self._collect()
-        if self.master.writes:
+        if self.master.enabled:
             self.master.write_events(events)
 
-    def _launch(self, engine: Any, x: int) -> None:
-        """Start the all-gather of this rank's figures over the world (asynchronous: waited at the next step)."""
+    def _figures(self, engine: Any) -> list[int]:
         device_peak = device_peak_bytes(engine.device)
-        figures = [
+        return [
             host_peak_bytes(),
             -1 if device_peak is None else device_peak,
+            int(engine.predicted_memory.total()),
             model_state_total(engine.memory_breakdown()),
             self.seen_tokens or 0,
         ]
+
+    def _launch(self, engine: Any, x: int) -> None:
+        """Start the all-gather of this rank's figures over the world (asynchronous: waited at the next step)."""
         world = engine.topology.world
-        mine = torch.tensor(figures, dtype=torch.int64, device=engine.device)
-        gathered = torch.empty(world.size * len(figures), dtype=torch.int64, device=engine.device)
+        mine = torch.tensor(self._figures(engine), dtype=torch.int64, device=engine.device)
+        gathered = torch.empty(world.size * mine.numel(), dtype=torch.int64, device=engine.device)
         work = engine.collectives.all_gather(gathered, mine, world, async_op=True, tag=GATHER_TAG)
         self._inflight = (work, mine, gathered, x, world.ranks)
 
@@ -172,12 +177,17 @@ class MonitorListener:
         self._inflight = None
         work.wait()
         rows = gathered.view(len(ranks), -1).tolist()
-        self._tokens = max(row[3] for row in rows) or None
-        memory = [
-            RankMemory(ranks[i], host, None if device < 0 else device, predicted)
-            for i, (host, device, predicted, _) in enumerate(rows)
-        ]
-        return [event for rank in memory for event in rank.events(x)]
+        self._tokens = max(row[-1] for row in rows) or None
+        return _rank_events(ranks, rows, x)
+
+
+def _rank_events(ranks: Any, rows: list[list[int]], x: int) -> list[Event]:
+    """``Memory/rank{r}/*`` events from each rank's figures (``MonitorListener._figures``)."""
+    memory = [
+        RankMemory(rank, host, None if device < 0 else device, predicted, held)
+        for rank, (host, device, predicted, held, _) in zip(ranks, rows, strict=True)
+    ]
+    return [event for rank in memory for event in rank.events(x)]
 
 
 def _mfu(engine: Any, samples_per_second: float | None) -> float | None:
@@ -193,8 +203,8 @@ def _mfu(engine: Any, samples_per_second: float | None) -> float | None:
 
 def attach_monitor(engine: Any) -> MonitorMaster:
     """``engine.monitor``: the configured monitors, and the step listener subscribed to ``engine.events``. The
-    engine called ``agree_monitor_packages`` at its start."""
-    master = MonitorMaster.from_config(engine.config, engine.topology, engine.collectives, packages_agreed=True)
+    engine called ``agree_monitor_config`` at its start."""
+    master = MonitorMaster.from_config(engine.config, engine.topology)
     master.listener = MonitorListener(engine, master)
     master.listener.attach()
     return master

@@ -7,16 +7,27 @@ pipeline engine writes ``train_loss`` from there); data rank 0 / tensor rank 0 p
 rank builds no monitor, and ``write_events`` is a no-op there, so anyone (the engine, the profiler, a script) may call
 it on every rank.
 
-[Note: monitor packages agreed] ``tensorboard`` and ``wandb`` are optional (the ``monitor`` extra). Whether they
-import is checked on *every* rank and all-gathered over the world before any monitor is built, so a missing package
-on any host is the same ``MonitorPackageError`` on every rank (naming the config key and the extra) at
-``initialize()``, never an error on the writer while its peers train on into a hang. The engine checks right after
-building its ``Collectives``, before any model state, hook or swap file exists.
+[Note: monitor config agreed] Whether monitors are on decides a collective (the per-step memory gather,
+monitor/listener.py), so it must be the same on every rank. ``agree_monitor_config`` runs at every engine's
+``initialize()`` (one small ``all_gather_object`` over the world, always, monitors or not), right after the engine's
+``Collectives`` exist and before any model state, hook or swap file: each rank sends the monitor sections it enables
+and the optional packages (``tensorboard``, ``wandb``: the ``monitor`` extra) that fail to import there. Sections
+that differ across ranks are one ``MonitorConfigError`` on every rank, naming the ranks and the keys; a missing
+package on any host is one ``MonitorPackageError`` on every rank (naming the config key and the extra) — never an
+error on the writer while its peers train on into a hang. DeepSpeed builds its monitors on rank 0 only, so a
+DeepSpeed script may enable them on rank 0 only (``"enabled": rank == 0``); here that is the clear error above:
+enable them on every rank, only the writing rank writes.
+
+[Note: added monitors are local] ``engine.monitor.add(m)`` changes no collective: a user's monitor may be added on
+one rank only (``if rank == 0: engine.monitor.add(m)``, DeepSpeed's rank-0 pattern). It receives events only if
+that rank is the writing rank. Without a configured monitor no memory gather runs, so an added monitor gets the
+``Train/Samples/*`` tags and the writing rank's own ``Memory/rank{r}/*`` figures only.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,12 +42,15 @@ from .writers import CsvMonitor, TensorBoardMonitor, WandbMonitor
 
 __all__ = [
     "MONITOR_EXTRA",
+    "MonitorConfigError",
     "MonitorMaster",
     "MonitorPackageError",
-    "agree_monitor_packages",
+    "agree_monitor_config",
     "is_writing_rank",
     "missing_packages",
 ]
+
+_LOG = logging.getLogger("shardspeed")
 
 MONITOR_EXTRA = "pip install shardspeed[monitor]"
 
@@ -46,6 +60,15 @@ PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 class MonitorPackageError(ImportError):
     """A monitor is enabled but its package is missing on some rank."""
+
+
+class MonitorConfigError(ValueError):
+    """The ranks enable different monitor sections."""
+
+
+def enabled_sections(config: ShardSpeedConfig) -> list[str]:
+    """``"<section>.enabled"`` for each monitor section this rank's config enables."""
+    return [f"{s}.enabled" for s in ("tensorboard", "csv_monitor", "wandb") if getattr(config, s).enabled]
 
 
 def missing_packages(config: ShardSpeedConfig) -> list[str]:
@@ -64,19 +87,27 @@ def _importable(package: str) -> bool:
         return False
 
 
-def agree_monitor_packages(config: ShardSpeedConfig, topology: Topology, collectives: Collectives) -> None:
-    """[Note: monitor packages agreed]: one ``MonitorPackageError`` on every rank when an enabled monitor's package
-    does not import on any rank. Collective over the world when a monitor is enabled; nothing otherwise."""
-    if not any_monitor_enabled(config.tensorboard, config.csv_monitor, config.wandb):
-        return
-    gathered = collectives.all_gather_object(missing_packages(config), topology.world)
-    problems = sorted({p for rank_missing in gathered for p in rank_missing})  # type: ignore[attr-defined]
+def agree_monitor_config(config: ShardSpeedConfig, topology: Topology, collectives: Collectives) -> None:
+    """[Note: monitor config agreed]: one collective over the world, always; the same error on every rank when
+    the ranks enable different monitors, or an enabled monitor's package does not import on some rank."""
+    mine = (enabled_sections(config), missing_packages(config))
+    gathered: list = collectives.all_gather_object(mine, topology.world)  # type: ignore[assignment]
+    ranks = topology.world.ranks
+    if any(sections != gathered[0][0] for sections, _ in gathered):
+        by_rank = "; ".join(f"rank {r}: {', '.join(g[0]) or 'none'}" for r, g in zip(ranks, gathered, strict=True))
+        raise mark_agreed(
+            MonitorConfigError(
+                f"the ranks enable different monitors ({by_rank}); enable the same monitor sections on every rank "
+                "(only the writing rank writes: DeepSpeed's '\"enabled\": rank == 0' is not needed)"
+            )
+        )
+    problems = sorted({p for _, rank_missing in gathered for p in rank_missing})
     if problems:
-        ranks = [topology.world.ranks[i] for i, m in enumerate(gathered) if m]
+        missing_on = [r for r, (_, m) in zip(ranks, gathered, strict=True) if m]
         raise mark_agreed(
             MonitorPackageError(
                 f"{', '.join(problems)}: the monitor's package does not import on rank(s) "
-                f"{', '.join(map(str, ranks))}; install the monitor extra ({MONITOR_EXTRA}) or set "
+                f"{', '.join(map(str, missing_on))}; install the monitor extra ({MONITOR_EXTRA}) or set "
                 f'"enabled": false'
             )
         )
@@ -96,23 +127,19 @@ class MonitorMaster(Monitor):
         """Whether this rank is the writing rank ([Note: the writing rank])."""
         self.monitors: list[Monitor] = list(monitors) if writes else []
         self.configured = configured
-        """The config enables a monitor (the same on every rank)."""
-        self.added = False
+        """The config enables a monitor: the same on every rank ([Note: monitor config agreed]); it alone decides
+        the per-step memory gather."""
         self.tokens_per_sample: int | None = None
         """Override the tokens per sample the step listener infers (monitor/listener.py); None: inferred."""
         self.listener: Any = None
         """The engine's ``MonitorListener`` (monitor/listener.py), when an engine built this master."""
         self._closed = False
+        self._failed: set[int] = set()  # ids of monitors whose write failed once (warned, then skipped)
 
     @classmethod
-    def from_config(
-        cls, config: ShardSpeedConfig, topology: Topology, collectives: Collectives, *, packages_agreed: bool = False
-    ) -> MonitorMaster:
-        """The configured monitors (on the writing rank); ``agree_monitor_packages`` first (a collective over the
-        world when a monitor is enabled) unless the caller did (``packages_agreed``)."""
+    def from_config(cls, config: ShardSpeedConfig, topology: Topology) -> MonitorMaster:
+        """The configured monitors (on the writing rank). The engine ran ``agree_monitor_config`` first."""
         configured = any_monitor_enabled(config.tensorboard, config.csv_monitor, config.wandb)
-        if not packages_agreed:
-            agree_monitor_packages(config, topology, collectives)
         writes = is_writing_rank(topology)
         monitors: list[Monitor] = []
         if configured and writes:
@@ -128,40 +155,60 @@ class MonitorMaster(Monitor):
     def enabled(self) -> bool:
         return self.writes and bool(self.monitors)
 
-    @property
-    def active(self) -> bool:
-        """Whether the engine's listener produces events: the same on every rank as long as ``add`` is called on
-        every rank (it decides the per-step memory gather, a collective)."""
-        return self.configured or self.added
-
     def add(self, monitor: Monitor) -> None:
-        """Add a user's monitor. Call it on every rank, like every engine call (the per-step memory gather starts
-        with it); the monitor is kept, and written to, on the writing rank only."""
+        """Add a user's monitor, on any rank or ranks ([Note: added monitors are local]): it is kept, and written
+        to, on the writing rank only; no collective starts or stops."""
         if not isinstance(monitor, Monitor):
             raise TypeError(f"engine.monitor.add expects a shardspeed.monitor.Monitor, got {type(monitor).__name__}")
-        self.added = True
         if self.writes:
             self.monitors.append(monitor)
-        if self.listener is not None:
-            self.listener.activate()
 
     def write_events(self, events: Sequence[Event]) -> None:
+        """Every monitor gets the events; one that raises is warned about once and skipped from then on, so a full
+        disk under the CSV files neither starves TensorBoard / W&B nor stops training on the writer alone."""
         if not self.writes or not events:
             return
         for monitor in self.monitors:
-            monitor.write_events(events)
+            if id(monitor) in self._failed:
+                continue
+            try:
+                monitor.write_events(events)
+            except Exception as err:
+                self._failed.add(id(monitor))
+                _LOG.warning(
+                    "monitor %s failed to write (%s: %s); it gets no more events",
+                    _name(monitor),
+                    type(err).__name__,
+                    err,
+                )
 
     def flush(self) -> None:
         for monitor in self.monitors:
             monitor.flush()
 
-    def close(self) -> None:
-        """Close every monitor once (each flushes first); ``engine.destroy()`` calls it."""
+    def close(self, *, peer_failed: bool = False) -> None:
+        """Close every monitor once (each flushes first); ``engine.destroy()`` calls it, after the rest of its
+        cleanup. ``peer_failed``: a failure is known, so the last step's memory gather (which a failed peer may
+        never join) is not waited. Never raises: an error closing one monitor is a warning, the others still
+        close."""
         if self._closed:
             return
         self._closed = True
-        if self.listener is not None:
-            self.listener.finish()  # every rank: the last step's memory gather is waited, its events written
-            self.listener.detach()
-        for monitor in self.monitors:
-            monitor.close()
+        try:
+            if self.listener is not None:
+                # every rank: the last step's gather is waited and its events written (skipped after a failure)
+                self.listener.finish(wait=not peer_failed)
+        except Exception as err:  # a peer failed while we waited: the figures are lost, the files are not
+            _LOG.warning("the last step's memory figures were not written (%s: %s)", type(err).__name__, err)
+        finally:
+            if self.listener is not None:
+                self.listener.detach()
+            for monitor in self.monitors:
+                try:
+                    monitor.close()
+                except Exception as err:
+                    _LOG.warning("monitor %s failed to close (%s: %s)", _name(monitor), type(err).__name__, err)
+
+
+def _name(monitor: Monitor) -> str:
+    return type(monitor).__name__

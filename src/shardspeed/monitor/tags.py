@@ -26,6 +26,9 @@ class RankMemory:
     host_peak_bytes: int
     device_peak_bytes: int | None
     predicted_model_state_bytes: int
+    """The memory model's prediction (``engine.predicted_memory.total()``)."""
+    model_state_bytes: int
+    """The model-state bytes the engine holds (``engine.memory_breakdown()``, transient buckets excluded)."""
 
     def events(self, x: int) -> list[Event]:
         prefix = f"Memory/rank{self.rank}/"
@@ -33,6 +36,7 @@ class RankMemory:
         if self.device_peak_bytes is not None:
             out.append((prefix + "device_peak_bytes", float(self.device_peak_bytes), x))
         out.append((prefix + "predicted_model_state_bytes", float(self.predicted_model_state_bytes), x))
+        out.append((prefix + "model_state_bytes", float(self.model_state_bytes), x))
         return out
 
 

@@ -311,9 +311,10 @@ class PipelineEngine(ShardSpeedEngine):
         driver.begin_batch()
         scaler = self._core.loss_scaler
         try:
-            result = self._executor.run(
-                schedule.steps(), data, micro_batches=m, hooks=driver, loss_scale=scaler.scale if scaler else 1.0
-            )
+            with self.events.phase("batch"):  # the monitors' throughput window opens here, as DeepSpeed's timer
+                result = self._executor.run(
+                    schedule.steps(), data, micro_batches=m, hooks=driver, loss_scale=scaler.scale if scaler else 1.0
+                )
         except BaseException:
             driver.abort_batch()
             raise

@@ -256,10 +256,13 @@ class PipeExecutor:
             if hooks is None:
                 raise RuntimeError(f"{ins!r} in an inference schedule")
             start = time.perf_counter()
-            if isinstance(ins, ReduceTiedGrads):
-                hooks.reduce_tied_grads()
-            elif isinstance(ins, ReduceGrads):
-                hooks.reduce_grads()
+            if isinstance(ins, (ReduceTiedGrads, ReduceGrads)):
+                # the gradient reductions, timed as backward_allreduce ([Note: backward split] in timers.py)
+                with self.events.phase("reduce") if self.events is not None else _nothing():
+                    if isinstance(ins, ReduceTiedGrads):
+                        hooks.reduce_tied_grads()
+                    else:
+                        hooks.reduce_grads()
             else:
                 hooks.optimizer_step([self._losses[i] for i in sorted(self._losses)])
             self._stats.step_s += time.perf_counter() - start
@@ -293,6 +296,8 @@ class PipeExecutor:
         if slot.inputs is None:
             raise RuntimeError(f"pipeline schedule error: {ins!r} before its inputs were loaded or received")
         x = slot.inputs[0] if slot.single_input else slot.inputs
+        if self.events is not None and self.is_first_virtual(ins.chunk):
+            self.events.inputs((x,), {})  # the batch's inputs: the monitors' tokens per sample
         phase = self.events.phase("forward") if self.events is not None else _nothing()
         with phase:
             out = self.module(x, chunk=ins.chunk)

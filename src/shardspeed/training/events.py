@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -52,6 +52,8 @@ class EngineListener(Protocol):
 
     def on_step(self, report: StepReport) -> None: ...
 
+    def on_inputs(self, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> None: ...
+
 
 class EngineEvents:
     """Listeners of one engine, called in subscription order."""
@@ -66,7 +68,8 @@ class EngineEvents:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """``forward``, ``backward`` or ``step`` runs inside; listeners hear its start and its end (also when it
+        """``forward``, ``backward``, ``step``, the pipeline's ``reduce`` (its gradient reductions) or ``batch``
+        (a whole ``train_batch``) runs inside; listeners hear its start and its end (also when it
         raised, so a timer never stays open)."""
         self._call("on_phase_start", name)
         try:
@@ -76,6 +79,12 @@ class EngineEvents:
 
     def step(self, report: StepReport) -> None:
         self._call("on_step", report)
+
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training forward's inputs (the engine's ``forward``, the pipeline's first stage), for listeners that
+        read their shape (the monitors' tokens per sample) without a hook on the user's module."""
+        if torch.is_grad_enabled():
+            self._call("on_inputs", (args, kwargs))
 
     def _call(self, method: str, arg: object) -> None:
         for listener in self._listeners:
