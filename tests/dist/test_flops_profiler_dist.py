@@ -193,3 +193,26 @@ def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> 
         assert r["model_params"] == n_dense
         assert r["per_sample"] == dense_per_sample + head
     assert "params of model (sum over tensor/pipe ranks): " in results[0]["summary"]
+
+
+def _rank0_only(rank: int, world: int) -> str:
+    from shardspeed.config.errors import ConfigError
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        # DeepSpeed profiles on rank 0 only, so a migrated config may enable it there alone
+        "flops_profiler": {"enabled": rank == 0, "profile_step": 1},
+    }
+    try:
+        shardspeed.initialize(model=torch.nn.Linear(4, 4), config=config)
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_profiler_config_differing_between_ranks_is_one_error_on_every_rank(dist_run) -> None:
+    messages = dist_run(_rank0_only, 2)
+    assert messages[0] == messages[1]  # the same error everywhere, never a hang
+    assert "flops_profiler.enabled" in messages[0] and "ranks [0]: enabled, profile_step 1" in messages[0]
+    assert "ranks [1]: disabled" in messages[0]

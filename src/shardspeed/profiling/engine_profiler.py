@@ -10,8 +10,9 @@ At the end of the profiled step every rank all-reduces a few numbers (its forwar
 and its share of the parameters) over the ``model`` scope (pipe × tensor), so the sums cover one whole model
 replica; data-parallel replicas compute the same model on other samples and are not added. Per sample = the sum
 divided by the samples each rank of the replica processed in the step (``micro batch × gradient accumulation``).
-The call is symmetric: ``profile_step`` comes from the config, so every rank reaches it at the same step, and a
-size-1 scope is no collective at all. Work a tensor-parallel layer replicates (norms, a replicated head) is
+The call is symmetric: ``enabled`` and ``profile_step`` are agreed over the world at construction
+(``check_profile_agrees``: a difference is one ``ConfigError`` on every rank), so every rank reaches it at the same
+step, and a size-1 scope is no collective at all. Work a tensor-parallel layer replicates (norms, a replicated head) is
 counted on every tensor rank, which the whole-model FLOPs then include T times; parameters are counted once
 (tensor rank 0 enters every parameter's global count). A weight tied across pipeline stages counts once (its
 copies on later stages are the specs' ``tied_copies``).
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.config.errors import ConfigError
 from shardspeed.config.flops_profiler import FlopsProfilerConfig
 from shardspeed.profiling.mfu import PeakFlops, model_flops_utilization, peak_flops
 from shardspeed.profiling.session import ProfileSession, WindowFigures, full_param_count, warm_up_mode
@@ -195,9 +197,34 @@ class EngineFlopsProfiler:
                     logger.warning("flops_profiler.output_file %s could not be written: %s", cfg.output_file, error)
 
 
+def check_profile_agrees(engine: Any) -> None:
+    """Every rank must profile the same step or none: ``_finish`` all-reduces over the model scope, so a rank that
+    profiled alone (DeepSpeed profiles on rank 0 only, so ``"enabled": rank == 0`` is a plausible migrated config)
+    would pair its exchange with a peer's next collective — a crash or a hang. One small gather over the world at
+    construction; a difference is the same ``ConfigError`` on every rank."""
+    cfg = engine.config.flops_profiler
+    mine = (bool(cfg.enabled), int(cfg.profile_step) if cfg.enabled else None)
+    world = engine.topology.world
+    seen = engine.collectives.all_gather_object(mine, world)
+    if len(set(seen)) > 1:
+        by_value: dict[object, list[int]] = {}
+        for rank, value in zip(world.ranks, seen):
+            by_value.setdefault(value, []).append(rank)
+        described = "; ".join(
+            f"ranks {ranks}: " + (f"enabled, profile_step {v[1]}" if v[0] else "disabled")  # type: ignore[index]
+            for v, ranks in by_value.items()
+        )
+        raise ConfigError(
+            f"flops_profiler.enabled / flops_profiler.profile_step differ between ranks ({described}); every rank "
+            "profiles the same step (the whole-model figure is summed across ranks): give every rank the same "
+            "flops_profiler section (shardspeed prints on global rank 0 only, as DeepSpeed does)"
+        )
+
+
 def attach_flops_profiler(engine: Any) -> EngineFlopsProfiler:
     """Build ``engine.flops_profiler`` and subscribe it to ``engine.events`` (call once ``engine.progress`` exists)."""
     config = engine.config
+    check_profile_agrees(engine)
     owner = weakref.ref(engine)  # no cycle through the listener: dropping the engine frees it
     profiler = EngineFlopsProfiler(
         config.flops_profiler,
