@@ -103,6 +103,8 @@ class EngineFlopsProfiler:
 
     # --- EngineListener ----------------------------------------------------------------------------------------
     def on_phase_start(self, phase: str) -> None:
+        if phase == "forward" and not self._training_forward():
+            return  # an evaluation forward neither opens the window nor is charged (its end_phase finds none open)
         if self.state == "IDLE" and phase == "forward" and self._steps_done() == self.config.profile_step:
             self.session = ProfileSession(self.module, self.device, self._param_count)
             self.session.start()
@@ -134,6 +136,11 @@ class EngineFlopsProfiler:
         self.state = "DONE"
 
     # --- internals ---------------------------------------------------------------------------------------------
+    def _training_forward(self) -> bool:
+        """Validation between steps (``engine.eval()``, ``torch.no_grad()``, the pipeline's ``eval_batch``) emits
+        the same ``forward`` phase; counting it would add samples that were never trained on to the figure."""
+        return torch.is_grad_enabled() and self.module.training
+
     def _param_count(self, param: nn.Parameter) -> int:
         return full_param_count(param)
 

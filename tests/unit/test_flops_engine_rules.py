@@ -1,0 +1,52 @@
+"""``engine.flops_profiler``'s rules around the profiled step: evaluation forwards are not training FLOPs, the
+MFU peak follows the dtype the matmuls run in."""
+
+from __future__ import annotations
+
+import torch
+
+import shardspeed
+from shardspeed.demo.model import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, context_length=16, n_layer=2, d_model=32, n_head=2)
+
+
+def _engine(extra: dict) -> shardspeed.ShardSpeedEngine:
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 1000,
+        "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False},
+        **extra,
+    }
+    engine, *_ = shardspeed.initialize(model=GPT(CFG), config=config)
+    engine.flops_profiler._print = lambda text: None
+    return engine
+
+
+def gpt_formula(model: GPT, tokens: int, seq: int) -> int:
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "position" not in n)
+    return 6 * tokens * weights + 12 * CFG.n_layer * seq * CFG.d_model * tokens
+
+
+def test_evaluation_forwards_at_profile_step_are_not_counted() -> None:
+    """Validation right after step N (N = profile_step): eval mode under no_grad, and a no_grad forward in train
+    mode, neither open the window nor add to it; the training step after them is the one profiled."""
+    engine = _engine({})
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16))
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    engine.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            engine(tokens, tokens)
+    engine.train()
+    with torch.no_grad():
+        engine(tokens, tokens)
+    assert engine.flops_profiler.state == "IDLE"
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    profiler = engine.flops_profiler
+    assert profiler.figures.phases["forward"].count == 1
+    assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
