@@ -50,3 +50,16 @@ def test_evaluation_forwards_at_profile_step_are_not_counted() -> None:
     profiler = engine.flops_profiler
     assert profiler.figures.phases["forward"].count == 1
     assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
+
+
+def test_mfu_peak_uses_the_autocast_dtype(monkeypatch) -> None:
+    """fp32 parameters under ``torch_autocast`` bf16: the matmuls run in bf16, so the peak is the bf16 column
+    (the table path, with the device name faked)."""
+    from shardspeed.profiling import mfu
+
+    engine = _engine({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    assert engine.flops_profiler.compute_dtype == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(mfu, "_CACHE", {})
+    peak = mfu.peak_flops(torch.device("cuda", 0), engine.flops_profiler.compute_dtype)
+    assert peak == mfu.table_peak("NVIDIA H200", "bf16") and "bf16" in peak.source

@@ -204,6 +204,14 @@ class EngineFlopsProfiler:
                     logger.warning("flops_profiler.output_file %s could not be written: %s", cfg.output_file, error)
 
 
+def matmul_dtype(config: Any) -> torch.dtype:
+    """The dtype the model's matmuls run in, whose peak MFU divides by: ``torch_autocast``'s (fp32 parameters,
+    bf16 matmuls: the fp32 column would overstate MFU ~15x on a GPU), else the parameters' compute dtype."""
+    if config.torch_autocast.enabled:
+        return config.torch_autocast.dtype
+    return config.compute_dtype
+
+
 def check_profile_agrees(engine: Any) -> None:
     """Every rank must profile the same step or none: ``_finish`` all-reduces over the model scope, so a rank that
     profiled alone (DeepSpeed profiles on rank 0 only, so ``"enabled": rank == 0`` is a plausible migrated config)
@@ -239,7 +247,7 @@ def attach_flops_profiler(engine: Any) -> EngineFlopsProfiler:
         topology=engine.topology,
         collectives=engine.collectives,
         device=engine.device,
-        compute_dtype=config.compute_dtype,
+        compute_dtype=matmul_dtype(config),
         steps_done=lambda: owner().progress.global_steps,
         micro_batch_size=config.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
