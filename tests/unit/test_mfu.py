@@ -74,3 +74,12 @@ def test_cpu_probe_is_short_and_positive() -> None:
     peak = mfu.measure_cpu_peak(n=256, budget_s=0.05, repeats=3)
     assert peak.flops_per_second > 0
     assert peak.source.startswith("measured: 256x256 fp32 matmul probe (") and "threads" in peak.source
+
+
+def test_gpu_probe_leaves_the_global_rng_alone(monkeypatch) -> None:
+    """The unknown-GPU probe draws its operands from a private generator (run here on the CPU, where the same
+    code path can be exercised with the synchronisation made a no-op)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    before = torch.random.get_rng_state()
+    mfu._measure_cuda(torch.device("cpu"), torch.float32, "test", n=32)
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -109,8 +109,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
 
 
 def _measure_cuda(device: torch.device, dtype: torch.dtype, name: str, n: int = 4096) -> PeakFlops:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # A private generator: the probe runs lazily on one rank, and a draw from the default one would shift that
+    # rank's RNG stream (tensor ranks' replicated dropout would then diverge).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     torch.mm(a, b)
     torch.cuda.synchronize(device)
     best = float("inf")
