@@ -63,3 +63,23 @@ def test_mfu_peak_uses_the_autocast_dtype(monkeypatch) -> None:
     monkeypatch.setattr(mfu, "_CACHE", {})
     peak = mfu.peak_flops(torch.device("cuda", 0), engine.flops_profiler.compute_dtype)
     assert peak == mfu.table_peak("NVIDIA H200", "bf16") and "bf16" in peak.source
+
+
+def test_recompute_of_a_checkpointed_bound_method_is_measured_inside_it() -> None:
+    """Megatron's "checkpoint the core attention": ``attn.forward`` (a bound method whose own body runs SDPA)
+    checkpointed with shardspeed.checkpointing. The recompute is measured inside the checkpoint's recompute scope,
+    so the SDPA recomputed outside any submodule call is not charged to backward."""
+    import functools
+
+    from shardspeed import checkpointing
+
+    engine = _engine({"flops_profiler": {"enabled": True, "profile_step": 0}})
+    for block in engine.module.blocks:
+        block.attn.forward = functools.partial(checkpointing.checkpoint, block.attn.forward)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16))
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    profiler = engine.flops_profiler
+    attn_forward = sum(s.fwd_flops for s in profiler.figures.modules if s.path.endswith(".attn"))
+    assert attn_forward > 0 and profiler.figures.recompute_flops == attn_forward
+    assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
