@@ -159,6 +159,7 @@ def _tp_profile(rank: int, world: int) -> dict:
         "per_sample": prof.model_flops_per_sample,
         "model_params": prof.model_params,
         "params": fig.params,
+        "rank_flops": fig.flops("forward") + fig.flops("backward"),
         "local_params": sum(p.numel() for p in model.parameters()),
         "summary": "\n".join(prof.summary),
     }
@@ -166,7 +167,7 @@ def _tp_profile(rank: int, world: int) -> dict:
 
 def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> None:
     """TP=2: "params per GPU" is the rank's slices; the model's parameters sum to the dense count; the model FLOPs
-    are the dense model's plus the replicated head once more ([Note: the whole-model figure])."""
+    are the dense model's: the replicated head is counted once ([Note: the whole-model figure])."""
     from tp_block import TPTinyLM, dense_tp
 
     from shardspeed.profiling.session import ProfileSession
@@ -191,7 +192,8 @@ def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> 
     for r in results:
         assert r["params"] == r["local_params"] < n_dense
         assert r["model_params"] == n_dense
-        assert r["per_sample"] == dense_per_sample + head
+        assert r["per_sample"] == dense_per_sample
+        assert r["rank_flops"] == MB * dense_per_sample / 2 + MB * head / 2  # the per-rank figure: slices + head
     assert "params of model (sum over tensor/pipe ranks): " in results[0]["summary"]
 
 

@@ -5,16 +5,20 @@ its first ``forward`` phase to its ``on_step``: every micro-batch's forward and 
 and each forward / backward a pipeline stage runs in ``train_batch``) and the optimizer step. Then it turns itself
 off for good (IDLE → PROFILING → DONE).
 
-[Note: the whole-model figure] Each rank counts what it executed: its pipeline stage, its tensor-parallel slices.
-At the end of the profiled step every rank all-reduces a few numbers (its forward, backward and recomputed FLOPs,
-and its share of the parameters) over the ``model`` scope (pipe × tensor), so the sums cover one whole model
-replica; data-parallel replicas compute the same model on other samples and are not added. Per sample = the sum
-divided by the samples each rank of the replica processed in the step (``micro batch × gradient accumulation``).
-The call is symmetric: ``enabled`` and ``profile_step`` are agreed over the world at construction
-(``check_profile_agrees``: a difference is one ``ConfigError`` on every rank), so every rank reaches it at the same
-step, and a size-1 scope is no collective at all. Work a tensor-parallel layer replicates (norms, a replicated head) is
-counted on every tensor rank, which the whole-model FLOPs then include T times; parameters are counted once
-(tensor rank 0 enters every parameter's global count). A weight tied across pipeline stages counts once (its
+[Note: the whole-model figure] Each rank counts what it executed: its pipeline stage, its tensor-parallel slices. At
+the end of the profiled step every rank all-reduces a few numbers (its forward, backward and recomputed FLOPs, and
+its share of the parameters) over the ``model`` scope (pipe × tensor), so the sums cover one whole model replica;
+data-parallel replicas compute the same model on other samples and are not added. Per sample = the sum divided by
+the samples each rank of the replica processed in the step (``micro batch × gradient accumulation``). The call is
+symmetric: ``enabled`` and ``profile_step`` are agreed over the world at construction (``check_profile_agrees``: a
+difference is one ``ConfigError`` on every rank), so every rank reaches it at the same step, and a size-1 scope is
+no collective at all. Work a tensor-parallel layer replicates is model work once (MFU is model FLOPs over peak): a
+module whose parameters are all tensor-replicated (a norm, a replicated head; the outermost such module) enters the
+sum from tensor rank 0 only, its forward and backward FLOPs taken off the other tensor ranks' contribution
+(``_replicated_share``), so the sum is the dense model's. The per-rank lines still show what each rank executed. Not
+caught: replicated work outside such a module (in a partitioned module's own body), and the recompute of a
+replicated module, which tensor ranks > 0 then take off twice. Parameters are counted once too (tensor rank 0 enters
+every parameter's global count). A weight tied across pipeline stages counts once (its
 copies on later stages are the specs' ``tied_copies``).
 
 ``model_flops_per_sample`` excludes activation-checkpointing recompute (it is measured, see session.py); the
@@ -158,9 +162,32 @@ class EngineFlopsProfiler:
             share += math.prod(spec.global_shape) if spec is not None and spec.partitioned else full_param_count(param)
         return share
 
+    def _replicated_share(self, fig: WindowFigures) -> tuple[int, int]:
+        """Forward and backward FLOPs this rank leaves out of the whole-model sum ([Note: the whole-model figure]):
+        on tensor ranks > 0, those of the outermost modules whose parameters are all tensor-replicated."""
+        if self.topology.tensor.size == 1 or self.topology.tensor.rank == 0 or self.param_specs is None:
+            return 0, 0
+        fwd = bwd = 0
+        taken: list[str] = []
+        for stats in fig.modules:  # named_modules order: a parent before its children
+            if any(stats.path.startswith(path + ".") for path in taken):
+                continue
+            params = list(stats.module.parameters())
+            if params and not any(self.param_specs.of(p).partitioned for p in params):
+                taken.append(stats.path)
+                fwd += stats.fwd_flops
+                bwd += stats.bwd_flops
+        return fwd, bwd
+
     def _finish(self, fig: WindowFigures) -> None:
+        left_fwd, left_bwd = self._replicated_share(fig)
         local = torch.tensor(
-            [fig.flops("forward"), fig.flops("backward"), fig.recompute_flops, self._model_share()],
+            [
+                fig.flops("forward") - left_fwd,
+                fig.flops("backward") - left_bwd,
+                fig.recompute_flops,
+                self._model_share(),
+            ],
             dtype=torch.int64,  # exact: FLOP counts pass 2**53 on large models
             device=self.device,
         )

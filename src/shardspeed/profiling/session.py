@@ -20,15 +20,14 @@ activation-checkpointing recompute: its FLOPs are also summed apart (``recompute
 [Note: measuring recompute] A region checkpointed by ``shardspeed.checkpointing`` (also ``deepspeed.checkpointing``)
 is measured exactly: the checkpoint's recompute scope tells the session when each recompute starts and ends
 (``add_recompute_observer``), whatever the region is — a module call or a bound method such as ``attn.forward``
-whose own body holds matmuls — and a recompute torch stops early counts what ran. For raw
-``torch.utils.checkpoint`` (no such scope) the fallback window is the outermost module forward that starts inside
-a backward phase, until that module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute
-as soon as the last saved tensor it needs exists (by raising inside the forward), so that window would never close;
-while a session is open it sets ``torch.utils.checkpoint.set_checkpoint_early_stop(False)``
-(a torch context manager, read when each checkpointed forward runs) so recompute runs whole: the same values,
-a little more work in the profiled
-step only. Under that fallback, work in a recomputed function's own body outside any module call (a bare function,
-or a bound method checkpointed with raw torch) is counted as backward.
+whose own body holds matmuls — and a recompute torch stops early counts what ran. For raw ``torch.utils.checkpoint``
+(no such scope) the fallback window is the outermost module forward that starts inside a backward phase, until that
+module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute as soon as the last saved tensor
+it needs exists (by raising inside the forward), so that window would never close; while a session is open it sets
+``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` (a torch context manager, read when each checkpointed
+forward runs) so recompute runs whole: the same values, a little more work in the profiled step only. Under that
+fallback, work in a recomputed function's own body outside any module call (a bare function, or a bound method
+checkpointed with raw torch) is counted as backward.
 """
 
 from __future__ import annotations
