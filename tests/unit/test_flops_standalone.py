@@ -76,3 +76,23 @@ def test_reset_profile_zeroes_without_restarting() -> None:
     model(torch.ones(2, 16))
     assert prof.get_total_flops() == 0
     prof.end_profile()
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder"])
+def test_fused_fast_paths_count_as_the_unfused_path(kind: str) -> None:
+    """Eval + no_grad sends MultiheadAttention / TransformerEncoderLayer down torch's fused ops ([Note: the fused
+    fast paths]); the figure is the same as with grad enabled."""
+    torch.manual_seed(0)
+    if kind == "mha":
+        module: nn.Module = nn.MultiheadAttention(32, 4, batch_first=True)
+    else:
+        module = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    x = torch.randn(2, 10, 32)
+    args = [x, x, x] if kind == "mha" else [x]
+    with_grad = get_model_profile(module, args=args, print_profile=False, as_string=False)[0]
+    with torch.no_grad():
+        fused = get_model_profile(module, args=args, print_profile=False, as_string=False)[0]
+    b, s, e = 2, 10, 32
+    attention = 4 * 2 * b * s * e * e + 4 * b * s * s * e
+    assert with_grad == attention + (4 * b * s * e * 64 if kind == "encoder" else 0)
+    assert fused == with_grad
