@@ -83,3 +83,21 @@ def test_recompute_of_a_checkpointed_bound_method_is_measured_inside_it() -> Non
     attn_forward = sum(s.fwd_flops for s in profiler.figures.modules if s.path.endswith(".attn"))
     assert attn_forward > 0 and profiler.figures.recompute_flops == attn_forward
     assert profiler.model_flops_per_sample == gpt_formula(engine.module, 16, 16)
+
+
+def test_figures_are_formed_after_the_step_phase() -> None:
+    """The all-reduce, the peak probe and the printout run once the ``step`` phase has ended (outside its timer):
+    a listener's ``on_step`` still sees no figure; the printed step is DeepSpeed's (global_steps after the step)."""
+    engine = _engine({"flops_profiler": {"enabled": True, "profile_step": 0}})
+    seen: list[object] = []
+
+    class Watch:
+        def on_step(self, report: object) -> None:
+            seen.append(engine.flops_profiler.model_flops_per_sample)
+
+    engine.events.subscribe(Watch())
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16))
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    assert seen == [None] and engine.flops_profiler.model_flops_per_sample is not None
+    assert any("Profile Summary at step 1:" in line for line in engine.flops_profiler.summary)

@@ -3,7 +3,8 @@
 Every rank profiles the same optimizer step — the one taken after ``profile_step`` steps, DeepSpeed's rule — from
 its first ``forward`` phase to its ``on_step``: every micro-batch's forward and backward (gradient accumulation,
 and each forward / backward a pipeline stage runs in ``train_batch``) and the optimizer step. Then it turns itself
-off for good (IDLE → PROFILING → DONE).
+off for good (IDLE → PROFILING → FINISHING → DONE; the figures are formed when the ``step`` phase ends).
+Forwards in eval mode or under ``torch.no_grad()`` (validation) are ignored.
 
 [Note: the whole-model figure] Each rank counts what it executed: its pipeline stage, its tensor-parallel slices. At
 the end of the profiled step every rank all-reduces a few numbers (its forward, backward and recomputed FLOPs, and
@@ -87,6 +88,7 @@ class EngineFlopsProfiler:
         self.summary: list[str] = []
         """The printed lines (every rank renders them; rank 0 prints and writes ``output_file``)."""
         self._peak: PeakFlops | None = None
+        self._printed_step = config.profile_step + 1
         if config.enabled:
             warm_up_mode()  # the first FlopCounterMode use imports torch._dynamo (seconds): now, not mid-run
 
@@ -107,6 +109,8 @@ class EngineFlopsProfiler:
 
     # --- EngineListener ----------------------------------------------------------------------------------------
     def on_phase_start(self, phase: str) -> None:
+        if self.state == "FINISHING":  # no "step" phase closed around on_step: finish before anything else runs
+            self._complete()
         if phase == "forward" and not self._training_forward():
             return  # an evaluation forward neither opens the window nor is charged (its end_phase finds none open)
         if self.state == "IDLE" and phase == "forward" and self._steps_done() == self.config.profile_step:
@@ -118,7 +122,9 @@ class EngineFlopsProfiler:
             self.session.begin_phase(phase)
 
     def on_phase_end(self, phase: str) -> None:
-        if self.state == "PROFILING":
+        if self.state == "FINISHING" and phase == "step":
+            self._complete()
+        elif self.state == "PROFILING":
             assert self.session is not None
             self.session.end_phase(phase)
 
@@ -127,6 +133,13 @@ class EngineFlopsProfiler:
             return
         assert self.session is not None
         self.session.stop()
+        # The all-reduce, rank 0's peak probe and the printout wait for the end of the "step" phase (on_step runs
+        # inside it): the timers, subscribed first, have stopped by then, so that work is not in the step's timer.
+        self.state = "FINISHING"
+        self._printed_step = report.global_step  # DeepSpeed prints global_steps after the step incremented it
+
+    def _complete(self) -> None:
+        assert self.session is not None
         self.state = "DONE"
         self.figures = fig = self.session.figures()
         self.session = None  # the module references and hooks go with it
@@ -218,7 +231,7 @@ class EngineFlopsProfiler:
             mfu=mfu,
         )
         cfg = self.config
-        self.summary = render_profile(fig, cfg.profile_step, cfg.module_depth, cfg.top_modules, cfg.detailed, context)
+        self.summary = render_profile(fig, self._printed_step, cfg.module_depth, cfg.top_modules, cfg.detailed, context)
         if writes:
             text = "\n".join(self.summary)
             self._print(text)
