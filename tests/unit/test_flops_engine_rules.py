@@ -101,3 +101,48 @@ def test_figures_are_formed_after_the_step_phase() -> None:
     engine.step()
     assert seen == [None] and engine.flops_profiler.model_flops_per_sample is not None
     assert any("Profile Summary at step 1:" in line for line in engine.flops_profiler.summary)
+
+
+def _train(enabled: bool, recompute: bool) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    import functools
+
+    import torch.nn.modules.module as module_globals
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from shardspeed import checkpointing
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "steps_per_print": 1000,
+        "flops_profiler": {"enabled": enabled, "profile_step": 1, "detailed": False},
+    }
+    model = GPT(GPTConfig(vocab_size=64, context_length=16, n_layer=2, d_model=32, n_head=2, dropout=0.1))
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    engine.flops_profiler._print = lambda text: None
+    if recompute:
+        for block in engine.module.blocks:
+            block.forward = functools.partial(checkpointing.checkpoint, block.forward)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(6):
+        tokens = torch.randint(0, 64, (2, 16), generator=g)
+        loss = engine(tokens, tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert _get_current_dispatch_mode() is None and not module_globals._global_forward_pre_hooks
+    assert torch.utils.checkpoint._enable_checkpoint_early_stop is None  # the toggle is undone
+    params = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    return losses, params, torch.get_rng_state()
+
+
+def test_profiling_leaves_training_bit_identical() -> None:
+    """Dropout on, with and without activation checkpointing: losses, parameters and the RNG after 3 steps (the
+    second one profiled) are those of an unprofiled run, and no counting state is left behind."""
+    for recompute in (False, True):
+        plain, profiled = _train(False, recompute), _train(True, recompute)
+        assert plain[0] == profiled[0]
+        assert torch.equal(plain[1], profiled[1]) and torch.equal(plain[2], profiled[2])
