@@ -180,6 +180,9 @@ class ProfileSession:
         self._hooks.clear()
         remove_recompute_observer(self)
         assert self._mode is not None
+        # Torch pops the top of its dispatch-mode stack here: a mode a user pushed between the engine's phases and
+        # left open (their own FlopCounterMode around backward) would be popped instead of ours. Close such a mode
+        # before the step ends.
         self._mode.__exit__(None, None, None)
         self._no_early_stop.__exit__(None, None, None)
         self._wall_end = self._now()
