@@ -83,3 +83,8 @@ def test_gpu_probe_leaves_the_global_rng_alone(monkeypatch) -> None:
     before = torch.random.get_rng_state()
     mfu._measure_cuda(torch.device("cpu"), torch.float32, "test", n=32)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_gh200_has_its_own_label() -> None:
+    peak = table_peak("NVIDIA GH200 480GB", "bf16")
+    assert peak is not None and peak.source == "table: GH200 bf16" and peak.flops_per_second == 989.5e12
