@@ -1,5 +1,6 @@
 """``engine.flops_profiler``'s rules around the profiled step: evaluation forwards are not training FLOPs, the
-MFU peak follows the dtype the matmuls run in."""
+MFU peak follows the dtype the matmuls run in, recompute is measured inside the checkpoint, the figures are formed
+after the step phase, and profiling leaves training bit-identical."""
 
 from __future__ import annotations
 

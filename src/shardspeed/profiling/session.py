@@ -25,7 +25,9 @@ whose own body holds matmuls — and a recompute torch stops early counts what r
 module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute as soon as the last saved tensor
 it needs exists (by raising inside the forward), so that window would never close; while a session is open it sets
 ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` (a torch context manager, read when each checkpointed
-forward runs) so recompute runs whole: the same values, a little more work in the profiled step only. Under that
+forward runs) so recompute runs whole: the same values, a little more work in the profiled step only. The toggle is
+process-wide (not thread-local), and with early stop off torch raises ``CheckpointError`` for a region whose
+recompute saves more tensors than its forward did: such a region trains, but fails in the profiled step. Under that
 fallback, work in a recomputed function's own body outside any module call (a bare function, or a bound method
 checkpointed with raw torch) is counted as backward.
 """
