@@ -159,6 +159,7 @@ def _tp_profile(rank: int, world: int) -> dict:
         "per_sample": prof.model_flops_per_sample,
         "model_params": prof.model_params,
         "params": fig.params,
+        "rank_flops": fig.flops("forward") + fig.flops("backward"),
         "local_params": sum(p.numel() for p in model.parameters()),
         "summary": "\n".join(prof.summary),
     }
@@ -166,7 +167,7 @@ def _tp_profile(rank: int, world: int) -> dict:
 
 def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> None:
     """TP=2: "params per GPU" is the rank's slices; the model's parameters sum to the dense count; the model FLOPs
-    are the dense model's plus the replicated head once more ([Note: the whole-model figure])."""
+    are the dense model's: the replicated head is counted once ([Note: the whole-model figure])."""
     from tp_block import TPTinyLM, dense_tp
 
     from shardspeed.profiling.session import ProfileSession
@@ -191,5 +192,29 @@ def test_tensor_parallel_counts_slices_per_rank_and_the_model_once(dist_run) -> 
     for r in results:
         assert r["params"] == r["local_params"] < n_dense
         assert r["model_params"] == n_dense
-        assert r["per_sample"] == dense_per_sample + head
+        assert r["per_sample"] == dense_per_sample
+        assert r["rank_flops"] == MB * dense_per_sample / 2 + MB * head / 2  # the per-rank figure: slices + head
     assert "params of model (sum over tensor/pipe ranks): " in results[0]["summary"]
+
+
+def _rank0_only(rank: int, world: int) -> str:
+    from shardspeed.config.errors import ConfigError
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        # DeepSpeed profiles on rank 0 only, so a migrated config may enable it there alone
+        "flops_profiler": {"enabled": rank == 0, "profile_step": 1},
+    }
+    try:
+        shardspeed.initialize(model=torch.nn.Linear(4, 4), config=config)
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_profiler_config_differing_between_ranks_is_one_error_on_every_rank(dist_run) -> None:
+    messages = dist_run(_rank0_only, 2)
+    assert messages[0] == messages[1]  # the same error everywhere, never a hang
+    assert "flops_profiler.enabled" in messages[0] and "ranks [0]: enabled, profile_step 1" in messages[0]
+    assert "ranks [1]: disabled" in messages[0]

@@ -74,3 +74,17 @@ def test_cpu_probe_is_short_and_positive() -> None:
     peak = mfu.measure_cpu_peak(n=256, budget_s=0.05, repeats=3)
     assert peak.flops_per_second > 0
     assert peak.source.startswith("measured: 256x256 fp32 matmul probe (") and "threads" in peak.source
+
+
+def test_gpu_probe_leaves_the_global_rng_alone(monkeypatch) -> None:
+    """The unknown-GPU probe draws its operands from a private generator (run here on the CPU, where the same
+    code path can be exercised with the synchronisation made a no-op)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    before = torch.random.get_rng_state()
+    mfu._measure_cuda(torch.device("cpu"), torch.float32, "test", n=32)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_gh200_has_its_own_label() -> None:
+    peak = table_peak("NVIDIA GH200 480GB", "bf16")
+    assert peak is not None and peak.source == "table: GH200 bf16" and peak.flops_per_second == 989.5e12

@@ -107,6 +107,27 @@ class _Inputs:
             settings.stats.stored_bytes += self.store.nbytes
 
 
+class RecomputeObserver:
+    """Told when a recompute starts and ends (the flops profiler measures recompute FLOPs between the two: exact
+    for any region, a module call or not). Register with ``add_recompute_observer``; calls nest."""
+
+    def recompute_started(self) -> None: ...
+
+    def recompute_ended(self) -> None: ...
+
+
+_OBSERVERS: list[RecomputeObserver] = []
+
+
+def add_recompute_observer(observer: RecomputeObserver) -> None:
+    _OBSERVERS.append(observer)
+
+
+def remove_recompute_observer(observer: RecomputeObserver) -> None:
+    if observer in _OBSERVERS:
+        _OBSERVERS.remove(observer)
+
+
 class _RecomputeScope:
     """Entered around every recompute: replays the forward's RNG states, synchronizes and times if asked.
 
@@ -124,10 +145,14 @@ class _RecomputeScope:
         replay = self._snapshot.restored()
         replay.__enter__()
         self._active.append((replay, time.perf_counter()))
+        for observer in tuple(_OBSERVERS):
+            observer.recompute_started()
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> bool | None:
+        for observer in tuple(_OBSERVERS):  # also when torch stops the recompute early by raising: what ran
+            observer.recompute_ended()
         replay, started = self._active.pop()
         _synchronize(self._settings)
         stats = self._settings.stats

@@ -25,7 +25,9 @@ class FlopsProfilerConfig(ConfigModel):
 
     profile_step: NonNegativeInt = 1
     """Profile the step taken after this many optimizer steps (DeepSpeed compares it with ``global_steps``, so 1
-    is the second step: the first one warms up). DeepSpeed default: 1."""
+    is the second step: the first one warms up). DeepSpeed default: 1. A negative value is refused: DeepSpeed takes
+    any integer, but ``global_steps`` never equals a negative one, so there it silently profiles nothing (say
+    ``"enabled": false`` for that)."""
 
     module_depth: ModuleDepth = -1
     """Depth of the per-depth aggregated tables; -1: every depth. DeepSpeed default: -1."""

@@ -3,17 +3,23 @@
 Every rank profiles the same optimizer step — the one taken after ``profile_step`` steps, DeepSpeed's rule — from
 its first ``forward`` phase to its ``on_step``: every micro-batch's forward and backward (gradient accumulation,
 and each forward / backward a pipeline stage runs in ``train_batch``) and the optimizer step. Then it turns itself
-off for good (IDLE → PROFILING → DONE).
+off for good (IDLE → PROFILING → FINISHING → DONE; the figures are formed when the ``step`` phase ends).
+Forwards in eval mode or under ``torch.no_grad()`` (validation) are ignored.
 
-[Note: the whole-model figure] Each rank counts what it executed: its pipeline stage, its tensor-parallel slices.
-At the end of the profiled step every rank all-reduces a few numbers (its forward, backward and recomputed FLOPs,
-and its share of the parameters) over the ``model`` scope (pipe × tensor), so the sums cover one whole model
-replica; data-parallel replicas compute the same model on other samples and are not added. Per sample = the sum
-divided by the samples each rank of the replica processed in the step (``micro batch × gradient accumulation``).
-The call is symmetric: ``profile_step`` comes from the config, so every rank reaches it at the same step, and a
-size-1 scope is no collective at all. Work a tensor-parallel layer replicates (norms, a replicated head) is
-counted on every tensor rank, which the whole-model FLOPs then include T times; parameters are counted once
-(tensor rank 0 enters every parameter's global count). A weight tied across pipeline stages counts once (its
+[Note: the whole-model figure] Each rank counts what it executed: its pipeline stage, its tensor-parallel slices. At
+the end of the profiled step every rank all-reduces a few numbers (its forward, backward and recomputed FLOPs, and
+its share of the parameters) over the ``model`` scope (pipe × tensor), so the sums cover one whole model replica;
+data-parallel replicas compute the same model on other samples and are not added. Per sample = the sum divided by
+the samples each rank of the replica processed in the step (``micro batch × gradient accumulation``). The call is
+symmetric: ``enabled`` and ``profile_step`` are agreed over the world at construction (``check_profile_agrees``: a
+difference is one ``ConfigError`` on every rank), so every rank reaches it at the same step, and a size-1 scope is
+no collective at all. Work a tensor-parallel layer replicates is model work once (MFU is model FLOPs over peak): a
+module whose parameters are all tensor-replicated (a norm, a replicated head; the outermost such module) enters the
+sum from tensor rank 0 only, its forward and backward FLOPs taken off the other tensor ranks' contribution
+(``_replicated_share``), so the sum is the dense model's. The per-rank lines still show what each rank executed. Not
+caught: replicated work outside such a module (in a partitioned module's own body), and the recompute of a
+replicated module, which tensor ranks > 0 then take off twice. Parameters are counted once too (tensor rank 0 enters
+every parameter's global count). A weight tied across pipeline stages counts once (its
 copies on later stages are the specs' ``tied_copies``).
 
 ``model_flops_per_sample`` excludes activation-checkpointing recompute (it is measured, see session.py); the
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.config.errors import ConfigError
 from shardspeed.config.flops_profiler import FlopsProfilerConfig
 from shardspeed.profiling.mfu import PeakFlops, model_flops_utilization, peak_flops
 from shardspeed.profiling.session import ProfileSession, WindowFigures, full_param_count, warm_up_mode
@@ -81,6 +88,7 @@ class EngineFlopsProfiler:
         self.summary: list[str] = []
         """The printed lines (every rank renders them; rank 0 prints and writes ``output_file``)."""
         self._peak: PeakFlops | None = None
+        self._printed_step = config.profile_step + 1
         if config.enabled:
             warm_up_mode()  # the first FlopCounterMode use imports torch._dynamo (seconds): now, not mid-run
 
@@ -101,6 +109,10 @@ class EngineFlopsProfiler:
 
     # --- EngineListener ----------------------------------------------------------------------------------------
     def on_phase_start(self, phase: str) -> None:
+        if self.state == "FINISHING":  # no "step" phase closed around on_step: finish before anything else runs
+            self._complete()
+        if phase == "forward" and not self._training_forward():
+            return  # an evaluation forward neither opens the window nor is charged (its end_phase finds none open)
         if self.state == "IDLE" and phase == "forward" and self._steps_done() == self.config.profile_step:
             self.session = ProfileSession(self.module, self.device, self._param_count)
             self.session.start()
@@ -110,7 +122,9 @@ class EngineFlopsProfiler:
             self.session.begin_phase(phase)
 
     def on_phase_end(self, phase: str) -> None:
-        if self.state == "PROFILING":
+        if self.state == "FINISHING" and phase == "step":
+            self._complete()
+        elif self.state == "PROFILING":
             assert self.session is not None
             self.session.end_phase(phase)
 
@@ -119,6 +133,13 @@ class EngineFlopsProfiler:
             return
         assert self.session is not None
         self.session.stop()
+        # The all-reduce, rank 0's peak probe and the printout wait for the end of the "step" phase (on_step runs
+        # inside it): the timers, subscribed first, have stopped by then, so that work is not in the step's timer.
+        self.state = "FINISHING"
+        self._printed_step = report.global_step  # DeepSpeed prints global_steps after the step incremented it
+
+    def _complete(self) -> None:
+        assert self.session is not None
         self.state = "DONE"
         self.figures = fig = self.session.figures()
         self.session = None  # the module references and hooks go with it
@@ -132,6 +153,11 @@ class EngineFlopsProfiler:
         self.state = "DONE"
 
     # --- internals ---------------------------------------------------------------------------------------------
+    def _training_forward(self) -> bool:
+        """Validation between steps (``engine.eval()``, ``torch.no_grad()``, the pipeline's ``eval_batch``) emits
+        the same ``forward`` phase; counting it would add samples that were never trained on to the figure."""
+        return torch.is_grad_enabled() and self.module.training
+
     def _param_count(self, param: nn.Parameter) -> int:
         return full_param_count(param)
 
@@ -149,9 +175,32 @@ class EngineFlopsProfiler:
             share += math.prod(spec.global_shape) if spec is not None and spec.partitioned else full_param_count(param)
         return share
 
+    def _replicated_share(self, fig: WindowFigures) -> tuple[int, int]:
+        """Forward and backward FLOPs this rank leaves out of the whole-model sum ([Note: the whole-model figure]):
+        on tensor ranks > 0, those of the outermost modules whose parameters are all tensor-replicated."""
+        if self.topology.tensor.size == 1 or self.topology.tensor.rank == 0 or self.param_specs is None:
+            return 0, 0
+        fwd = bwd = 0
+        taken: list[str] = []
+        for stats in fig.modules:  # named_modules order: a parent before its children
+            if any(stats.path.startswith(path + ".") for path in taken):
+                continue
+            params = list(stats.module.parameters())
+            if params and not any(self.param_specs.of(p).partitioned for p in params):
+                taken.append(stats.path)
+                fwd += stats.fwd_flops
+                bwd += stats.bwd_flops
+        return fwd, bwd
+
     def _finish(self, fig: WindowFigures) -> None:
+        left_fwd, left_bwd = self._replicated_share(fig)
         local = torch.tensor(
-            [fig.flops("forward"), fig.flops("backward"), fig.recompute_flops, self._model_share()],
+            [
+                fig.flops("forward") - left_fwd,
+                fig.flops("backward") - left_bwd,
+                fig.recompute_flops,
+                self._model_share(),
+            ],
             dtype=torch.int64,  # exact: FLOP counts pass 2**53 on large models
             device=self.device,
         )
@@ -182,7 +231,7 @@ class EngineFlopsProfiler:
             mfu=mfu,
         )
         cfg = self.config
-        self.summary = render_profile(fig, cfg.profile_step, cfg.module_depth, cfg.top_modules, cfg.detailed, context)
+        self.summary = render_profile(fig, self._printed_step, cfg.module_depth, cfg.top_modules, cfg.detailed, context)
         if writes:
             text = "\n".join(self.summary)
             self._print(text)
@@ -195,9 +244,42 @@ class EngineFlopsProfiler:
                     logger.warning("flops_profiler.output_file %s could not be written: %s", cfg.output_file, error)
 
 
+def matmul_dtype(config: Any) -> torch.dtype:
+    """The dtype the model's matmuls run in, whose peak MFU divides by: ``torch_autocast``'s (fp32 parameters,
+    bf16 matmuls: the fp32 column would overstate MFU ~15x on a GPU), else the parameters' compute dtype."""
+    if config.torch_autocast.enabled:
+        return config.torch_autocast.dtype
+    return config.compute_dtype
+
+
+def check_profile_agrees(engine: Any) -> None:
+    """Every rank must profile the same step or none: ``_finish`` all-reduces over the model scope, so a rank that
+    profiled alone (DeepSpeed profiles on rank 0 only, so ``"enabled": rank == 0`` is a plausible migrated config)
+    would pair its exchange with a peer's next collective — a crash or a hang. One small gather over the world at
+    construction; a difference is the same ``ConfigError`` on every rank."""
+    cfg = engine.config.flops_profiler
+    mine = (bool(cfg.enabled), int(cfg.profile_step) if cfg.enabled else None)
+    world = engine.topology.world
+    seen = engine.collectives.all_gather_object(mine, world)
+    if len(set(seen)) > 1:
+        by_value: dict[object, list[int]] = {}
+        for rank, value in zip(world.ranks, seen):
+            by_value.setdefault(value, []).append(rank)
+        described = "; ".join(
+            f"ranks {ranks}: " + (f"enabled, profile_step {v[1]}" if v[0] else "disabled")  # type: ignore[index]
+            for v, ranks in by_value.items()
+        )
+        raise ConfigError(
+            f"flops_profiler.enabled / flops_profiler.profile_step differ between ranks ({described}); every rank "
+            "profiles the same step (the whole-model figure is summed across ranks): give every rank the same "
+            "flops_profiler section (shardspeed prints on global rank 0 only, as DeepSpeed does)"
+        )
+
+
 def attach_flops_profiler(engine: Any) -> EngineFlopsProfiler:
     """Build ``engine.flops_profiler`` and subscribe it to ``engine.events`` (call once ``engine.progress`` exists)."""
     config = engine.config
+    check_profile_agrees(engine)
     owner = weakref.ref(engine)  # no cycle through the listener: dropping the engine frees it
     profiler = EngineFlopsProfiler(
         config.flops_profiler,
@@ -205,7 +287,7 @@ def attach_flops_profiler(engine: Any) -> EngineFlopsProfiler:
         topology=engine.topology,
         collectives=engine.collectives,
         device=engine.device,
-        compute_dtype=config.compute_dtype,
+        compute_dtype=matmul_dtype(config),
         steps_done=lambda: owner().progress.global_steps,
         micro_batch_size=config.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=config.gradient_accumulation_steps,

@@ -15,6 +15,12 @@ can be checked exactly against it; a causal kernel does about half of that work.
 ``dP = dO Vᵀ``, ``dQ = dS K``, ``dK = dSᵀ Q``), 2× the forward: the model's FLOPs. A flash kernel also recomputes
 ``QKᵀ`` in backward (torch's registered formulas count that fifth matmul, 2.5× forward); we override those entries
 too, so every SDPA backend gives the same figure and ``fwd + bwd = 3 × fwd`` holds for attention as for linears.
+
+[Note: the fused fast paths] In eval mode without grad, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``
+run as single fused ops (``aten._native_multi_head_attention``, ``aten._transformer_encoder_layer_fwd``) torch does
+not count. They are mapped to the sum of what the unfused path counts: the q/k/v in-projections, attention by the
+causal rule, the out-projection, and for the encoder layer the two FFN linears; so a module's figure does not
+depend on the path taken (norms and activations count 0 as always).
 """
 
 from __future__ import annotations
@@ -50,6 +56,29 @@ def _backward(grad_out: Shape, query_shape: Shape, key_shape: Shape, value_shape
     return sdpa_backward_flops(query_shape, key_shape, value_shape)
 
 
+def _linear(tokens: int, n_in: int, n_out: int) -> int:
+    return 2 * tokens * n_in * n_out
+
+
+def _mha_flops(query_shape: Shape, key_shape: Shape, embed_dim: int) -> int:
+    """Batch-first ``(b, s, E)`` or unbatched ``(s, E)`` inputs ([Note: the fused fast paths])."""
+    b = query_shape[0] if len(query_shape) == 3 else 1
+    s_q, s_k = query_shape[-2], key_shape[-2]
+    projections = _linear(b * s_q, embed_dim, embed_dim) * 2 + _linear(b * s_k, embed_dim, embed_dim) * 2
+    return projections + 4 * b * s_q * s_k * embed_dim
+
+
+def _native_mha(query_shape: Shape, key_shape: Shape, value_shape: Shape, embed_dim: int, *a: Any, **k: Any) -> int:
+    return _mha_flops(query_shape, key_shape, embed_dim)
+
+
+def _encoder_layer(src_shape: Shape, embed_dim: int, num_heads: int, *args: Any, **kwargs: Any) -> int:
+    ffn_weight_1 = args[11]  # (ffn, E), after qkv/proj weights+biases, use_gelu, norm_first, eps and the norms
+    tokens = src_shape[0] * src_shape[1] if len(src_shape) == 3 else src_shape[0]
+    ffn = _linear(tokens, embed_dim, ffn_weight_1[0]) + _linear(tokens, ffn_weight_1[0], embed_dim)
+    return _mha_flops(src_shape, src_shape, embed_dim) + ffn
+
+
 def _ops(*names: str) -> list[Any]:
     """The overload packets that exist in this torch build (a backend-specific op may be absent)."""
     return [getattr(aten, name) for name in names if hasattr(aten, name)]
@@ -75,4 +104,6 @@ def custom_mapping() -> dict[Any, Callable[..., int]]:
     """``FlopCounterMode(custom_mapping=...)``: op packet → formula over argument shapes."""
     mapping: dict[Any, Callable[..., int]] = {op: _forward for op in SDPA_FORWARD_OPS}
     mapping.update({op: _backward for op in SDPA_BACKWARD_OPS})
+    mapping.update({op: _native_mha for op in _ops("_native_multi_head_attention")})
+    mapping.update({op: _encoder_layer for op in _ops("_transformer_encoder_layer_fwd")})
     return mapping

@@ -32,6 +32,7 @@ T = 1e12
 #     989.5; PCIe FP32 51, TF32 378, BF16/FP16 756; NVL FP32 60, TF32 417.5, BF16/FP16 835.5.
 #   H200 SXM / NVL: "NVIDIA H200 Tensor Core GPU" datasheet (2024): SXM as H100 SXM; NVL FP32 60, TF32 417.5,
 #     BF16/FP16 835.5.
+#   GH200: "NVIDIA GH200 Grace Hopper Superchip" datasheet (2023): the Hopper GPU at the H100 SXM figures.
 #   L4: "NVIDIA L4 Tensor Core GPU" datasheet (2023): FP32 30.3, TF32 60, BF16/FP16 121.
 #   L40S: "NVIDIA L40S" datasheet (2023): FP32 91.6, TF32 183, BF16/FP16 362.05.
 #   A10: "NVIDIA A10 Tensor Core GPU" datasheet (2021): FP32 31.2, TF32 62.5, BF16/FP16 125.
@@ -39,6 +40,7 @@ T = 1e12
 #   T4: "NVIDIA T4" datasheet (2019): FP32 8.1, FP16 (tensor) 65; no TF32/BF16 (fp32 rate).
 # Ordered: the first pattern matching the device name wins (so "H100 NVL" before "H100", "A100" before "A10").
 _TABLE: tuple[tuple[str, str, tuple[float, float, float, float]], ...] = (
+    (r"GH200", "GH200", (67, 494.5, 989.5, 989.5)),  # before "H200": the name contains it
     (r"H200.*NVL", "H200 NVL", (60, 417.5, 835.5, 835.5)),
     (r"H200", "H200 SXM", (67, 494.5, 989.5, 989.5)),
     (r"H100.*NVL", "H100 NVL", (60, 417.5, 835.5, 835.5)),
@@ -102,15 +104,20 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
             found = table_peak(*key)
             _CACHE[key] = found if found is not None else _measure_cuda(device, dtype, name)
         return _CACHE[key]
-    key = ("cpu", "fp32")  # the probe is fp32 whatever the dtype: CPUs have no faster dense matmul to quote
+    # The probe is fp32 whatever the dtype. CPUs with AMX / AVX512-BF16 run bf16 matmuls faster, so a bf16 model on
+    # one can show MFU above 1: the figure is relative to this process's fp32 rate (README).
+    key = ("cpu", "fp32")
     if key not in _CACHE:
         _CACHE[key] = measure_cpu_peak()
     return _CACHE[key]
 
 
 def _measure_cuda(device: torch.device, dtype: torch.dtype, name: str, n: int = 4096) -> PeakFlops:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # A private generator: the probe runs lazily on one rank, and a draw from the default one would shift that
+    # rank's RNG stream (tensor ranks' replicated dropout would then diverge).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     torch.mm(a, b)
     torch.cuda.synchronize(device)
     best = float("inf")

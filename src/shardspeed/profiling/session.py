@@ -17,12 +17,19 @@ user's loss outside the engine) is not charged to either. A module forward that 
 activation-checkpointing recompute: its FLOPs are also summed apart (``recompute_flops``), so the model FLOPs
 (``forward + backward − recompute``) and the hardware FLOPs can both be reported.
 
-[Note: measuring recompute] The recompute window is the outermost module forward that starts inside a backward
-phase, until that module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute as soon as the
-last saved tensor it needs exists (by raising inside the forward), so the window would never close; while a
-session is open it sets ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` (a torch context manager, read
-when each checkpointed forward runs) so recompute runs whole: the same values, a little more work in the profiled
-step only. A recompute that is not a module call (a bare function checkpointed) is counted as backward.
+[Note: measuring recompute] A region checkpointed by ``shardspeed.checkpointing`` (also ``deepspeed.checkpointing``)
+is measured exactly: the checkpoint's recompute scope tells the session when each recompute starts and ends
+(``add_recompute_observer``), whatever the region is — a module call or a bound method such as ``attn.forward``
+whose own body holds matmuls — and a recompute torch stops early counts what ran. For raw ``torch.utils.checkpoint``
+(no such scope) the fallback window is the outermost module forward that starts inside a backward phase, until that
+module's forward hook. Torch's non-reentrant checkpoint normally stops a recompute as soon as the last saved tensor
+it needs exists (by raising inside the forward), so that window would never close; while a session is open it sets
+``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` (a torch context manager, read when each checkpointed
+forward runs) so recompute runs whole: the same values, a little more work in the profiled step only. The toggle is
+process-wide (not thread-local), and with early stop off torch raises ``CheckpointError`` for a region whose
+recompute saves more tensors than its forward did: such a region trains, but fails in the profiled step. Under that
+fallback, work in a recomputed function's own body outside any module call (a bare function, or a bound method
+checkpointed with raw torch) is counted as backward.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardspeed.checkpointing.function import add_recompute_observer, remove_recompute_observer
 from shardspeed.profiling.formulas import custom_mapping
 
 ParamCount = Callable[[nn.Parameter], int]
@@ -137,6 +145,7 @@ class ProfileSession:
         self._starts: dict[int, list[float]] = defaultdict(list)
         self._backward_calls: dict[int, list[_BackwardTiming]] = defaultdict(list)
         self._recompute_depth = 0
+        self._scope_depth = 0
         self._recompute_from = 0
         self._recompute_flops = 0
         self._wall_start = 0.0
@@ -158,6 +167,7 @@ class ProfileSession:
             if not isinstance(stats.module, self.ignore):
                 self._hooks.append(stats.module.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(stats.module.register_forward_hook(self._post_forward))
+        add_recompute_observer(self)
         self._wall_start = self._now()
         self.state = "OPEN"
 
@@ -170,7 +180,11 @@ class ProfileSession:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        remove_recompute_observer(self)
         assert self._mode is not None
+        # Torch pops the top of its dispatch-mode stack here: a mode a user pushed between the engine's phases and
+        # left open (their own FlopCounterMode around backward) would be popped instead of ours. Close such a mode
+        # before the step ends.
         self._mode.__exit__(None, None, None)
         self._no_early_stop.__exit__(None, None, None)
         self._wall_end = self._now()
@@ -186,7 +200,7 @@ class ProfileSession:
         if self.state != "OPEN" or self._open is None or self._open.name != name:
             return
         opened, self._open = self._open, None
-        self._recompute_depth = 0  # a recompute that raised never closed its window
+        self._recompute_depth = self._scope_depth = 0  # a recompute that raised never closed its window
         totals = self._phases[name]
         seconds = self._now() - opened.started
         totals.seconds += seconds
@@ -250,8 +264,24 @@ class ProfileSession:
             torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them, not their launch
         return time.perf_counter()
 
+    # RecomputeObserver: shardspeed's checkpoint scope ([Note: measuring recompute]); the module-hook fallback is
+    # off inside it, and a scope inside a fallback window is already covered by that window
+    def recompute_started(self) -> None:
+        if self.in_phase == "backward" and self._recompute_depth == 0:
+            if self._scope_depth == 0:
+                self._recompute_from = self._global()
+            self._scope_depth += 1
+
+    def recompute_ended(self) -> None:
+        if self._scope_depth > 0:
+            self._scope_depth -= 1
+            if self._scope_depth == 0:
+                self._recompute_flops += self._global() - self._recompute_from
+
     def _pre_forward(self, module: nn.Module, args: object) -> None:
-        if self.in_phase == "backward":  # activation-checkpointing recompute
+        if self._scope_depth > 0:
+            return
+        if self.in_phase == "backward":  # activation-checkpointing recompute (raw torch checkpoint)
             if self._recompute_depth == 0:
                 self._recompute_from = self._global()
             self._recompute_depth += 1
@@ -266,6 +296,8 @@ class ProfileSession:
             self._starts[id(module)].append(self._now())
 
     def _post_forward(self, module: nn.Module, args: object, output: object) -> None:
+        if self._scope_depth > 0:
+            return
         if self.in_phase == "backward":
             if self._recompute_depth > 0:
                 self._recompute_depth -= 1

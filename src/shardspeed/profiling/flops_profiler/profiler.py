@@ -46,7 +46,9 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 class FlopsProfiler:
-    """Profile ``model`` between ``start_profile()`` and ``stop_profile()`` / ``end_profile()``.
+    """Profile ``model`` between ``start_profile()`` and ``stop_profile()`` / ``end_profile()``; also a context
+    manager (``with FlopsProfiler(model) as prof:`` starts, leaving stops even when the body raised, so torch's
+    counting mode and hooks never outlive the window; the figures stay readable until ``end_profile``).
 
     ``ds_engine`` and ``recompute_fwd_factor`` are accepted for DeepSpeed's signature; the engine's own profiler is
     ``engine.flops_profiler`` (profiling/engine_profiler.py).
@@ -60,6 +62,14 @@ class FlopsProfiler:
         self._session: ProfileSession | None = None
         self._root_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._depth = 0
+        self._running = False
+
+    def __enter__(self) -> FlopsProfiler:
+        self.start_profile()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_profile()
 
     # --- DeepSpeed's methods -----------------------------------------------------------------------------------
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
@@ -67,24 +77,33 @@ class FlopsProfiler:
         self.end_profile()
         self._session = ProfileSession(self.model, _device_of(self.model), ignore=tuple(ignore_list or ()))
         self._session.start()
+        self._depth = 0
+        # The phase opens before the session's own root hook runs (prepend: the root's latency is inside it) and
+        # closes even when the forward raised (always_call): a raised forward must not leave the depth at 1, which
+        # would make every later forward uncounted.
         self._root_hooks = [
-            self.model.register_forward_pre_hook(self._enter_forward),
-            self.model.register_forward_hook(self._leave_forward),
+            self.model.register_forward_pre_hook(self._enter_forward, prepend=True),
+            self.model.register_forward_hook(self._leave_forward, always_call=True),
         ]
         self.started = True
+        self._running = True
 
     def stop_profile(self) -> None:
         """Stop counting; the figures stay readable until ``end_profile``."""
         for handle in self._root_hooks:
             handle.remove()
         self._root_hooks.clear()
+        self._running = False
         if self._session is not None:
             self._session.stop()
 
     def reset_profile(self) -> None:
-        """Zero the figures and keep profiling (DeepSpeed's semantics)."""
-        if self.started:
+        """Zero the figures (DeepSpeed's semantics): a running profile keeps running from zero; a stopped one stays
+        stopped (its figures read 0 until the next ``start_profile``)."""
+        if self._running:
             self.start_profile()
+        else:
+            self._session = None
 
     def end_profile(self) -> None:
         """Stop and forget the figures."""
@@ -178,8 +197,10 @@ def get_model_profile(
         call(*args, **kwargs)
     prof = FlopsProfiler(model)
     prof.start_profile(ignore_list=ignore_modules)
-    call(*args, **kwargs)
-    prof.stop_profile()
+    try:
+        call(*args, **kwargs)
+    finally:  # a call that raised must not leave torch's counting mode, hooks or early-stop setting behind
+        prof.stop_profile()
     flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
     if print_profile:
         prof.print_model_profile(warm_up, module_depth, top_modules, detailed, output_file)
