@@ -41,6 +41,7 @@ from shardspeed.engine_setup import (
     offload_params,
     param_offload_opener,
 )
+from shardspeed.engine_teardown import destroy_engine
 from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
@@ -385,22 +386,5 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
     def destroy(self) -> None:
         """Remove the gradient hooks (lets the module be wrapped by another engine) and release offload storage
-        (NVMe swap files); put back the signal handlers the engine replaced."""
-        self.preemption.uninstall()
-        self.flops_profiler.close()  # a profile window still open: its hooks and dispatch mode go
-        try:
-            self.states.reducer.remove_hooks()
-            for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
-                handle.remove()
-            close = getattr(self.optimizer, "close", None)
-            if close is not None:
-                close()
-            close_states = getattr(self.states, "close", None)  # stage 3 parameter offload
-            if close_states is not None:
-                close_states()
-        finally:
-            # last, and whatever the cleanup above did: flushes and closes every monitor (files readable, W&B run
-            # finished); never raises. After a known failure the last memory gather is not waited (a failed peer
-            # never joins it): [Note: one gather per step] in monitor/listener.py
-            board = self.collectives.board
-            self.monitor.close(peer_failed=board is not None and board.failure is not None)
+        (NVMe swap files); put back the signal handlers the engine replaced; close the profiler and monitors."""
+        destroy_engine(self)
