@@ -4,6 +4,7 @@ training through ``shardspeed.initialize``, and the summary a user reads.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,8 +31,8 @@ def run_demo(*arguments: str, timeout: float) -> subprocess.CompletedProcess[str
 
 
 @pytest.mark.timeout(300)
-def test_the_tiny_demo_trains_on_two_ranks_and_the_loss_goes_down() -> None:
-    result = run_demo("--nproc", "2", "--steps", "20", "--tiny", timeout=280)
+def test_the_tiny_demo_trains_on_two_ranks_and_the_loss_goes_down(tmp_path: Path) -> None:
+    result = run_demo("--nproc", "2", "--steps", "20", "--tiny", "--run-dir", str(tmp_path / "run"), timeout=280)
     report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
     assert result.returncode == 0, report
     assert re.search(r"world size\s+2 \(gloo, cpu\)", result.stdout), report
@@ -54,3 +55,42 @@ def test_an_invalid_stage_is_one_clean_line_not_a_traceback() -> None:
     assert "shardspeed.demo: config error:" in result.stderr, report
     assert "stage" in result.stderr, report
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, report
+
+
+def _png_has_data(path: Path) -> bool:
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(path))
+    return path.read_bytes()[:4] == b"\x89PNG" and bool((pixels != pixels[0, 0]).any())
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Path) -> None:
+    """ds_config.json as given to initialize, the monitors' logs and the flops profile where this build has those
+    sections ([Note: sections the config may not know yet] in demo/observe.py), the MFU row, and the report."""
+    from shardspeed.demo.observe import known_sections
+
+    run = tmp_path / "run"
+    result = run_demo("--nproc", "2", "--steps", "6", "--tiny", "--run-dir", str(run), timeout=280)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    config = json.loads((run / "ds_config.json").read_text())
+    assert config["train_micro_batch_size_per_gpu"] == 8, report
+    index = run / "report" / "index.html"
+    assert f"report: {index}" in result.stdout, report
+    page = index.read_text()
+    assert "&quot;train_micro_batch_size_per_gpu&quot;: 8" in page
+    known = known_sections()
+    if "csv_monitor" in known:
+        assert config["csv_monitor"]["enabled"] and list((run / "csv" / "demo").glob("*.csv")), report
+        assert list((run / "tensorboard" / "demo").glob("events.out.tfevents.*")), report
+        for name in ("loss", "lr", "throughput", "memory"):
+            assert _png_has_data(run / "report" / f"{name}.png"), name
+            assert f'src="{name}.png"' in page
+    else:  # this build refuses the monitor sections: the page says what is missing instead
+        assert "csv_monitor" not in config and "Train/Samples/train_loss" in page
+    if "flops_profiler" in known:
+        assert (run / "flops_profile.txt").read_text().strip(), report
+        assert re.search(r"MFU\s+\d+\.\d+% \(", result.stdout), report
+    else:
+        assert re.search(r"MFU\s+n/a", result.stdout), report
