@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default a fresh runs/demo-<UTC timestamp>",
     )
     observe.add_argument(
+        "--comms-log",
+        action="store_true",
+        help="enable comms_logger and print its summary (per collective, and traffic per step vs ZeRO's theory)",
+    )
+    observe.add_argument(
         "--wandb", action="store_true", help="also log to Weights & Biases (offline into the run dir unless WANDB_MODE)"
     )
     batch = parser.add_argument_group("batch and optimizer")

@@ -70,6 +70,7 @@ def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
         "zero_optimization": {"stage": args.stage},
         "bf16": {"enabled": bool(args.bf16)},
         "steps_per_print": 1_000_000_000,  # the demo draws its own progress bar
+        "comms_logger": {"enabled": bool(getattr(args, "comms_log", False))},
     }
 
 
@@ -220,5 +221,7 @@ def run(args: argparse.Namespace) -> int:
         print(summary.table(), flush=True)
         if not summary.loss_went_down:
             print("shardspeed.demo: the training loss did not go down", flush=True)
+        if engine.comms_log.enabled:
+            print("\ncomms log (rank 0, every logged collective since the start):\n" + engine.comms_log.summary())
         print(write_run_report(run_dir), flush=True)
     return 0 if summary.loss_went_down else 1
