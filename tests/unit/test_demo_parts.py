@@ -334,4 +334,5 @@ def test_the_mfu_row_uses_the_profilers_figures_or_says_why_there_is_none() -> N
         flops_profiler=types.SimpleNamespace(model_flops_per_sample=1e9, peak_flops=1e12, peak_source="table: X")
     )
     line = demo_observe.mfu_line(profiled, 100.0, 2)  # 1e11 FLOP/s achieved over 2 × 1e12
-    assert line.startswith("5.00% (") and "table: X" in line
+    assert line.startswith("5.00% (1 GFLOP/sample × 100.0 samples/s")
+    assert "2 device(s) × 1 TFLOP/s peak: table: X" in line

@@ -93,9 +93,17 @@ def mfu_line(engine: Any, samples_per_second: float, devices: int) -> str:
     peak = profiler.peak_flops
     mfu = model_flops_utilization(flops, samples_per_second, devices, peak)
     return (
-        f"{100 * mfu:.2f}% ({flops / 1e9:.3g} GFLOP/sample × {samples_per_second:.1f} samples/s over {devices} "
-        f"device(s) of {peak / 1e12:.3g} TFLOP/s peak, {profiler.peak_source})"
+        f"{100 * mfu:.2f}% ({_si(flops)}FLOP/sample × {samples_per_second:.1f} samples/s, the training loop's mean, "
+        f"over {devices} device(s) × {_si(peak)}FLOP/s peak: {profiler.peak_source})"
     )
+
+
+def _si(value: float) -> str:
+    """``50.3 M`` / ``1.2 T``: three significant digits and a decimal prefix."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
 
 
 def close_monitors(engine: Any) -> None:

@@ -17,6 +17,7 @@ from shardspeed.report.scalars import Series
 
 LOSS, LR = "Train/Samples/train_loss", "Train/Samples/lr"
 SAMPLES_PER_S, TOKENS_PER_S = "Train/Samples/samples_per_second", "Train/Samples/tokens_per_second"
+MFU = "Train/Samples/mfu"  # a fraction; drawn in percent beside the throughput when the profiler gave FLOPs
 MEMORY_KINDS = ("host_peak_bytes", "device_peak_bytes", "predicted_model_state_bytes")
 _MEMORY_TAG = re.compile(r"Memory/rank(\d+)/(\w+)")
 _LR_GROUP = re.compile(r"Train/Samples/lr_group(\d+)")
@@ -81,6 +82,8 @@ def plot_specs(scalars: dict[str, Series]) -> list[PlotSpec]:
     for tag, title, ylabel in ((SAMPLES_PER_S, "samples/s", "samples / s"), (TOKENS_PER_S, "tokens/s", "tokens / s")):
         if scalars.get(tag):
             panels.append(Panel(title, ylabel, [_line(title, scalars[tag])]))
+    if scalars.get(MFU):
+        panels.append(Panel("MFU", "% of peak", [_line("mfu", scalars[MFU], 0.01)]))
     specs.append(PlotSpec("throughput", "Throughput vs samples", panels, [SAMPLES_PER_S, TOKENS_PER_S]))
 
     memory = Panel("per rank: measured peak vs predicted model states", "MiB", log_y=True)
