@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.comm.log import CommsLog, ZeroTraffic
+from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.data import build_dataloader
@@ -203,10 +203,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
         self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
-        self.comms_log.theory = ZeroTraffic(
-            zero.stage, trainable_numel, topology.dp_world_size, self.config.gradient_accumulation_steps
-        )
-        self.events.subscribe(self.comms_log)  # counts steps: traffic per step against the theory (comm/log.py)
+        self.events.subscribe(self.comms_log.expect(config, trainable_numel, topology.dp_world_size))  # comm/log.py
         self.preemption = PreemptionWatch(config.fault_tolerance, self.logger)  # handlers: installed by initialize
         self._core = StepCore(
             states=self.states,

@@ -172,6 +172,13 @@ class CommsLog:
 
         return completed
 
+    def expect(self, config: Any, numel: int, dp_world: int) -> CommsLog:
+        """Set ``theory`` from the engine's typed config (ZeRO stage, accumulation steps), ``numel`` = Ψ and the
+        data-parallel size; returns the log, which the engine subscribes to its events (``on_step``)."""
+        stage, gas = config.zero_optimization.stage, config.gradient_accumulation_steps
+        self.theory = ZeroTraffic(stage, numel, dp_world, gas)
+        return self
+
     def on_step(self, report: object) -> None:
         self.steps += 1
 
