@@ -71,7 +71,8 @@ def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Pa
     from shardspeed.demo.observe import known_sections
 
     run = tmp_path / "run"
-    result = run_demo("--nproc", "2", "--steps", "6", "--tiny", "--run-dir", str(run), timeout=280)
+    small = ("--tiny", "--eval-windows", "32", "--corpus-mb", "1")
+    result = run_demo("--nproc", "2", "--steps", "6", *small, "--run-dir", str(run), timeout=280)
     report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
     assert result.returncode == 0, report
     config = json.loads((run / "ds_config.json").read_text())
@@ -83,7 +84,13 @@ def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Pa
     known = known_sections()
     if "csv_monitor" in known:
         assert config["csv_monitor"]["enabled"] and list((run / "csv" / "demo").glob("*.csv")), report
-        assert list((run / "tensorboard" / "demo").glob("events.out.tfevents.*")), report
+        from shardspeed.report.scalars import read_csv_scalars, read_tensorboard_scalars
+
+        events = read_tensorboard_scalars(run / "tensorboard" / "demo")  # tensorboard's own reader
+        tag, csv_loss = read_csv_scalars(run / "csv" / "demo" / "Train_Samples_train_loss.csv")
+        assert tag == "Train/Samples/train_loss" and len(csv_loss) == 6, report  # one point per optimizer step
+        assert [x for x, _ in events[tag]] == [x for x, _ in csv_loss] == [16 * (i + 1) for i in range(6)]
+        assert [v for _, v in events[tag]] == pytest.approx([v for _, v in csv_loss], rel=1e-6)  # float32 in TB
         for name in ("loss", "lr", "throughput", "memory"):
             assert _png_has_data(run / "report" / f"{name}.png"), name
             assert f'src="{name}.png"' in page
