@@ -66,11 +66,12 @@ def _png_has_data(path: Path) -> bool:
 
 @pytest.mark.timeout(300)
 def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Path) -> None:
-    """ds_config.json as given to initialize, the monitors' logs and the flops profile where this build has those
-    sections ([Note: sections the config may not know yet] in demo/observe.py), the MFU row, and the report."""
+    """ds_config.json as given to initialize, the monitors' logs and the flops profile where this build
+    has those sections ([Note: sections the config may not know yet] in demo/observe.py), the MFU row, the report."""
     from shardspeed.demo.observe import known_sections
 
     run = tmp_path / "run"
+    known = known_sections()
     small = ("--tiny", "--eval-windows", "32", "--corpus-mb", "1")
     result = run_demo("--nproc", "2", "--steps", "6", *small, "--run-dir", str(run), timeout=280)
     report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
@@ -81,7 +82,6 @@ def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Pa
     assert f"report: {index}" in result.stdout, report
     page = index.read_text()
     assert "&quot;train_micro_batch_size_per_gpu&quot;: 8" in page
-    known = known_sections()
     if "csv_monitor" in known:
         assert config["csv_monitor"]["enabled"] and list((run / "csv" / "demo").glob("*.csv")), report
         from shardspeed.report.scalars import read_csv_scalars, read_tensorboard_scalars
@@ -101,3 +101,21 @@ def test_the_demo_writes_its_run_directory_and_ends_with_the_report(tmp_path: Pa
         assert re.search(r"MFU\s+\d+\.\d+% \(", result.stdout), report
     else:
         assert re.search(r"MFU\s+n/a", result.stdout), report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_with_wandb_writes_an_offline_run_into_its_run_directory(tmp_path: Path) -> None:
+    """``--wandb``: WANDB_MODE=offline and WANDB_DIR=the run directory unless the environment chose (slow: W&B's
+    service start-up takes several seconds)."""
+    from shardspeed.demo.observe import known_sections
+
+    if "wandb" not in known_sections():
+        pytest.skip("this build has no wandb config section")
+    run = tmp_path / "run"
+    small = ("--tiny", "--eval-windows", "32", "--corpus-mb", "1")
+    result = run_demo("--nproc", "2", "--steps", "4", *small, "--wandb", "--run-dir", str(run), timeout=280)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), report
+    assert json.loads((run / "ds_config.json").read_text())["wandb"]["enabled"], report
