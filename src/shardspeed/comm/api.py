@@ -16,6 +16,7 @@ logging is configured by the config's ``comms_logger`` section and covers the en
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from datetime import datetime, timedelta
@@ -352,6 +353,9 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False, *, engi
     from shardspeed.comm.log import live_logs
 
     logs = [engine.comms_log] if engine is not None else live_logs()
+    if len(logs) > 1:  # a dropped engine's log can linger in a reference cycle until the next collection
+        gc.collect()
+        logs = live_logs()
     if engine is not None and not logs[0].enabled:
         raise RuntimeError(
             'log_summary: this engine\'s comms log is disabled; set "comms_logger": {"enabled": true} in its config'
