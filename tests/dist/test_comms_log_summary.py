@@ -11,7 +11,7 @@ import shardspeed
 from shardspeed.comm import log_summary
 
 
-def _traffic(rank: int, world: int, stage: int) -> dict:
+def _traffic(rank: int, world: int, stage: int, board: bool) -> dict:
     model = make_model()
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -19,6 +19,8 @@ def _traffic(rank: int, world: int, stage: int) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "comms_logger": {"enabled": True},
         "steps_per_print": 1000,
+        # without the failure board synchronous calls are torch's own (timed as the call), async ones plain waits
+        "fault_tolerance": {"propagate_failures": board},
     }
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     batches = global_batches(3, 2 * world)
@@ -47,9 +49,9 @@ def _traffic(rank: int, world: int, stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_traffic_per_step_matches_zero_theory_and_every_call_is_timed(dist_run, stage: int) -> None:
-    for r in dist_run(_traffic, 2, stage):
+@pytest.mark.parametrize(("stage", "board"), [(0, True), (1, True), (3, True), (1, False)])
+def test_traffic_per_step_matches_zero_theory_and_every_call_is_timed(dist_run, stage: int, board: bool) -> None:
+    for r in dist_run(_traffic, 2, stage, board):
         assert r["steps"] == 2
         for key, (count, timed, positive) in r["keyed"].items():
             assert timed == count and positive, key  # each call's completion seen, its latency measured
