@@ -4,11 +4,12 @@ data-parallel traffic per optimizer step is what ZeRO's theory says (exactly, on
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 from parity import global_batches, make_model, rank_slice
 
 import shardspeed
-from shardspeed.comm import log_summary
+from shardspeed.comm import Collectives, CommsLog, log_summary
 
 
 def _traffic(rank: int, world: int, stage: int, board: bool) -> dict:
@@ -65,3 +66,20 @@ def test_traffic_per_step_matches_zero_theory_and_every_call_is_timed(dist_run, 
             assert per_step == 3 * 0.5 * r["units"]  # gather in forward and backward, reduce-scatter: per unit
         assert f"ZeRO-{stage} theory" in r["summary"].splitlines()[-1]
         assert r["rows"]["reduce_scatter:grads" if stage else "all_reduce:grads"]["busbw_avg_gbps"] > 0
+
+
+def _p2p(rank: int, world: int) -> dict:
+    log = CommsLog(enabled=True)
+    collectives = Collectives(log)
+    message = torch.arange(8, dtype=torch.float32) if rank == 0 else torch.empty(8)
+    for _ in range(3):
+        work = collectives.p2p([(message, 1)] if rank == 0 else [], [(message, 0)] if rank == 1 else [], tag="x")
+        work.wait()  # (gloo's send/recv requests report completion only through wait(): no polling here)
+        assert work.done()  # already recorded: nothing more
+    return {k: (t.count, t.timed, t.latency_s > 0, t.axis, t.busbw_gbps is not None) for k, t in log.totals.items()}
+
+
+def test_point_to_point_messages_are_timed_on_both_sides(dist_run) -> None:
+    sender, receiver = dist_run(_p2p, 2)
+    assert sender == {"send:x": (3, 3, True, "p2p", True)}
+    assert receiver == {"recv:x": (3, 3, True, "p2p", True)}
