@@ -59,7 +59,13 @@ def read_csv_scalars(path: Path) -> tuple[str, Series]:
 
 def read_tensorboard_scalars(directory: Path) -> dict[str, Series]:
     """Every scalar tag of the event files in ``directory`` (tensorboard's ``EventAccumulator``; all points)."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError as error:
+        raise RuntimeError(
+            f"reading the TensorBoard event files in {str(directory)!r} needs tensorboard, which is not installed: "
+            "pip install 'shardspeed[monitor]' (or log with csv_monitor, which the report reads without it)"
+        ) from error
 
     accumulator = EventAccumulator(str(directory), size_guidance={SCALARS: 0})
     accumulator.Reload()
