@@ -137,3 +137,17 @@ def test_launcher_subcommand_writes_the_report_or_names_the_missing_directory(tm
     assert f"wrote {tmp_path / 'out' / 'index.html'}" in capsys.readouterr().out
     assert launcher_main(["report", str(tmp_path / "nope")]) == 2
     assert "run directory" in capsys.readouterr().err
+
+
+def test_missing_packages_are_one_error_naming_the_monitor_extra(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    csv_run = _csv_run(tmp_path / "csv", ["Train/Samples/train_loss"])
+    tb_run = _tensorboard_run(tmp_path / "tb")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
+    with pytest.raises(RuntimeError, match=r"matplotlib.*shardspeed\[monitor\]"):
+        write_report(csv_run)
+    monkeypatch.setitem(sys.modules, "tensorboard.backend.event_processing.event_accumulator", None)
+    with pytest.raises(RuntimeError, match=r"needs tensorboard.*shardspeed\[monitor\]"):
+        read_run(tb_run)
+    assert launcher_main(["report", str(tb_run)]) == 2
