@@ -45,6 +45,8 @@ from shardspeed.faults.guard import GUARD_ATTR, EngineGuard, guarded
 from shardspeed.faults.preemption import PreemptionWatch
 from shardspeed.faults.process import failure_board
 from shardspeed.log import configure_logger
+from shardspeed.monitor.listener import attach_monitor
+from shardspeed.monitor.master import agree_monitor_packages
 from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
@@ -95,6 +97,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         board = failure_board(config.fault_tolerance)  # [Note: failure propagation] in faults/board.py
         # comms log; interruptible waits (the board); order verification (a debug option)
         self.collectives = engine_collectives(config, topology, board, self.device)
+        agree_monitor_packages(config, topology, self.collectives)  # tensorboard / wandb import on every rank
         bind_collectives(model, self.collectives, topology.tensor)  # tensor-parallel layers: logged, interruptible
         # Specs, then the structure (global shapes) agreed over the world: an error on every rank, not a hang.
         self.param_specs = collect_specs_agreed(model, topology, self.collectives)
@@ -198,7 +201,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         )
         """Model-state bytes this rank should hold (the memory model, shardspeed's accounting); compare with
         ``memory_breakdown()``, which lists what was really allocated."""
-        self.timers = PhaseTimers(config.wall_clock_breakdown, self.device)
+        self.timers = PhaseTimers(config.wall_clock_breakdown, self.device, self.collectives.blocked, self.optimizer)
         self.events = EngineEvents()
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
@@ -225,6 +228,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self._driver = self._driver_class.for_engine(self)  # PipelineEngine's: train_batch's (pipe_driver.py)
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
+        self.monitor = attach_monitor(self)  # DeepSpeed's MonitorMaster: monitors written on one rank (monitor/)
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
@@ -381,6 +385,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Remove the gradient hooks (lets the module be wrapped by another engine) and release offload storage
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
+        self.monitor.close()  # flushes and closes every monitor (files readable, W&B run finished)
         self.states.reducer.remove_hooks()
         for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
             handle.remove()

@@ -261,14 +261,14 @@ def test_all_problems_are_reported_together() -> None:
 def test_ignored_keys_warn_once_each() -> None:
     cfg = load(
         {
-            "tensorboard": {"enabled": True, "output_path": "runs/"},
-            "wandb": {"enabled": True, "project": "p"},
-            "flops_profiler": {"enabled": True},
-            "csv_monitor": {"enabled": True},
+            "comet": {"enabled": True, "project": "p"},
+            "trackio": {"enabled": True},
+            "memory_breakdown": True,
+            "dump_state": True,
         }
     )
     assert len(cfg.warnings) == 4
-    for key in ("tensorboard", "wandb", "flops_profiler", "csv_monitor"):
+    for key in ("comet", "trackio", "memory_breakdown", "dump_state"):
         assert sum(f'"{key}" is ignored' in w for w in cfg.warnings) == 1
 
 
@@ -818,7 +818,8 @@ def test_real_world_hf_style_config_from_a_json_file(tmp_path: Path) -> None:
     assert zero.allgather_bucket_size == 200_000_000 and zero.reduce_bucket_size == 500_000_000
     assert cfg.optimizer is not None and cfg.optimizer.type == "AdamW" and cfg.optimizer.params["lr"] == 3e-5
     assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
-    assert len(cfg.warnings) == 2  # reduce_bucket_size "auto" and tensorboard
+    assert len(cfg.warnings) == 1  # reduce_bucket_size "auto" (tensorboard is a typed section)
+    assert cfg.tensorboard.enabled and (cfg.tensorboard.output_path, cfg.tensorboard.job_name) == ("logs/", "finetune")
     assert load_config(str(path), dp_world_size=2) == cfg
 
 

@@ -122,9 +122,6 @@ _SET_FALSE = "remove it or set it to false"
 
 IGNORED_KEYS: Mapping[str, KeyRule] = {
     # Monitors: they write metrics somewhere; the metrics do not feed back into training.
-    "tensorboard": KeyRule("the TensorBoard monitor", _enabled_false, _ENABLED_OFF),
-    "wandb": KeyRule("the Weights & Biases monitor", _enabled_false, _ENABLED_OFF),
-    "csv_monitor": KeyRule("the CSV monitor", _enabled_false, _ENABLED_OFF),
     "comet": KeyRule("the Comet monitor", _enabled_false, _ENABLED_OFF),
     "trackio": KeyRule("the Trackio monitor", _enabled_false, _ENABLED_OFF),
     # Profilers, timers and state dumps: they observe, and only add synchronisation.
@@ -205,9 +202,6 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
 SECTION_KEYS: Mapping[str, tuple[str, ...]] = {
     # DeepSpeed 0.19's schema for tabled sections (monitor/config.py, profiling/config.py, utils/config.py,
     # runtime/constants.py, runtime/config.py, autotuning/constants.py, elasticity/constants.py, nebula/constants.py).
-    "tensorboard": ("enabled", "output_path", "job_name"),
-    "wandb": ("enabled", "group", "team", "project"),
-    "csv_monitor": ("enabled", "output_path", "job_name"),
     "comet": (
         "enabled",
         "samples_log_interval",

@@ -14,6 +14,7 @@ from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, P
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
 from .fault_tolerance import FaultToleranceConfig
+from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
 from .sections import CommsLoggerConfig, OptimizerConfig, SchedulerConfig
@@ -128,6 +129,15 @@ class ShardSpeedConfig(ConfigModel):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
     preemption, resume. Not a DeepSpeed key (shardspeed's own section)."""
+
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
+
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    """CSV monitor, DeepSpeed's file layout (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
+
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,

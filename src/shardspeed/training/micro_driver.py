@@ -54,6 +54,7 @@ class MicroStepDriver:
         self.get_lr = get_lr
         self.progress = Progress()
         self.global_grad_norm: float | None = None
+        self.norm_every_step = False  # the monitors log grad_norm every step (monitor/listener.py)
         self.last_loss: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -189,7 +190,7 @@ class MicroStepDriver:
 
     def _boundary_step(self, lr_kwargs: dict[str, Any] | None = None) -> Exception | None:
         progress = self.progress
-        reporting = (progress.global_steps + 1) % self.steps_per_print == 0
+        reporting = (progress.global_steps + 1) % self.steps_per_print == 0 or self.norm_every_step
         clearings, self.cleared_since_step = self.cleared_since_step, 0
         outcome = self.core.run(
             want_norm=reporting, step_index=progress.global_steps, clearings=clearings, lr_kwargs=lr_kwargs
