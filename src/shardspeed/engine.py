@@ -51,6 +51,7 @@ from shardspeed.optim.absent import require_optimizer
 from shardspeed.precision.autocast import cast_floats, forward_autocast
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.precision.policy import memory_precision, optimizer_bytes_per_element
+from shardspeed.profiling.engine_profiler import attach_flops_profiler
 from shardspeed.schedulers import build_scheduler
 from shardspeed.tensor_parallel import bind_collectives, register_partial_grad_hooks
 from shardspeed.tensor_parallel.batch_check import FirstBatchCheck
@@ -229,6 +230,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.monitor = attach_monitor(self)  # DeepSpeed's MonitorMaster: monitors written on one rank (monitor/)
+        self.flops_profiler = attach_flops_profiler(self)  # DeepSpeed's attribute; inactive unless configured
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
@@ -386,6 +388,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         (NVMe swap files); put back the signal handlers the engine replaced."""
         self.preemption.uninstall()
         self.monitor.close()  # flushes and closes every monitor (files readable, W&B run finished)
+        self.flops_profiler.close()  # a profile window still open: its hooks and dispatch mode go
         self.states.reducer.remove_hooks()
         for handle in self._tp_grad_hooks:  # sequence-parallel norms' gradient sums (tensor_parallel/)
             handle.remove()

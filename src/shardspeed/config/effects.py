@@ -105,6 +105,13 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "comms_logger.verbose": _warns("the comms log is a summary only (observability, no effect on training)", True),
     "comms_logger.prof_all": _warns("shardspeed filters by prof_ops whenever it is non-empty (observability)", False),
     "comms_logger.debug": _warns("caller names are not recorded (observability)", True),
+    "flops_profiler.enabled": _acts("profiling/engine_profiler.py profiles one step"),
+    "flops_profiler.recompute_fwd_factor": _acts("profiling/summary.py: the hardware FLOPS lines"),
+    "flops_profiler.profile_step": _acts("profiling/engine_profiler.py: which step is profiled"),
+    "flops_profiler.module_depth": _acts("profiling/summary.py: the aggregated tables' depth"),
+    "flops_profiler.top_modules": _acts("profiling/summary.py: modules per depth"),
+    "flops_profiler.detailed": _acts("profiling/summary.py: the per-module tree"),
+    "flops_profiler.output_file": _acts("profiling/engine_profiler.py writes the summary there"),
     # --- activation checkpointing, aio --------------------------------------------------------------------------
     "activation_checkpointing.partition_activations": _acts("checkpointing/settings.py"),
     "activation_checkpointing.cpu_checkpointing": _acts("checkpointing/settings.py"),

@@ -125,7 +125,6 @@ IGNORED_KEYS: Mapping[str, KeyRule] = {
     "comet": KeyRule("the Comet monitor", _enabled_false, _ENABLED_OFF),
     "trackio": KeyRule("the Trackio monitor", _enabled_false, _ENABLED_OFF),
     # Profilers, timers and state dumps: they observe, and only add synchronisation.
-    "flops_profiler": KeyRule("the FLOPs profiler", _enabled_false, _ENABLED_OFF),
     "timers": KeyRule("DeepSpeed's throughput timers", _nothing_enabled, _ENABLED_OFF),
     "memory_breakdown": KeyRule("per-step memory reports", _false, _SET_FALSE),
     "dump_state": KeyRule("dumping engine state after initialisation", _false, _SET_FALSE),
@@ -214,15 +213,6 @@ SECTION_KEYS: Mapping[str, tuple[str, ...]] = {
         "mode",
     ),
     "trackio": ("enabled", "project"),
-    "flops_profiler": (
-        "enabled",
-        "recompute_fwd_factor",
-        "profile_step",
-        "module_depth",
-        "top_modules",
-        "detailed",
-        "output_file",
-    ),
     "timers": ("throughput",),
     "timers.throughput": ("enabled", "synchronized"),
     "checkpoint": ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),

@@ -14,6 +14,7 @@ from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, P
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
 from .fault_tolerance import FaultToleranceConfig
+from .flops_profiler import FlopsProfilerConfig
 from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from .pipeline import PipelineConfig
 from .precision import BF16Config, DataTypesConfig, DtypeName, FP16Config, TorchAutocastConfig
@@ -138,6 +139,8 @@ class ShardSpeedConfig(ConfigModel):
 
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
 
     warnings: list[str] = Field(default_factory=list)
     """Messages for the engine to print once, on rank 0: DeepSpeed keys that were accepted but ignored,
