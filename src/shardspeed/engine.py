@@ -208,6 +208,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
         self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
+        self.events.subscribe(self.comms_log.expect(config, trainable_numel, topology.dp_world_size))  # comm/log.py
         self.preemption = PreemptionWatch(config.fault_tolerance, self.logger)  # handlers: installed by initialize
         self._core = StepCore(
             states=self.states,

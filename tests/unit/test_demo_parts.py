@@ -12,6 +12,7 @@ import torch
 
 from shardspeed.config.errors import ConfigError
 from shardspeed.demo import __main__ as demo_main
+from shardspeed.demo import observe as demo_observe
 from shardspeed.demo import train as demo_train
 from shardspeed.demo.corpus import (
     FILE_SEPARATOR,
@@ -271,7 +272,9 @@ def test_relaunch_runs_torch_distributed_run_and_returns_the_workers_verdict(
     assert command[command.index("--nproc_per_node") + 1] == "3"
     assert 0 < int(command[command.index("--master_port") + 1]) < 65536
     assert command[-2:] == ["-m", "shardspeed.demo"], "no script arguments for the launcher to misparse"
-    assert json.loads(seen["env"][demo_main.ARGV_ENV]) == ["--nproc", "3", "--cpu", "--steps", "5"]
+    worker_argv = json.loads(seen["env"][demo_main.ARGV_ENV])
+    assert worker_argv[:5] == ["--nproc", "3", "--cpu", "--steps", "5"]
+    assert worker_argv[5] == "--run-dir" and worker_argv[6].startswith("runs/demo-")  # one directory for all ranks
     assert seen["env"]["OMP_NUM_THREADS"] == "1" and seen["env"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
@@ -286,3 +289,50 @@ def test_a_relaunched_worker_takes_its_arguments_from_the_environment(
     assert demo_main.main([]) == 0
     assert received[0].stage == 1 and received[0].tiny and received[0].nproc == 2
     assert json.loads((tmp_path / "result.json").read_text()) == {"exit_code": 0}
+
+
+# ---- observability: run directory, config sections, MFU row (demo/observe.py) ----------------------
+def test_observability_sections_follow_the_config_sections_this_build_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = Path("runs/x")
+    monkeypatch.setattr(demo_observe, "known_sections", lambda: {"zero_optimization"})
+    assert demo_observe.observability_sections(run, 100, wandb=True) == {}  # a build without them: none added
+    everything = {"tensorboard", "csv_monitor", "wandb", "flops_profiler"}
+    monkeypatch.setattr(demo_observe, "known_sections", lambda: everything)
+    sections = demo_observe.observability_sections(run, 100, wandb=True)
+    assert sections["tensorboard"] == {"enabled": True, "output_path": "runs/x/tensorboard", "job_name": "demo"}
+    assert sections["csv_monitor"] == {"enabled": True, "output_path": "runs/x/csv", "job_name": "demo"}
+    assert sections["wandb"]["enabled"] and sections["wandb"]["group"] == "x"
+    profiler = sections["flops_profiler"]
+    assert (
+        profiler["enabled"] and profiler["profile_step"] == 2 and profiler["output_file"] == "runs/x/flops_profile.txt"
+    )
+    assert demo_observe.observability_sections(run, 1)["flops_profiler"]["profile_step"] == 0  # a 1-step run
+    assert "wandb" not in demo_observe.observability_sections(run, 100)
+
+
+def test_the_run_dir_is_written_with_the_config_and_chosen_once_by_the_relauncher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo_observe.prepare_run_dir(tmp_path / "run", {"a": 1}, is_rank0=True, wandb=False)
+    assert json.loads((tmp_path / "run" / "ds_config.json").read_text()) == {"a": 1}
+    assert demo_observe.default_run_dir(0.0) == Path("runs/demo-19700101-000000")
+    assert demo_observe.agree_run_dir("given", None) == Path("given")
+    seen = {}
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(demo_main, "relaunch", lambda args, argv: seen.update(args=args, argv=argv) or 0)
+    assert demo_main.main(["--steps", "3"]) == 0
+    assert seen["argv"][-2] == "--run-dir" and seen["argv"][-1] == seen["args"].run_dir
+    assert seen["args"].run_dir.startswith("runs/demo-")
+
+
+def test_the_mfu_row_uses_the_profilers_figures_or_says_why_there_is_none() -> None:
+    assert "no flops profiler" in demo_observe.mfu_line(types.SimpleNamespace(), 10.0, 2)
+    idle = types.SimpleNamespace(flops_profiler=types.SimpleNamespace(model_flops_per_sample=None))
+    assert "did not run" in demo_observe.mfu_line(idle, 10.0, 2)
+    pytest.importorskip("shardspeed.profiling.mfu")  # helper F's module (S5)
+    profiled = types.SimpleNamespace(
+        flops_profiler=types.SimpleNamespace(model_flops_per_sample=1e9, peak_flops=1e12, peak_source="table: X")
+    )
+    line = demo_observe.mfu_line(profiled, 100.0, 2)  # 1e11 FLOP/s achieved over 2 × 1e12
+    assert line.startswith("5.00% (1 GFLOP/sample × 100.0 samples/s")
+    assert "2 device(s) × 1 TFLOP/s peak: table: X" in line

@@ -16,8 +16,10 @@ logging is configured by the config's ``comms_logger`` section and covers the en
 
 from __future__ import annotations
 
+import gc
 import os
-from datetime import timedelta
+import warnings
+from datetime import datetime, timedelta
 from typing import Any
 
 import torch
@@ -342,6 +344,45 @@ def monitored_barrier(
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
+def log_summary(show_straggler: bool = False, return_dict: bool = False, *, engine: Any = None) -> dict | None:
+    """DeepSpeed's ``deepspeed.comm.log_summary()``: print the comms log's summary on rank 0 (each rank returns
+    its own figures with ``return_dict``). The log is the engine's (``engine.comms_log``, per ``comms_logger``):
+    pass ``engine=``, or leave it out when exactly one live engine has an enabled log ([Note: finding the comms
+    log] in comm/log.py). Unlike DeepSpeed no barrier is needed: nothing is exchanged between ranks.
+    ``show_straggler`` (a cross-rank latency comparison) is not supported: it warns and prints the summary."""
+    from shardspeed.comm.log import live_logs
+
+    logs = [engine.comms_log] if engine is not None else live_logs()
+    if len(logs) > 1:  # a dropped engine's log can linger in a reference cycle until the next collection
+        gc.collect()
+        logs = live_logs()
+    if engine is not None and not logs[0].enabled:
+        raise RuntimeError(
+            'log_summary: this engine\'s comms log is disabled; set "comms_logger": {"enabled": true} in its config'
+        )
+    if not logs:
+        raise RuntimeError(
+            'log_summary: no engine has an enabled comms log; set "comms_logger": {"enabled": true} in the config '
+            "and call shardspeed.comm.log_summary() (or print engine.comms_log.summary()) after training"
+        )
+    if len(logs) > 1:
+        raise RuntimeError(
+            f"log_summary: {len(logs)} live engines have enabled comms logs; pass engine=... or print "
+            "engine.comms_log.summary() for the one you mean"
+        )
+    log = logs[0]
+    if show_straggler:
+        warnings.warn(
+            "log_summary(show_straggler=True) is not supported by shardspeed; printing the summary only", stacklevel=2
+        )
+    if get_rank() == 0:
+        print(log.summary(), flush=True)
+    if not return_dict:
+        return None
+    meta = {"world_size": get_world_size(), "rank": get_rank(), "timestamp": datetime.now().isoformat()}
+    return {"summary": log.rows(), "straggler_analysis": None, "metadata": meta}
+
+
 def _check_single_slot(slots: list[Any], name: str) -> None:
     if len(slots) != 1:
         raise ValueError(f"{name} has {len(slots)} entries but the world has 1 process (no process group)")
@@ -370,6 +411,7 @@ __all__ = [
     "is_available",
     "is_initialized",
     "isend",
+    "log_summary",
     "monitored_barrier",
     "new_group",
     "recv",

@@ -63,27 +63,46 @@ class Collectives:
         )
 
     # --- the waiting path: everything below issues through here ---------------------------------------------------
-    def _run(self, launch: object, axis: AxisGroup, op: str, tag: str, async_op: bool) -> Work:
+    def _run(
+        self,
+        launch: object,
+        axis: AxisGroup,
+        op: str,
+        tag: str,
+        async_op: bool,
+        timer: Callable[[], None] | None = None,
+    ) -> Work:
         """Issue ``launch(async_op)`` and return its Work, waited already unless ``async_op``: through the failure
-        board when there is one (always issued async then), else as torch's own synchronous call."""
+        board when there is one (always issued async then), else as torch's own synchronous call. ``timer``: the
+        comms log's latency callback, called when the call is seen complete ([Note: comms-log latency])."""
 
         doing, key = _describer(op, tag, axis), f"{op}:{tag}" if tag else op
         if self.board is None and not async_op:  # torch's own synchronous call: all of it is blocked time
             timed_wait(self.blocked, key, lambda: launch(False))  # type: ignore[operator]
+            if timer is not None:
+                timer()
             return Work(None)
-        work = Work(launch(True), self.board, doing, blocked=self.blocked, key=key)  # type: ignore[operator]
+        handle = launch(True)  # type: ignore[operator]
+        work = Work(handle, self.board, doing, blocked=self.blocked, key=key, on_complete=timer)
         if not async_op:
             work.wait()
         return work
 
     def _run_composite(
-        self, launch: Callable[[], Launched], axis: AxisGroup, op: str, tag: str, async_op: bool
+        self,
+        launch: Callable[[], Launched],
+        axis: AxisGroup,
+        op: str,
+        tag: str,
+        async_op: bool,
+        timer: Callable[[], None] | None = None,
     ) -> Work:
         """``_run`` for a logical op carried by several async calls: one ``CompositeWork``, waited already unless
         ``async_op``; blocked time recorded under the logical op's key."""
 
         key = f"{op}:{tag}" if tag else op
-        work = CompositeWork(launch(), self.board, _describer(op, tag, axis), blocked=self.blocked, key=key)
+        doing = _describer(op, tag, axis)
+        work = CompositeWork(launch(), self.board, doing, blocked=self.blocked, key=key, on_complete=timer)
         if not async_op:
             work.wait()
         return work
@@ -102,13 +121,14 @@ class Collectives:
             self.order.check("all_reduce(sum)", axis, (tensor,), tag)
         if axis.size == 1:
             return Work(None)
-        self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
+        timer = self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
         return self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
             axis,
             "all_reduce",
             tag,
             async_op,
+            timer,
         )
 
     def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
@@ -116,13 +136,14 @@ class Collectives:
             self.order.check("all_reduce(max)", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag)
+        timer = self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
         self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group, async_op=a),
             axis,
             "all_reduce(max)",
             tag,
             False,
+            timer,
         )
 
     def all_gather(
@@ -145,13 +166,13 @@ class Collectives:
             if unsharded.data_ptr() != shard.data_ptr():
                 unsharded.copy_(shard)
             return Work(None)
-        self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        timer = self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name)
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("all_gather", nbytes, axis, unsharded)
         self.algorithm_counts[f"all_gather={algorithm}"] += 1
         if algorithm == "broadcast":
             return self._run_composite(
-                lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op
+                lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer
             )
         if in_slot(shard, unsharded, axis) and dist.get_backend(axis.group) != "nccl":
             # NCCL documents in-place all-gather; elsewhere the input gets its own memory, kept until the gather lands
@@ -164,6 +185,7 @@ class Collectives:
             "all_gather",
             tag,
             async_op,
+            timer,
         )
 
     def reduce_scatter(
@@ -188,7 +210,9 @@ class Collectives:
             if unsharded.data_ptr() != shard.data_ptr():
                 shard.copy_(unsharded)
             return Work(None)
-        self.log.record("reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag)
+        timer = self.log.record(
+            "reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name
+        )
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("reduce_scatter", nbytes, axis, unsharded)
         self.algorithm_counts[f"reduce_scatter={algorithm}"] += 1
@@ -199,6 +223,7 @@ class Collectives:
                 "reduce_scatter",
                 tag,
                 async_op,
+                timer,
             )
         if in_slot(shard, unsharded, axis):
             if not clobber_input:
@@ -212,6 +237,7 @@ class Collectives:
             "reduce_scatter",
             tag,
             async_op,
+            timer,
         )
 
     def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
@@ -220,13 +246,14 @@ class Collectives:
             self.order.check(f"broadcast(src={src_index})", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag)
+        timer = self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
         self._run(
             lambda a: dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group, async_op=a),
             axis,
             "broadcast",
             tag,
             False,
+            timer,
         )
 
     def p2p(
@@ -250,10 +277,11 @@ class Collectives:
         involved at all."""
         if not sends and not recvs:
             return P2PWork([], [], None, str)
-        ops, is_send = [], []
+        ops, is_send, timers = [], [], []
         for pairs, kind, op in ((sends, "send", dist.isend), (recvs, "recv", dist.irecv)):
             for tensor, peer, *override in pairs:
-                self.log.record(kind, tensor.numel(), tensor.element_size(), 2, override[0] if override else tag)
+                message_tag = override[0] if override else tag
+                timers.append(self.log.record(kind, tensor.numel(), tensor.element_size(), 2, message_tag, "p2p"))
                 ops.append(dist.P2POp(op, tensor, peer, group))
                 is_send.append(kind == "send")
 
@@ -264,7 +292,7 @@ class Collectives:
 
         handles = dist.batch_isend_irecv(ops)
         keep = [op.tensor for op in ops]
-        return P2PWork(handles, is_send, self.board, doing, keep=keep, blocked=self.blocked, tag=tag)
+        return P2PWork(handles, is_send, self.board, doing, keep=keep, blocked=self.blocked, tag=tag, timers=timers)
 
     def all_gather_object(self, obj: object, axis: AxisGroup) -> list[object]:
         """Small Python objects (validation fingerprints, RSS figures); not logged as traffic."""

@@ -1,4 +1,5 @@
-"""Comms log (DeepSpeed's ``comms_logger``): what each collective moved, counted in elements and bytes.
+"""Comms log (DeepSpeed's ``comms_logger``): what each collective moved, how long it took, and how that compares
+with the ZeRO traffic theory.
 
 Each record keeps the raw message size and the *algorithmic* traffic per rank — the figure the ZeRO paper
 counts — using the usual ring factors for N ranks:
@@ -7,13 +8,30 @@ counts — using the usual ring factors for N ranks:
     broadcast                        size (each rank receives it once)
     send / recv (point-to-point)     size at the sender, 0 at the receiver: each message is counted once, where
                                      it is sent; ``elements`` / ``bytes`` hold the message as sent on both sides
+
+[Note: comms-log latency] A call's latency runs from its launch to the moment this process learns it completed:
+a synchronous call's duration; for an async call, when its ``Work.wait()`` returns or ``Work.done()`` first sees
+it finished — whichever comes first (``Collectives`` hands each Work the ``CommsLog.timer`` made at launch). An
+async collective waited long after it landed is thus charged the time until it was looked at: an upper bound of
+the wire time, exact for the waits that block. Nothing is synchronised to time it (DeepSpeed's logger waits each
+op; ours costs two ``perf_counter`` calls per logged call and nothing when disabled). Bandwidths follow
+NCCL-tests (doc/PERFORMANCE.md): algorithmic bandwidth = message bytes / latency (the full, unsharded size for
+all-gather and reduce-scatter), bus bandwidth = algorithmic × 2(N−1)/N for all-reduce, × (N−1)/N for all-gather,
+reduce-scatter and all-to-all, × 1 for broadcast and point-to-point. Per (op, tag) they are the bytes-weighted
+means, sum(bytes) / sum(latency), over the calls that completed.
+
 Pure bookkeeping: no collectives here, so tests can assert exact figures.
 """
 
 from __future__ import annotations
 
+import math
+import time
+import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 ALGORITHMIC_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -25,6 +43,19 @@ ALGORITHMIC_FACTOR = {
     "recv": lambda n: 0.0,
 }
 
+BUS_FACTOR = {  # NCCL-tests' bus-bandwidth factors (the receiver of a message sees the same wire as its sender)
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+DATA_PARALLEL_TAGS = ("grads", "params")
+"""The tags of ZeRO's own traffic over the data axis: gradient reductions and parameter gathers."""
+
 
 @dataclass
 class OpTotals:
@@ -32,36 +63,211 @@ class OpTotals:
     elements: int = 0  # full (unsharded) message size in elements
     bytes: int = 0
     algorithmic_elements: float = 0.0  # elements actually sent per rank under a ring algorithm
+    axis_elements: dict[str, float] = field(default_factory=dict)  # algorithmic elements per mesh axis name
+    timed: int = 0  # calls whose completion was seen ([Note: comms-log latency])
+    latency_s: float = 0.0  # launch-to-completion seconds, summed over the timed calls
+    timed_bytes: int = 0
+    timed_bus_bytes: float = 0.0
+
+    @property
+    def axis(self) -> str:
+        """The mesh axes the calls went over (``"data"``, ``"tensor"``, ``"p2p"``…; comma-separated)."""
+        return ",".join(sorted(a for a in self.axis_elements if a))
+
+    @property
+    def mean_latency_ms(self) -> float | None:
+        return self.latency_s / self.timed * 1e3 if self.timed else None
+
+    @property
+    def algbw_gbps(self) -> float | None:
+        """Algorithmic bandwidth in Gbit/s (DeepSpeed's unit): bytes / latency over the timed calls."""
+        return self.timed_bytes * 8 / self.latency_s / 1e9 if self.latency_s > 0 else None
+
+    @property
+    def busbw_gbps(self) -> float | None:
+        return self.timed_bus_bytes * 8 / self.latency_s / 1e9 if self.latency_s > 0 else None
+
+
+@dataclass(frozen=True)
+class ZeroTraffic:
+    """What ZeRO should move over the data axis per optimizer step, per rank, in elements (the paper's Ψ = the
+    trainable parameters this rank's model replica holds). Ring algorithms, N data-parallel ranks, G micro-steps
+    per optimizer step:
+        stage 0, 1   one all-reduce (or reduce-scatter + all-gather) at the boundary    2 (N−1)/N Ψ
+        stage 2      a reduce-scatter every micro-step + the all-gather after the step  (G+1) (N−1)/N Ψ
+        stage 3      gathers in forward and backward + a reduce-scatter, per micro-step 3 G (N−1)/N Ψ
+    With G = 1 these are the paper's 2Ψ and 3Ψ (× (N−1)/N). Padding to the world size and stage 3's persistent
+    (never re-gathered) small parameters move the measured figure a little off the theory."""
+
+    stage: int
+    numel: int
+    dp_world: int
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def psi_multiple(self) -> float:
+        g = self.gradient_accumulation_steps
+        return {0: 2.0, 1: 2.0, 2: g + 1.0, 3: 3.0 * g}[self.stage]
+
+    @property
+    def elements_per_step(self) -> float:
+        n = self.dp_world
+        return self.psi_multiple * (n - 1) / n * self.numel if n > 1 else 0.0
+
+
+_live_logs: weakref.WeakSet[CommsLog] = weakref.WeakSet()
+"""[Note: finding the comms log] DeepSpeed keeps one process-wide logger that ``deepspeed.comm.log_summary()``
+prints. Ours is per engine (engine.comms_log), passed down explicitly; this weak set only lets that DeepSpeed entry
+point find the enabled logs of live engines — no process group or rank is kept here, and a dropped engine's log
+leaves it by itself. ``comm.log_summary`` refuses to guess between several."""
 
 
 class CommsLog:
-    """Totals per (op, tag). Disabled logs cost one attribute check per collective."""
+    """Totals per (op, tag). Disabled logs cost one attribute check per collective. An ``EngineListener``: it
+    counts the optimizer steps it saw, for the per-step comparison with ``theory``."""
 
-    def __init__(self, enabled: bool = False, prof_ops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, enabled: bool = False, prof_ops: tuple[str, ...] = (), clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.enabled = enabled
+        self._clock = clock  # seconds; tests pass a fake one
+        self._generation = 0  # bumped by reset(): calls launched before it are not timed into the new figures
         self.prof_ops = frozenset(prof_ops)
         self.totals: dict[str, OpTotals] = defaultdict(OpTotals)
+        self.steps = 0
+        """Optimizer steps finished since the last ``reset()`` (``on_step``)."""
+        self.theory: ZeroTraffic | None = None
+        """The data-parallel traffic ZeRO predicts per step; set by the engine."""
+        if enabled:
+            _live_logs.add(self)
 
-    def record(self, op: str, numel: int, element_size: int, world: int, tag: str = "") -> None:
+    def record(
+        self, op: str, numel: int, element_size: int, world: int, tag: str = "", axis: str = ""
+    ) -> Callable[[], None] | None:
+        """Count one call; returns its completion callback ([Note: comms-log latency]), None when not logged."""
         if not self.enabled or (self.prof_ops and op not in self.prof_ops):
-            return
-        totals = self.totals[f"{op}:{tag}" if tag else op]
+            return None
+        key = f"{op}:{tag}" if tag else op
+        totals = self.totals[key]
         totals.count += 1
         totals.elements += numel
         totals.bytes += numel * element_size
-        totals.algorithmic_elements += numel * ALGORITHMIC_FACTOR[op](world)
+        algorithmic = numel * ALGORITHMIC_FACTOR[op](world)
+        totals.algorithmic_elements += algorithmic
+        totals.axis_elements[axis] = totals.axis_elements.get(axis, 0.0) + algorithmic
+        return self.timer(key, numel * element_size, BUS_FACTOR[op](world))
+
+    def timer(self, key: str, nbytes: int, bus_factor: float) -> Callable[[], None]:
+        """A callback that, called once when the call is seen complete, adds its latency since now to ``key``."""
+        start, generation = self._clock(), self._generation
+
+        def completed() -> None:
+            if generation != self._generation:  # launched before a reset(): not part of these figures
+                return
+            totals = self.totals[key]
+            totals.timed += 1
+            totals.latency_s += self._clock() - start
+            totals.timed_bytes += nbytes
+            totals.timed_bus_bytes += nbytes * bus_factor
+
+        return completed
+
+    def expect(self, config: Any, numel: int, dp_world: int) -> CommsLog:
+        """Set ``theory`` from the engine's typed config (ZeRO stage, accumulation steps), ``numel`` = Ψ and the
+        data-parallel size; returns the log, which the engine subscribes to its events (``on_step``)."""
+        stage, gas = config.zero_optimization.stage, config.gradient_accumulation_steps
+        self.theory = ZeroTraffic(stage, numel, dp_world, gas)
+        return self
+
+    def on_step(self, report: object) -> None:
+        self.steps += 1
 
     def algorithmic_elements(self, op_prefix: str = "") -> float:
         return sum(t.algorithmic_elements for k, t in self.totals.items() if k.startswith(op_prefix))
 
+    def data_parallel_elements(self) -> float:
+        """Algorithmic elements per rank ZeRO moved over the data axis (tags ``grads`` / ``params``)."""
+        return sum(
+            t.axis_elements.get("data", 0.0)
+            for k, t in self.totals.items()
+            if k.rpartition(":")[2] in DATA_PARALLEL_TAGS
+        )
+
     def reset(self) -> None:
         self.totals.clear()
+        self.steps = 0
+        self._generation += 1
 
-    def summary(self) -> str:
-        lines = [f"{'collective':<32}{'calls':>8}{'elements':>16}{'MB':>12}{'algo elements':>18}"]
+    def theory_line(self) -> str:
+        """Data-parallel traffic logged per optimizer step against ``theory``, or why there is no comparison."""
+        if self.theory is None:
+            return "ZeRO traffic theory: not known for this log (set CommsLog.theory)"
+        if self.steps == 0:
+            return "ZeRO traffic theory: no optimizer step logged yet"
+        t = self.theory
+        measured = self.data_parallel_elements() / self.steps
+        expected = t.elements_per_step
+        ratio = f"{measured / expected:.3f}× theory" if expected else "no data-parallel axis"
+        return (
+            f"data-parallel traffic per step: {measured:,.0f} elements per rank over {self.steps} step(s); "
+            f"ZeRO-{t.stage} theory {t.psi_multiple:g}Ψ·(N−1)/N = {expected:,.0f} "
+            f"(Ψ={t.numel:,}, N={t.dp_world}, gas={t.gradient_accumulation_steps}): {ratio}"
+        )
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """The summary as data, per ``op:tag`` (DeepSpeed's ``return_dict`` field names where they exist)."""
+        out = {}
         for key in sorted(self.totals):
             t = self.totals[key]
-            lines.append(
-                f"{key:<32}{t.count:>8}{t.elements:>16}{t.bytes / 2**20:>12.2f}{t.algorithmic_elements:>18.0f}"
-            )
+            out[key] = {
+                "count": t.count,
+                "axis": t.axis,
+                "elements": t.elements,
+                "msg_size_bytes": t.bytes / t.count if t.count else 0,
+                "total_bytes": t.bytes,
+                "algorithmic_elements": t.algorithmic_elements,
+                "total_latency_ms": t.latency_s * 1e3,
+                "avg_latency_ms": t.mean_latency_ms,
+                "tput_avg_gbps": t.algbw_gbps,
+                "busbw_avg_gbps": t.busbw_gbps,
+            }
+        return out
+
+    def summary(self) -> str:
+        """DeepSpeed's comms table, one row per ``op:tag`` (the mean message size; DeepSpeed splits rows by size),
+        plus elements and algorithmic elements, then the line comparing data-parallel traffic with ZeRO's."""
+        head = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)")
+        head += ("busbw_avg (Gbps)", "elements", "algo elements")
+        lines = [f"{head[0]:<32}" + "".join(f"{h:>19}" for h in head[1:])]
+        for key, row in self.rows().items():
+            cells = [
+                convert_size(row["msg_size_bytes"]),
+                str(row["count"]),
+                f"{row['total_latency_ms']:.2f}",
+                _fmt(row["avg_latency_ms"]),
+                _fmt(row["tput_avg_gbps"]),
+                _fmt(row["busbw_avg_gbps"]),
+                str(row["elements"]),
+                f"{row['algorithmic_elements']:.0f}",
+            ]
+            lines.append(f"{key:<32}" + "".join(f"{c:>19}" for c in cells))
+        lines.append(self.theory_line())
         return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def convert_size(size_bytes: float) -> str:
+    """DeepSpeed's human-readable size (1024-based): ``"4.0 KB"``."""
+    if size_bytes <= 0:
+        return "0B"
+    names = ("B", "KB", "MB", "GB", "TB", "PB")
+    i = max(0, min(math.floor(math.log(size_bytes, 1024)), len(names) - 1))
+    return f"{round(size_bytes / 1024**i, 2)} {names[i]}"
+
+
+def live_logs() -> list[CommsLog]:
+    """The enabled comms logs of live engines ([Note: finding the comms log])."""
+    return list(_live_logs)

@@ -26,11 +26,19 @@ class Work:
         *,
         blocked: BlockedTime | None = None,
         key: str = "",
+        on_complete: Callable[[], None] | None = None,
     ) -> None:
         self._handle = handle
         self._board = board
         self._doing = doing
         self._blocked, self._key = blocked, key  # [Note: exposed communication] in comm/blocked.py
+        self._on_complete = on_complete  # the comms log's latency timer ([Note: comms-log latency] in comm/log.py)
+
+    def _completed(self) -> None:
+        """The call was seen complete: tell the comms log, once."""
+        if self._on_complete is not None:
+            on_complete, self._on_complete = self._on_complete, None
+            on_complete()
 
     def wait(self) -> None:
         if self._handle is not None:
@@ -40,10 +48,14 @@ class Work:
             else:
                 timed_wait(self._blocked, self._key, lambda: board.wait(handle, self._doing))
             self._handle = None
+        self._completed()
 
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (the collective has finished)."""
-        return self._handle is None or self._handle.is_completed()
+        if self._handle is None or self._handle.is_completed():
+            self._completed()
+            return True
+        return False
 
 
 class P2PWork(Work):
@@ -59,15 +71,28 @@ class P2PWork(Work):
         keep: Sequence[torch.Tensor] = (),
         blocked: BlockedTime | None = None,
         tag: str = "",
+        timers: Sequence[Callable[[], None] | None] = (),
     ) -> None:
         super().__init__(None, board, doing)
         self._keep = list(keep)  # the batch's tensors, alive until this Work is dropped (gloo reads them async)
         sends, recvs = (blocked, f"send:{tag}" if tag else "send"), (blocked, f"recv:{tag}" if tag else "recv")
+        timers = list(timers) or [None] * len(is_send)  # per message: the comms log's latency timers
         if len(handles) == len(is_send):  # gloo: one request per message
-            self.sends = _Works([h for h, s in zip(handles, is_send, strict=True) if s], board, doing, *sends)
-            self.recvs = _Works([h for h, s in zip(handles, is_send, strict=True) if not s], board, doing, *recvs)
-        else:  # NCCL: one request for the whole batch
-            self.sends = self.recvs = _Works(handles, board, doing, blocked, f"p2p:{tag}" if tag else "p2p")
+            mine = list(zip(handles, is_send, timers, strict=True))
+            self.sends = _Works([h for h, s, _ in mine if s], board, doing, *sends, [t for _, s, t in mine if s])
+            self.recvs = _Works(
+                [h for h, s, _ in mine if not s], board, doing, *recvs, [t for _, s, t in mine if not s]
+            )
+        else:  # NCCL: one request for the whole batch, which completes every message
+            every = [t for t in timers if t is not None]
+
+            def all_done() -> None:
+                for timer in every:
+                    timer()
+
+            self.sends = self.recvs = _Works(
+                handles, board, doing, blocked, f"p2p:{tag}" if tag else "p2p", [*[None] * (len(handles) - 1), all_done]
+            )
 
     def wait(self) -> None:
         self.recvs.wait()
@@ -87,9 +112,13 @@ class _Works(Work):
         doing: Callable[[], str],
         blocked: BlockedTime | None = None,
         key: str = "",
+        timers: Sequence[Callable[[], None] | None] = (),
     ) -> None:
         super().__init__(None, board, doing)
-        self._works = [Work(h, board, doing, blocked=blocked, key=key) for h in handles]
+        timers = list(timers) if len(timers) == len(handles) else [None] * len(handles)
+        self._works = [
+            Work(h, board, doing, blocked=blocked, key=key, on_complete=t) for h, t in zip(handles, timers, strict=True)
+        ]
 
     def wait(self) -> None:
         while self._works:
@@ -114,8 +143,9 @@ class CompositeWork(Work):
         *,
         blocked: BlockedTime | None,
         key: str,
+        on_complete: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(None, board, doing, blocked=blocked, key=key)
+        super().__init__(None, board, doing, blocked=blocked, key=key, on_complete=on_complete)
         self._handles = list(launched.handles)
         self._finish = launched.finish
         self._keep = launched.keep  # inputs and outputs alive until the handles are waited (gloo reads them async)
@@ -126,6 +156,7 @@ class CompositeWork(Work):
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
+        self._completed()
         self._keep = ()
 
     def _wait_handles(self) -> None:

@@ -50,7 +50,8 @@ class SchedulerConfig(ConfigModel):
 
 
 class CommsLoggerConfig(ConfigModel):
-    """``comms_logger``: record every collective the engine issues (synchronises each one to time it)."""
+    """``comms_logger``: record every collective the engine issues: calls, bytes, launch-to-completion latency and
+    bandwidths per op and tag (comm/log.py; nothing is synchronised to time it, unlike DeepSpeed)."""
 
     enabled: bool = False
     """Log communication operations. DeepSpeed default: false."""

@@ -47,6 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bf16", action="store_true", help="train in bf16 (fp32 master weights)")
     run.add_argument("--cpu", action="store_true", help="train on CPU even when CUDA is available")
     run.add_argument("--seed", type=int, default=0, help="model initialisation seed; default 0")
+    observe = parser.add_argument_group("observability")
+    observe.add_argument(
+        "--run-dir",
+        default=None,
+        help="where the run writes ds_config.json, its TensorBoard and CSV logs, the flops profile and the report; "
+        "default a fresh runs/demo-<UTC timestamp>",
+    )
+    observe.add_argument(
+        "--comms-log",
+        action="store_true",
+        help="enable comms_logger and print its summary (per collective, and traffic per step vs ZeRO's theory)",
+    )
+    observe.add_argument(
+        "--wandb", action="store_true", help="also log to Weights & Biases (offline into the run dir unless WANDB_MODE)"
+    )
     batch = parser.add_argument_group("batch and optimizer")
     batch.add_argument("--micro-batch", type=int, default=8, help="windows per rank per micro-step; default 8")
     batch.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps; default 1")
@@ -175,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         if ARGV_ENV in os.environ:  # started by relaunch(): the arguments travel in the environment
             argv = json.loads(os.environ[ARGV_ENV])
         return worker(parse_args(argv))
-    return relaunch(parse_args(argv), argv)
+    args = parse_args(argv)
+    if args.run_dir is None:  # chosen once here, so every worker writes into the same fresh directory
+        from shardspeed.demo.observe import default_run_dir
+
+        args.run_dir = str(default_run_dir())
+        argv = [*argv, "--run-dir", args.run_dir]
+    return relaunch(args, argv)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ class RunSummary:
     wall_seconds: float = 0.0
     peak_memory_mb: list[float] = field(default_factory=list)
     stopped_by_time_budget: bool = False
+    mfu: str = "n/a"
+    """Model FLOPs utilization, as ``observe.mfu_line`` words it."""
+    run_dir: str = ""
 
     @property
     def loss_went_down(self) -> bool:
@@ -143,6 +146,8 @@ class RunSummary:
             ("throughput", f"{format_rate(self.tokens_per_second)} (all ranks)"),
             ("wall time", f"{self.wall_seconds:.1f} s (training loop {self.train_seconds:.1f} s)"),
             ("peak RSS per rank", "/".join(f"{mb:.0f}" for mb in self.peak_memory_mb) + " MB"),
+            ("MFU", self.mfu),
+            ("run directory", self.run_dir or "-"),
             ("loss went down", "yes" if self.loss_went_down else "NO"),
         ]
         width = max(len(name) for name, _ in rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from typing import Any
 
@@ -17,8 +18,17 @@ import torch
 import torch.distributed as dist
 
 import shardspeed
+from shardspeed.comm import init_distributed
 from shardspeed.demo.corpus import ByteWindows, byte_tokens, read_corpus, train_eval_split
 from shardspeed.demo.model import GPT, TINY_CONFIG, GPTConfig
+from shardspeed.demo.observe import (
+    agree_run_dir,
+    close_monitors,
+    mfu_line,
+    observability_sections,
+    prepare_run_dir,
+    write_run_report,
+)
 from shardspeed.demo.progress import ProgressBar, RunSummary, gather_stats, read_memory_mb
 
 
@@ -60,6 +70,7 @@ def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
         "zero_optimization": {"stage": args.stage},
         "bf16": {"enabled": bool(args.bf16)},
         "steps_per_print": 1_000_000_000,  # the demo draws its own progress bar
+        **({"comms_logger": {"enabled": True}} if getattr(args, "comms_log", False) else {}),
     }
 
 
@@ -99,11 +110,17 @@ def run(args: argparse.Namespace) -> int:
     tokens = byte_tokens(read_corpus(int(args.corpus_mb * 1_000_000)))
     train_set, eval_set = train_eval_split(tokens, config.context_length)
     model = GPT(config)
+    if args.run_dir is None:  # a worker started by a launcher: rank 0 picks the directory, shared over the group
+        init_distributed()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    run_dir = agree_run_dir(args.run_dir, torch.device("cuda", local) if torch.cuda.is_available() else None)
+    ds_config = {**deepspeed_config(args), **observability_sections(run_dir, args.steps, args.wandb)}
+    prepare_run_dir(run_dir, ds_config, int(os.environ.get("RANK", "0")) == 0, args.wandb)
     engine, _optimizer, loader, _scheduler = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         training_data=train_set,
-        config=deepspeed_config(args),
+        config=ds_config,
     )
     topology, device = engine.topology, engine.device
     is_rank0 = topology.dp_rank == 0
@@ -194,9 +211,17 @@ def run(args: argparse.Namespace) -> int:
         device=device,
     )
     summary.peak_memory_mb = peaks.memory_mb
+    samples_per_step = args.micro_batch * args.grad_accum * topology.dp_world_size
+    samples_per_second = steps * samples_per_step / max(summary.train_seconds, 1e-9)
+    summary.mfu = mfu_line(engine, samples_per_second, dist.get_world_size() if dist.is_initialized() else 1)
+    close_monitors(engine)
     summary.wall_seconds = time.perf_counter() - started
     if is_rank0:
+        summary.run_dir = str(run_dir)
         print(summary.table(), flush=True)
         if not summary.loss_went_down:
             print("shardspeed.demo: the training loss did not go down", flush=True)
+        if engine.comms_log.enabled:
+            print("\ncomms log (rank 0, every logged collective since the start):\n" + engine.comms_log.summary())
+        print(write_run_report(run_dir), flush=True)
     return 0 if summary.loss_went_down else 1

@@ -90,3 +90,4 @@ register_subcommand(
 register_subcommand(
     "zero-to-fp32", "shardspeed.checkpoint.consolidate:main", "write a checkpoint's fp32 weights as safetensors"
 )
+register_subcommand("report", "shardspeed.report:main", "plot a run's monitor logs into an HTML page (RUN_DIR)")

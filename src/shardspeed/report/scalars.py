@@ -1,0 +1,106 @@
+"""Reading a run directory back: the monitors' scalars (CSV, else TensorBoard), the config, the profiler output.
+
+The CSV layout is DeepSpeed's csv_monitor (what shardspeed's monitor writes too): one file per tag,
+``{output_path}/{job_name}/{tag with '/' and ' ' → '_'}.csv``, a header row ``step,<last component of the tag>``
+and rows ``x,value``. The file name loses the ``/``s; the header keeps the last component, so the tag is rebuilt
+as ``<the stem before it, '_' → '/'>/<header>`` — exact for every tag shardspeed writes (``Train/Samples/lr``,
+``Memory/rank3/host_peak_bytes``), whose leading components hold no ``_``. A file appended to by a restarted run
+repeats its header row; rows that are not two numbers are skipped.
+
+TensorBoard event files (``events.out.tfevents.*``) are read with tensorboard's own ``EventAccumulator``, never
+parsed by hand; tensorboard is imported only when there are no CSV files.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Series = list[tuple[int, float]]
+"""(x = global samples, value), sorted by x."""
+
+CONFIG_NAME = "ds_config.json"
+PROFILE_NAME = "flops_profile.txt"
+
+
+@dataclass
+class RunData:
+    """What a run directory holds, as the report needs it."""
+
+    scalars: dict[str, Series] = field(default_factory=dict)
+    source: str = "none"
+    """``"csv"``, ``"tensorboard"`` or ``"none"``: where ``scalars`` came from."""
+    source_files: list[Path] = field(default_factory=list)
+    config_path: Path | None = None
+    profile_path: Path | None = None
+
+
+def tag_from_csv(stem: str, header: str) -> str:
+    """The monitor tag a CSV file holds, from its file stem and its header's value column."""
+    if header and stem.endswith("_" + header) and len(stem) > len(header) + 1:
+        return stem[: -len(header) - 1].replace("_", "/") + "/" + header
+    return stem
+
+
+def read_csv_scalars(path: Path) -> tuple[str, Series]:
+    """One csv_monitor file: its tag and its points (non-numeric rows, e.g. a repeated header, skipped)."""
+    header, points = "", []
+    with path.open(newline="") as handle:
+        for row in csv.reader(handle):
+            if len(row) != 2:
+                continue
+            try:
+                points.append((int(float(row[0])), float(row[1])))
+            except ValueError:
+                header = header or row[1]
+    return tag_from_csv(path.stem, header), points
+
+
+def read_tensorboard_scalars(directory: Path) -> dict[str, Series]:
+    """Every scalar tag of the event files in ``directory`` (tensorboard's ``EventAccumulator``; all points)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError as error:
+        raise RuntimeError(
+            f"reading the TensorBoard event files in {str(directory)!r} needs tensorboard, which is not installed: "
+            "pip install 'shardspeed[monitor]' (or log with csv_monitor, which the report reads without it)"
+        ) from error
+
+    accumulator = EventAccumulator(str(directory), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()[SCALARS]}
+
+
+def _merge(into: dict[str, Series], tag: str, points: Series) -> None:
+    into[tag] = sorted([*into.get(tag, []), *points])
+
+
+def _under(run_dir: Path, pattern: str, skip: Path | None) -> list[Path]:
+    """Files matching ``pattern`` anywhere under ``run_dir`` (not under ``skip``), shallowest first."""
+    found = [p for p in run_dir.rglob(pattern) if p.is_file() and (skip is None or skip not in p.parents)]
+    return sorted(found, key=lambda p: (len(p.relative_to(run_dir).parts), str(p)))
+
+
+def read_run(run_dir: Path, skip: Path | None = None) -> RunData:
+    """Scalars, config and profiler output found anywhere under ``run_dir`` (``skip``: the report's own folder)."""
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+    data = RunData()
+    configs, profiles = _under(run_dir, CONFIG_NAME, skip), _under(run_dir, PROFILE_NAME, skip)
+    data.config_path = configs[0] if configs else None
+    data.profile_path = profiles[0] if profiles else None
+    csv_files = _under(run_dir, "*.csv", skip)
+    if csv_files:
+        data.source, data.source_files = "csv", csv_files
+        for path in csv_files:
+            tag, points = read_csv_scalars(path)
+            _merge(data.scalars, tag, points)
+        return data
+    event_dirs = sorted({p.parent for p in _under(run_dir, "events.out.tfevents.*", skip)})
+    if event_dirs:
+        data.source, data.source_files = "tensorboard", event_dirs
+        for directory in event_dirs:
+            for tag, points in read_tensorboard_scalars(directory).items():
+                _merge(data.scalars, tag, points)
+    return data
