@@ -208,9 +208,10 @@ def resolve_choice(
             logger.info("the cached collective calibrations differ between ranks: using the table")
         choice = table_choice(backend, axis.size, itemsize)
     assert choice is not None
+    choice = replace(choice, axis=axis.name, cores_per_rank=cores)  # measured on ``axis``: other axes run native
     if world.rank == 0:
         logger.info(choice.describe())
-    return replace(choice, axis=axis.name, cores_per_rank=cores)  # measured on ``axis``: other axes run native
+    return choice
 
 
 # --- `python -m shardspeed.comm.calibrate`: the measured table ----------------------------------------------------

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from shardspeed.comm.algorithms import NATIVE, CollectiveChoice
 from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.composite import (
+    ALL_GATHER_SINGLE,
+    REDUCE_SCATTER_SINGLE,
     Launched,
     all_gather_by_broadcast,
     all_gather_from_copy,
@@ -34,8 +36,8 @@ from shardspeed.comm.work import CompositeWork, P2PWork, Work
 from shardspeed.faults.board import FailureBoard
 from shardspeed.topology import AxisGroup
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = ALL_GATHER_SINGLE
+_reduce_scatter_single = REDUCE_SCATTER_SINGLE
 
 __all__ = ["Collectives", "CompositeWork", "P2PWork", "Work"]  # the Works live in comm/work.py
 

@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 from shardspeed.topology import AxisGroup
 
+# torch's names for the single-tensor collectives (newer torch renamed them; the old names warn)
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class Launched:
@@ -53,7 +57,7 @@ def reduce_scatter_into_slot(shard: torch.Tensor, unsharded: torch.Tensor, axis:
     """A native reduce-scatter whose output is its own input's slot: a separate output, copied into the slot when it
     lands (an output aliasing the input is not portable across backends)."""
     out = torch.empty_like(shard)
-    handle = dist.reduce_scatter_tensor(out, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    handle = REDUCE_SCATTER_SINGLE(out, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
     return Launched([handle], lambda: shard.copy_(out), (out, unsharded))
 
 
@@ -75,5 +79,5 @@ def all_gather_by_broadcast(unsharded: torch.Tensor, shard: torch.Tensor, axis: 
 def all_gather_from_copy(unsharded: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> Launched:
     """A native all-gather of an in-place shard from a copy of it (kept alive until the gather lands)."""
     copy = shard.clone()
-    handle = dist.all_gather_into_tensor(unsharded, copy, group=axis.group, async_op=True)
+    handle = ALL_GATHER_SINGLE(unsharded, copy, group=axis.group, async_op=True)
     return Launched([handle], None, (copy, unsharded))
