@@ -179,7 +179,7 @@ class Collectives:
         if in_slot(shard, unsharded, axis) and dist.get_backend(axis.group) != "nccl":
             # NCCL documents in-place all-gather; elsewhere the input gets its own memory, kept until the gather lands
             return self._run_composite(
-                lambda: all_gather_from_copy(unsharded, shard, axis), axis, "all_gather", tag, async_op
+                lambda: all_gather_from_copy(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer
             )
         return self._run(
             lambda a: _all_gather_single(unsharded, shard, group=axis.group, async_op=a),
@@ -231,7 +231,12 @@ class Collectives:
             if not clobber_input:
                 raise ValueError("reduce_scatter: an in-place shard (its slot of the input) needs clobber_input=True")
             return self._run_composite(
-                lambda: reduce_scatter_into_slot(shard, unsharded, axis), axis, "reduce_scatter", tag, async_op
+                lambda: reduce_scatter_into_slot(shard, unsharded, axis),
+                axis,
+                "reduce_scatter",
+                tag,
+                async_op,
+                timer,
             )
         return self._run(
             lambda a: _reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
