@@ -151,3 +151,25 @@ def test_missing_packages_are_one_error_naming_the_monitor_extra(tmp_path: Path,
     with pytest.raises(RuntimeError, match=r"needs tensorboard.*shardspeed\[monitor\]"):
         read_run(tb_run)
     assert launcher_main(["report", str(tb_run)]) == 2
+
+
+def test_a_stray_csv_does_not_hide_the_tensorboard_logs(tmp_path: Path) -> None:
+    run = _tensorboard_run(tmp_path / "run")
+    (run / "eval_results.csv").write_text("id,score\n1,0.5\n")  # a user's CSV: not csv_monitor's `step,<name>`
+    data = read_run(run)
+    assert data.source == "tensorboard" and set(TAGS) <= set(data.scalars)
+
+
+@pytest.mark.parametrize("where", ["run", "parent"])
+def test_an_out_dir_containing_the_run_still_reads_its_files(tmp_path: Path, where: str) -> None:
+    run = _csv_run(tmp_path / "run", ["Train/Samples/train_loss"])
+    index = write_report(run, run if where == "run" else tmp_path)  # `shardspeed report RUN --out RUN` (or above)
+    page = index.read_text()
+    assert "No ds_config.json was found" not in page and 'src="loss.png"' in page
+
+
+def test_a_rerun_into_the_same_csv_keeps_the_last_value_per_x(tmp_path: Path) -> None:
+    job = tmp_path / "run" / "job"
+    job.mkdir(parents=True)
+    (job / "Train_Samples_lr.csv").write_text("step,lr\n8,0.1\n16,0.2\nstep,lr\n8,0.3\n16,0.4\n")
+    assert read_run(tmp_path / "run").scalars == {"Train/Samples/lr": [(8, 0.3), (16, 0.4)]}

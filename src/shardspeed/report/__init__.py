@@ -24,7 +24,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     """Write the report of ``run_dir`` into ``out_dir`` (default ``run_dir/report``); returns index.html's path."""
     run = Path(run_dir).resolve()
     out = Path(out_dir).resolve() if out_dir is not None else run / "report"
-    data = read_run(run, skip=out)
+    data = read_run(run)
     out.mkdir(parents=True, exist_ok=True)
     specs = plot_specs(data.scalars)
     written = []
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         index = write_report(args.run_dir, args.out)
-    except (FileNotFoundError, RuntimeError) as error:
+    except (OSError, RuntimeError, ValueError) as error:  # a missing dir, no tensorboard, an unreadable file
         print(f"shardspeed report: error: {error}", file=sys.stderr)
         return 2
     print(f"shardspeed report: wrote {index}")

@@ -5,10 +5,13 @@ The CSV layout is DeepSpeed's csv_monitor (what shardspeed's monitor writes too)
 and rows ``x,value``. The file name loses the ``/``s; the header keeps the last component, so the tag is rebuilt
 as ``<the stem before it, '_' → '/'>/<header>`` — exact for every tag shardspeed writes (``Train/Samples/lr``,
 ``Memory/rank3/host_peak_bytes``), whose leading components hold no ``_``. A file appended to by a restarted run
-repeats its header row; rows that are not two numbers are skipped.
+repeats its header row; rows that are not two numbers are skipped, and where a rerun or a resume logged the same
+x twice the last value wins (``_merge``), so the line does not zig-zag between two runs. Only files whose first
+row is ``step,<name>`` are the monitor's: any other CSV under the run (a user's ``eval_results.csv``) is ignored,
+and when none qualifies the TensorBoard files are read instead.
 
 TensorBoard event files (``events.out.tfevents.*``) are read with tensorboard's own ``EventAccumulator``, never
-parsed by hand; tensorboard is imported only when there are no CSV files.
+parsed by hand; tensorboard is imported only when there are no monitor CSV files.
 """
 
 from __future__ import annotations
@@ -73,31 +76,47 @@ def read_tensorboard_scalars(directory: Path) -> dict[str, Series]:
 
 
 def _merge(into: dict[str, Series], tag: str, points: Series) -> None:
-    into[tag] = sorted([*into.get(tag, []), *points])
+    """Add ``points`` to ``tag``'s series; on a repeated x the later point wins (files are read in order, and
+    within a file a resumed run's rows come after the earlier run's)."""
+    by_x = dict(into.get(tag, []))
+    by_x.update(points)
+    into[tag] = sorted(by_x.items())
 
 
-def _under(run_dir: Path, pattern: str, skip: Path | None) -> list[Path]:
-    """Files matching ``pattern`` anywhere under ``run_dir`` (not under ``skip``), shallowest first."""
-    found = [p for p in run_dir.rglob(pattern) if p.is_file() and (skip is None or skip not in p.parents)]
+def is_monitor_csv(path: Path) -> bool:
+    """Whether ``path``'s first row is csv_monitor's header ``step,<name>``."""
+    try:
+        with path.open(newline="") as handle:
+            first = next(csv.reader(handle), [])
+    except (OSError, UnicodeDecodeError):
+        return False
+    return len(first) == 2 and first[0] == "step" and bool(first[1])
+
+
+def _under(run_dir: Path, pattern: str) -> list[Path]:
+    """Files matching ``pattern`` anywhere under ``run_dir``, shallowest first. The report writes only
+    ``index.html`` and ``*.png``, which no pattern here matches, so an ``--out`` inside (or above) the run dir hides
+    nothing."""
+    found = [p for p in run_dir.rglob(pattern) if p.is_file()]
     return sorted(found, key=lambda p: (len(p.relative_to(run_dir).parts), str(p)))
 
 
-def read_run(run_dir: Path, skip: Path | None = None) -> RunData:
-    """Scalars, config and profiler output found anywhere under ``run_dir`` (``skip``: the report's own folder)."""
+def read_run(run_dir: Path) -> RunData:
+    """Scalars, config and profiler output found anywhere under ``run_dir``."""
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     data = RunData()
-    configs, profiles = _under(run_dir, CONFIG_NAME, skip), _under(run_dir, PROFILE_NAME, skip)
+    configs, profiles = _under(run_dir, CONFIG_NAME), _under(run_dir, PROFILE_NAME)
     data.config_path = configs[0] if configs else None
     data.profile_path = profiles[0] if profiles else None
-    csv_files = _under(run_dir, "*.csv", skip)
+    csv_files = [p for p in _under(run_dir, "*.csv") if is_monitor_csv(p)]
     if csv_files:
         data.source, data.source_files = "csv", csv_files
         for path in csv_files:
             tag, points = read_csv_scalars(path)
             _merge(data.scalars, tag, points)
         return data
-    event_dirs = sorted({p.parent for p in _under(run_dir, "events.out.tfevents.*", skip)})
+    event_dirs = sorted({p.parent for p in _under(run_dir, "events.out.tfevents.*")})
     if event_dirs:
         data.source, data.source_files = "tensorboard", event_dirs
         for directory in event_dirs:
