@@ -12,7 +12,7 @@ import shardspeed
 from shardspeed.comm import Collectives, CommsLog, log_summary
 
 
-def _traffic(rank: int, world: int, stage: int, board: bool) -> dict:
+def _traffic(rank: int, world: int, stage: int, board: bool, collectives: str = "auto") -> dict:
     model = make_model()
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -20,6 +20,8 @@ def _traffic(rank: int, world: int, stage: int, board: bool) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "comms_logger": {"enabled": True},
         "steps_per_print": 1000,
+        # "native" takes the in-place paths (stage 1/2 gathers from their own slot) that gloo's "auto" never does
+        "communication": {"collectives": collectives},
         # without the failure board synchronous calls are torch's own (timed as the call), async ones plain waits
         "fault_tolerance": {"propagate_failures": board},
     }
@@ -50,9 +52,14 @@ def _traffic(rank: int, world: int, stage: int, board: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize(("stage", "board"), [(0, True), (1, True), (3, True), (1, False)])
-def test_traffic_per_step_matches_zero_theory_and_every_call_is_timed(dist_run, stage: int, board: bool) -> None:
-    for r in dist_run(_traffic, 2, stage, board):
+@pytest.mark.parametrize(
+    ("stage", "board", "collectives"),
+    [(0, True, "auto"), (1, True, "auto"), (3, True, "auto"), (1, False, "auto"), (1, True, "native")],
+)
+def test_traffic_per_step_matches_zero_theory_and_every_call_is_timed(
+    dist_run, stage: int, board: bool, collectives: str
+) -> None:
+    for r in dist_run(_traffic, 2, stage, board, collectives):
         assert r["steps"] == 2
         for key, (count, timed, positive) in r["keyed"].items():
             assert timed == count and positive, key  # each call's completion seen, its latency measured

@@ -179,3 +179,16 @@ def test_log_summary_finds_the_one_enabled_log_or_says_what_to_call(capsys, monk
     del log, _Engine
     gc.collect()
     assert comm_log.live_logs() == [other]  # a dropped engine's log leaves the set by itself
+
+
+def test_calls_the_host_cannot_see_complete_nccl_are_counted_but_not_timed() -> None:
+    # NCCL's wait() returns once the kernel is enqueued: a host clock would time the launch, not the wire
+    clock = _Clock()
+    log = CommsLog(enabled=True, clock=clock, host_waits=False)
+    assert log.record("all_reduce", 1000, 4, 2, "grads", "data") is None  # no timer to call
+    totals = log.totals["all_reduce:grads"]
+    assert (totals.count, totals.timed, totals.enqueue_only, totals.busbw_gbps) == (1, 0, 1, None)
+    header, row = log.summary().splitlines()[:2]
+    assert "timed" in header
+    assert row.split()[0] == "all_reduce:grads" and row.count("n/a (nccl)") == 4  # latencies and bandwidths
+    assert log.rows()["all_reduce:grads"]["timed"] == 0

@@ -123,7 +123,9 @@ class Collectives:
             self.order.check("all_reduce(sum)", axis, (tensor,), tag)
         if axis.size == 1:
             return Work(None)
-        timer = self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
+        timer = self.log.record(
+            "all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
+        )
         return self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
             axis,
@@ -138,7 +140,9 @@ class Collectives:
             self.order.check("all_reduce(max)", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        timer = self.log.record("all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
+        timer = self.log.record(
+            "all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
+        )
         self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group, async_op=a),
             axis,
@@ -168,7 +172,9 @@ class Collectives:
             if unsharded.data_ptr() != shard.data_ptr():
                 unsharded.copy_(shard)
             return Work(None)
-        timer = self.log.record("all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name)
+        timer = self.log.record(
+            "all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name, axis.group
+        )
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("all_gather", nbytes, axis, unsharded)
         self.algorithm_counts[f"all_gather={algorithm}"] += 1
@@ -213,7 +219,7 @@ class Collectives:
                 shard.copy_(unsharded)
             return Work(None)
         timer = self.log.record(
-            "reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name
+            "reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name, axis.group
         )
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("reduce_scatter", nbytes, axis, unsharded)
@@ -253,7 +259,9 @@ class Collectives:
             self.order.check(f"broadcast(src={src_index})", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        timer = self.log.record("broadcast", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name)
+        timer = self.log.record(
+            "broadcast", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
+        )
         self._run(
             lambda a: dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group, async_op=a),
             axis,
@@ -288,7 +296,9 @@ class Collectives:
         for pairs, kind, op in ((sends, "send", dist.isend), (recvs, "recv", dist.irecv)):
             for tensor, peer, *override in pairs:
                 message_tag = override[0] if override else tag
-                timers.append(self.log.record(kind, tensor.numel(), tensor.element_size(), 2, message_tag, "p2p"))
+                timers.append(
+                    self.log.record(kind, tensor.numel(), tensor.element_size(), 2, message_tag, "p2p", group)
+                )
                 ops.append(dist.P2POp(op, tensor, peer, group))
                 is_send.append(kind == "send")
 

@@ -13,12 +13,18 @@ counts — using the usual ring factors for N ranks:
 a synchronous call's duration; for an async call, when its ``Work.wait()`` returns or ``Work.done()`` first sees
 it finished — whichever comes first (``Collectives`` hands each Work the ``CommsLog.timer`` made at launch). An
 async collective waited long after it landed is thus charged the time until it was looked at: an upper bound of
-the wire time, exact for the waits that block. Nothing is synchronised to time it (DeepSpeed's logger waits each
-op; ours costs two ``perf_counter`` calls per logged call and nothing when disabled). Bandwidths follow
-NCCL-tests (doc/PERFORMANCE.md): algorithmic bandwidth = message bytes / latency (the full, unsharded size for
-all-gather and reduce-scatter), bus bandwidth = algorithmic × 2(N−1)/N for all-reduce, × (N−1)/N for all-gather,
-reduce-scatter and all-to-all, × 1 for broadcast and point-to-point. Per (op, tag) they are the bytes-weighted
-means, sum(bytes) / sum(latency), over the calls that completed.
+the wire time, exact for the waits that block. That holds only where the host waits for the wire (gloo, MPI).
+NCCL's ``wait()`` — and its synchronous calls — return once the kernel is enqueued on a CUDA stream, so a host
+clock would time the launch overhead (µs: a 100 MB all-reduce would read as tens of thousands of Gbps). On an
+NCCL group a call is therefore counted but not timed (``OpTotals.enqueue_only``): its latency and bandwidth
+cells read ``n/a (nccl)``; CUDA-event timing would need an event per call read back later, left for when a GPU
+can test it. Nothing is synchronised to time a call (DeepSpeed's logger waits each op; ours costs two
+``perf_counter`` calls per logged call and nothing when disabled). Bandwidths follow NCCL-tests
+(doc/PERFORMANCE.md): algorithmic bandwidth = message bytes / latency (the full, unsharded size for all-gather and
+reduce-scatter; DeepSpeed's ``tput`` doubles it for all-reduce, and its ``Message Size`` is the per-rank input of
+all-gather / reduce-scatter, not our full size), bus bandwidth = algorithmic × 2(N−1)/N for all-reduce, × (N−1)/N
+for all-gather, reduce-scatter and all-to-all, × 1 for broadcast and point-to-point. Per (op, tag) they are the
+bytes-weighted means, sum(bytes) / sum(latency), over the calls that completed.
 
 Pure bookkeeping: no collectives here, so tests can assert exact figures.
 """
@@ -32,6 +38,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.distributed as dist
 
 ALGORITHMIC_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -65,6 +73,7 @@ class OpTotals:
     algorithmic_elements: float = 0.0  # elements actually sent per rank under a ring algorithm
     axis_elements: dict[str, float] = field(default_factory=dict)  # algorithmic elements per mesh axis name
     timed: int = 0  # calls whose completion was seen ([Note: comms-log latency])
+    enqueue_only: int = 0  # calls on NCCL groups: the host never sees them complete, so they are not timed
     latency_s: float = 0.0  # launch-to-completion seconds, summed over the timed calls
     timed_bytes: int = 0
     timed_bus_bytes: float = 0.0
@@ -127,9 +136,16 @@ class CommsLog:
     counts the optimizer steps it saw, for the per-step comparison with ``theory``."""
 
     def __init__(
-        self, enabled: bool = False, prof_ops: tuple[str, ...] = (), clock: Callable[[], float] = time.perf_counter
+        self,
+        enabled: bool = False,
+        prof_ops: tuple[str, ...] = (),
+        clock: Callable[[], float] = time.perf_counter,
+        host_waits: bool | None = None,
     ) -> None:
         self.enabled = enabled
+        self.host_waits = host_waits
+        """Whether a call's wait blocks the host until it lands, so that it can be timed; None: ask each call's
+        group (False on NCCL: [Note: comms-log latency]). Tests set it to see the NCCL path on gloo."""
         self._clock = clock  # seconds; tests pass a fake one
         self._generation = 0  # bumped by reset(): calls launched before it are not timed into the new figures
         self.prof_ops = frozenset(prof_ops)
@@ -142,9 +158,10 @@ class CommsLog:
             _live_logs.add(self)
 
     def record(
-        self, op: str, numel: int, element_size: int, world: int, tag: str = "", axis: str = ""
+        self, op: str, numel: int, element_size: int, world: int, tag: str = "", axis: str = "", group: Any = None
     ) -> Callable[[], None] | None:
-        """Count one call; returns its completion callback ([Note: comms-log latency]), None when not logged."""
+        """Count one call over ``group`` (None: the default group); returns its completion callback ([Note:
+        comms-log latency]), None when not logged or when the host cannot see it complete (NCCL)."""
         if not self.enabled or (self.prof_ops and op not in self.prof_ops):
             return None
         key = f"{op}:{tag}" if tag else op
@@ -155,7 +172,15 @@ class CommsLog:
         algorithmic = numel * ALGORITHMIC_FACTOR[op](world)
         totals.algorithmic_elements += algorithmic
         totals.axis_elements[axis] = totals.axis_elements.get(axis, 0.0) + algorithmic
+        if not self._host_waits(group):
+            totals.enqueue_only += 1
+            return None
         return self.timer(key, numel * element_size, BUS_FACTOR[op](world))
+
+    def _host_waits(self, group: Any) -> bool:
+        if self.host_waits is not None:
+            return self.host_waits
+        return not (dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl")
 
     def timer(self, key: str, nbytes: int, bus_factor: float) -> Callable[[], None]:
         """A callback that, called once when the call is seen complete, adds its latency since now to ``key``."""
@@ -221,6 +246,8 @@ class CommsLog:
             t = self.totals[key]
             out[key] = {
                 "count": t.count,
+                "timed": t.timed,
+                "enqueue_only": t.enqueue_only,
                 "axis": t.axis,
                 "elements": t.elements,
                 "msg_size_bytes": t.bytes / t.count if t.count else 0,
@@ -235,18 +262,22 @@ class CommsLog:
 
     def summary(self) -> str:
         """DeepSpeed's comms table, one row per ``op:tag`` (the mean message size; DeepSpeed splits rows by size),
-        plus elements and algorithmic elements, then the line comparing data-parallel traffic with ZeRO's."""
+        plus the calls timed (``Total Latency`` covers only those), elements and algorithmic elements, then the line
+        comparing data-parallel traffic with ZeRO's. Rows of NCCL calls read ``n/a (nccl)`` for latency and
+        bandwidth ([Note: comms-log latency])."""
         head = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)")
-        head += ("busbw_avg (Gbps)", "elements", "algo elements")
+        head += ("busbw_avg (Gbps)", "timed", "elements", "algo elements")
         lines = [f"{head[0]:<32}" + "".join(f"{h:>19}" for h in head[1:])]
         for key, row in self.rows().items():
+            untimed = "n/a (nccl)" if row["enqueue_only"] and not row["timed"] else None
             cells = [
                 convert_size(row["msg_size_bytes"]),
                 str(row["count"]),
-                f"{row['total_latency_ms']:.2f}",
-                _fmt(row["avg_latency_ms"]),
-                _fmt(row["tput_avg_gbps"]),
-                _fmt(row["busbw_avg_gbps"]),
+                untimed or f"{row['total_latency_ms']:.2f}",
+                untimed or _fmt(row["avg_latency_ms"]),
+                untimed or _fmt(row["tput_avg_gbps"]),
+                untimed or _fmt(row["busbw_avg_gbps"]),
+                str(row["timed"]),
                 str(row["elements"]),
                 f"{row['algorithmic_elements']:.0f}",
             ]
