@@ -263,7 +263,12 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
         self._first_batch(args, kwargs)  # the first forward only: identical across the tensor axis
         self.events.inputs(args, kwargs)  # the monitors' tokens per sample (no hook on the user's module)
-        with self.events.phase("forward"), forward_autocast(self.config.torch_autocast, self.device):
+        evaluating = not (self.module.training and torch.is_grad_enabled())  # not training traffic (comm/log.py)
+        with (
+            self.events.phase("forward"),
+            forward_autocast(self.config.torch_autocast, self.device),
+            self.comms_log.evaluating(evaluating),
+        ):
             return self._driver.passes.watch_outputs(self.module(*args, **kwargs))  # for loss.backward(): 1/GAS
 
     @guarded("engine.backward()")

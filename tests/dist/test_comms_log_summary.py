@@ -90,3 +90,32 @@ def test_point_to_point_messages_are_timed_on_both_sides(dist_run) -> None:
     sender, receiver = dist_run(_p2p, 2)
     assert sender == {"send:x": (3, 3, True, "p2p", True)}
     assert receiver == {"recv:x": (3, 3, True, "p2p", True)}
+
+
+def _with_evaluation(rank: int, world: int) -> dict:
+    model = make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "comms_logger": {"enabled": True},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for x, y in global_batches(2, 2 * world):
+        xs, ys = rank_slice(x, 0, rank, world, 2), rank_slice(y, 0, rank, world, 2)
+        engine.backward(F.mse_loss(engine(xs), ys))
+        engine.step()
+        engine.eval()
+        with torch.no_grad():
+            engine(xs)  # an evaluation forward: gathers every unit again, with no optimizer step
+        engine.train()
+    log = engine.comms_log
+    units = sum(u.padded_numel for u in engine.states.units)
+    return {"per_step": log.data_parallel_elements() / log.steps, "units": units, "keys": sorted(log.totals)}
+
+
+def test_evaluation_forwards_are_their_own_rows_and_not_training_traffic(dist_run) -> None:
+    for r in dist_run(_with_evaluation, 2):
+        assert r["per_step"] == 3 * 0.5 * r["units"]  # was 4/3 of it with the evaluation gathers counted
+        assert "all_gather:params (eval)" in r["keys"]

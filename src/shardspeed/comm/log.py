@@ -31,11 +31,12 @@ Pure bookkeeping: no collectives here, so tests can assert exact figures.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,10 @@ BUS_FACTOR = {  # NCCL-tests' bus-bandwidth factors (the receiver of a message s
 
 DATA_PARALLEL_TAGS = ("grads", "params")
 """The tags of ZeRO's own traffic over the data axis: gradient reductions and parameter gathers."""
+
+EVAL_SUFFIX = " (eval)"
+"""Appended to the key of a call made during an evaluation forward (``CommsLog.evaluating``): its own row, and
+outside the theory's per-step traffic, which counts training micro-steps only."""
 
 
 @dataclass
@@ -105,8 +110,10 @@ class ZeroTraffic:
         stage 0, 1   one all-reduce (or reduce-scatter + all-gather) at the boundary    2 (N−1)/N Ψ
         stage 2      a reduce-scatter every micro-step + the all-gather after the step  (G+1) (N−1)/N Ψ
         stage 3      gathers in forward and backward + a reduce-scatter, per micro-step 3 G (N−1)/N Ψ
-    With G = 1 these are the paper's 2Ψ and 3Ψ (× (N−1)/N). Padding to the world size and stage 3's persistent
-    (never re-gathered) small parameters move the measured figure a little off the theory."""
+    With G = 1 these are the paper's 2Ψ and 3Ψ (× (N−1)/N). Padding to the world size moves the measured figure a
+    little above the theory; stage 3's persistent small parameters (never re-gathered) and units kept gathered from
+    forward through backward (``stage3_max_reuse_distance``, default 1e9: e.g. a tied embedding used at both ends)
+    move it below: the demo's tied GPT reads about 0.7×. Evaluation forwards are not counted (``EVAL_SUFFIX``)."""
 
     stage: int
     numel: int
@@ -147,6 +154,7 @@ class CommsLog:
         """Whether a call's wait blocks the host until it lands, so that it can be timed; None: ask each call's
         group (False on NCCL: [Note: comms-log latency]). Tests set it to see the NCCL path on gloo."""
         self._clock = clock  # seconds; tests pass a fake one
+        self._evaluating = False  # inside an evaluation forward: calls keyed apart (EVAL_SUFFIX)
         self._generation = 0  # bumped by reset(): calls launched before it are not timed into the new figures
         self.prof_ops = frozenset(prof_ops)
         self.totals: dict[str, OpTotals] = defaultdict(OpTotals)
@@ -164,7 +172,7 @@ class CommsLog:
         comms-log latency]), None when not logged or when the host cannot see it complete (NCCL)."""
         if not self.enabled or (self.prof_ops and op not in self.prof_ops):
             return None
-        key = f"{op}:{tag}" if tag else op
+        key = (f"{op}:{tag}" if tag else op) + (EVAL_SUFFIX if self._evaluating else "")
         totals = self.totals[key]
         totals.count += 1
         totals.elements += numel
@@ -176,6 +184,17 @@ class CommsLog:
             totals.enqueue_only += 1
             return None
         return self.timer(key, numel * element_size, BUS_FACTOR[op](world))
+
+    @contextlib.contextmanager
+    def evaluating(self, on: bool = True) -> Iterator[None]:
+        """Within: calls are keyed ``op:tag (eval)``. An evaluation forward's parameter gathers are not training
+        traffic, and no optimizer step follows them for the theory to divide by (the engine enters it for a
+        forward in eval mode or without grad)."""
+        previous, self._evaluating = self._evaluating, self._evaluating or on
+        try:
+            yield
+        finally:
+            self._evaluating = previous
 
     def _host_waits(self, group: Any) -> bool:
         if self.host_waits is not None:
