@@ -336,3 +336,11 @@ def test_the_mfu_row_uses_the_profilers_figures_or_says_why_there_is_none() -> N
     line = demo_observe.mfu_line(profiled, 100.0, 2)  # 1e11 FLOP/s achieved over 2 × 1e12
     assert line.startswith("5.00% (1 GFLOP/sample × 100.0 samples/s")
     assert "2 device(s) × 1 TFLOP/s peak: table: X" in line
+
+
+def test_a_report_that_fails_is_a_line_not_a_crash(tmp_path: Path) -> None:
+    job = tmp_path / "run" / "csv" / "demo"
+    job.mkdir(parents=True)
+    (job / "Train_Samples_lr.csv").write_bytes(b"step,lr\n" + b"8,0.1\n" * 3000 + b"\xff\xfe")  # UnicodeDecodeError
+    line = demo_observe.write_run_report(tmp_path / "run")
+    assert line.startswith("report: not written (UnicodeDecodeError")

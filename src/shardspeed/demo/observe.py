@@ -118,6 +118,6 @@ def write_run_report(run_dir: Path) -> str:
         from shardspeed.report import write_report
 
         index = write_report(run_dir)
-    except (ImportError, RuntimeError, OSError) as error:  # e.g. matplotlib missing: the run itself succeeded
-        return f"report: not written ({error})"
+    except Exception as error:  # matplotlib missing, a bad CSV, a corrupt event file: the run itself succeeded
+        return f"report: not written ({type(error).__name__}: {error})"
     return f"report: {index}  (open it in a browser; `shardspeed report {run_dir}` rewrites it)"
