@@ -10,7 +10,7 @@ import pytest
 
 from shardspeed.launcher.cli import main as launcher_main
 from shardspeed.report import read_run, write_report
-from shardspeed.report.plots import figure, plot_specs
+from shardspeed.report.plots import MEMORY_KINDS, figure, plot_specs
 from shardspeed.report.scalars import tag_from_csv
 
 STEPS = 6
@@ -33,7 +33,11 @@ TAGS = [
     "Train/Samples/lr",
     "Train/Samples/samples_per_second",
     "Train/Samples/tokens_per_second",
-    *(f"Memory/rank{r}/{k}" for r in (0, 1) for k in ("host_peak_bytes", "predicted_model_state_bytes")),
+    *(
+        f"Memory/rank{r}/{k}"
+        for r in (0, 1)
+        for k in ("host_peak_bytes", "model_state_bytes", "predicted_model_state_bytes")
+    ),
 ]
 
 
@@ -90,9 +94,9 @@ def test_report_draws_every_plot_with_its_series_and_a_page_with_the_config(tmp_
         _check_png(out / f"{name}.png")
     specs = {spec.name: spec for spec in plot_specs(data.scalars)}
     lengths = {name: [len(line.xs) for panel in spec.panels for line in panel.lines] for name, spec in specs.items()}
-    assert lengths == {"loss": [STEPS], "lr": [STEPS], "throughput": [STEPS, STEPS], "memory": [STEPS] * 4}
+    assert lengths == {"loss": [STEPS], "lr": [STEPS], "throughput": [STEPS, STEPS], "memory": [STEPS] * 6}
     drawn = [len(line.get_xdata()) for axes in figure(specs["memory"]).axes for line in axes.get_lines()]
-    assert drawn == [STEPS] * 4  # host peak and predicted model states, two ranks
+    assert drawn == [STEPS] * 6  # measured and predicted model states, host peak: two ranks
     page = index.read_text()
     for name in ("loss", "lr", "throughput", "memory"):
         assert f'src="{name}.png"' in page
@@ -173,3 +177,15 @@ def test_a_rerun_into_the_same_csv_keeps_the_last_value_per_x(tmp_path: Path) ->
     job.mkdir(parents=True)
     (job / "Train_Samples_lr.csv").write_text("step,lr\n8,0.1\n16,0.2\nstep,lr\n8,0.3\n16,0.4\n")
     assert read_run(tmp_path / "run").scalars == {"Train/Samples/lr": [(8, 0.3), (16, 0.4)]}
+
+
+def test_the_memory_plot_compares_model_states_in_one_colour_per_rank() -> None:
+    scalars = {f"Memory/rank{r}/{k}": _points(f"Memory/rank{r}/{k}") for r in (0, 1) for k in MEMORY_KINDS}
+    spec = next(s for s in plot_specs(scalars) if s.name == "memory")
+    lines = [(line.get_label(), line.get_color(), line.get_linestyle()) for line in figure(spec).axes[0].get_lines()]
+    assert [label for label, *_ in lines] == [
+        f"rank {r} {k.removesuffix('_bytes')}" for r in (0, 1) for k in MEMORY_KINDS
+    ]
+    colours = [{c for label, c, _ in lines if label.startswith(f"rank {r} ")} for r in (0, 1)]
+    assert all(len(c) == 1 for c in colours) and colours[0] != colours[1]
+    assert [style for *_, style in lines[:4]] == ["-", ":", "--", "-."]  # peaks dashed: context

@@ -18,7 +18,16 @@ from shardspeed.report.scalars import Series
 LOSS, LR = "Train/Samples/train_loss", "Train/Samples/lr"
 SAMPLES_PER_S, TOKENS_PER_S = "Train/Samples/samples_per_second", "Train/Samples/tokens_per_second"
 MFU = "Train/Samples/mfu"  # a fraction; drawn in percent beside the throughput when the profiler gave FLOPs
-MEMORY_KINDS = ("host_peak_bytes", "device_peak_bytes", "predicted_model_state_bytes")
+MEMORY_KINDS = ("model_state_bytes", "predicted_model_state_bytes", "host_peak_bytes", "device_peak_bytes")
+"""The memory plot's lines per rank: the measured model states (``engine.memory_breakdown()``) against the memory
+model's prediction, the like-for-like pair; the process's host / device peaks are context (dashed), since they
+also hold activations, buffers and the runtime."""
+MEMORY_STYLES = {
+    "model_state_bytes": "-",
+    "predicted_model_state_bytes": ":",
+    "host_peak_bytes": "--",
+    "device_peak_bytes": "-.",
+}
 _MEMORY_TAG = re.compile(r"Memory/rank(\d+)/(\w+)")
 _LR_GROUP = re.compile(r"Train/Samples/lr_group(\d+)")
 MIB = 2.0**20
@@ -86,15 +95,14 @@ def plot_specs(scalars: dict[str, Series]) -> list[PlotSpec]:
         panels.append(Panel("MFU", "% of peak", [_line("mfu", scalars[MFU], 0.01)]))
     specs.append(PlotSpec("throughput", "Throughput vs samples", panels, [SAMPLES_PER_S, TOKENS_PER_S]))
 
-    memory = Panel("per rank: measured peak vs predicted model states", "MiB", log_y=True)
-    styles = {"host_peak_bytes": "-", "device_peak_bytes": "--", "predicted_model_state_bytes": ":"}
+    memory = Panel("per rank: model states, measured vs predicted (peaks dashed)", "MiB", log_y=True)
     for rank in memory_ranks(scalars):
+        color = f"C{rank % 10}"  # one colour per rank: its lines differ by style
         for kind in MEMORY_KINDS:
             tag = f"Memory/rank{rank}/{kind}"
             if scalars.get(tag):
-                memory.lines.append(
-                    _line(f"rank {rank} {kind.removesuffix('_bytes')}", scalars[tag], MIB, styles[kind])
-                )
+                label = f"rank {rank} {kind.removesuffix('_bytes')}"
+                memory.lines.append(_line(label, scalars[tag], MIB, MEMORY_STYLES[kind], color))
     wanted = [f"Memory/rank{r}/{k}" for r in memory_ranks(scalars) for k in MEMORY_KINDS]
     specs.append(PlotSpec("memory", "Memory per rank vs samples", [memory], wanted or ["Memory/rank*/…"]))
     return specs
