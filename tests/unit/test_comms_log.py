@@ -192,3 +192,11 @@ def test_calls_the_host_cannot_see_complete_nccl_are_counted_but_not_timed() -> 
     assert "timed" in header
     assert row.split()[0] == "all_reduce:grads" and row.count("n/a (nccl)") == 4  # latencies and bandwidths
     assert log.rows()["all_reduce:grads"]["timed"] == 0
+
+
+def test_a_log_enabled_after_construction_is_found_by_log_summary(monkeypatch) -> None:
+    monkeypatch.setattr(comm_log, "_live_logs", weakref.WeakSet())
+    log = CommsLog(enabled=False)
+    assert comm_log.live_logs() == []
+    log.enabled = True  # engine.comms_log.enabled = True
+    assert comm_log.live_logs() == [log]

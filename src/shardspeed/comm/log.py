@@ -135,7 +135,9 @@ _live_logs: weakref.WeakSet[CommsLog] = weakref.WeakSet()
 """[Note: finding the comms log] DeepSpeed keeps one process-wide logger that ``deepspeed.comm.log_summary()``
 prints. Ours is per engine (engine.comms_log), passed down explicitly; this weak set only lets that DeepSpeed entry
 point find the enabled logs of live engines — no process group or rank is kept here, and a dropped engine's log
-leaves it by itself. ``comm.log_summary`` refuses to guess between several."""
+leaves it by itself. Every log joins it and ``live_logs`` filters by ``enabled`` when asked, so a log enabled
+after construction (``engine.comms_log.enabled = True``) is found too. ``comm.log_summary`` refuses to guess
+between several."""
 
 
 class CommsLog:
@@ -162,8 +164,7 @@ class CommsLog:
         """Optimizer steps finished since the last ``reset()`` (``on_step``)."""
         self.theory: ZeroTraffic | None = None
         """The data-parallel traffic ZeRO predicts per step; set by the engine."""
-        if enabled:
-            _live_logs.add(self)
+        _live_logs.add(self)  # found by live_logs() whenever it is enabled
 
     def record(
         self, op: str, numel: int, element_size: int, world: int, tag: str = "", axis: str = "", group: Any = None
@@ -320,4 +321,4 @@ def convert_size(size_bytes: float) -> str:
 
 def live_logs() -> list[CommsLog]:
     """The enabled comms logs of live engines ([Note: finding the comms log])."""
-    return list(_live_logs)
+    return [log for log in list(_live_logs) if log.enabled]
