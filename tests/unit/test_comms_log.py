@@ -200,3 +200,14 @@ def test_a_log_enabled_after_construction_is_found_by_log_summary(monkeypatch) -
     assert comm_log.live_logs() == []
     log.enabled = True  # engine.comms_log.enabled = True
     assert comm_log.live_logs() == [log]
+
+
+def test_a_prof_ops_filtered_log_is_not_compared_with_the_theory() -> None:
+    log = CommsLog(enabled=True, prof_ops=("reduce_scatter",))
+    log.theory = ZeroTraffic(stage=1, numel=1000, dp_world=2)
+    log.record("reduce_scatter", 1000, 4, 2, "grads", "data")()
+    log.record("all_gather", 1000, 4, 2, "params", "data")  # filtered out: not logged
+    log.on_step(object())
+    assert log.theory_line() == (
+        "ZeRO traffic theory: not compared (comms_logger.prof_ops leaves out all_gather, all_reduce)"
+    )

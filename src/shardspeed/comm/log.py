@@ -65,6 +65,9 @@ BUS_FACTOR = {  # NCCL-tests' bus-bandwidth factors (the receiver of a message s
 DATA_PARALLEL_TAGS = ("grads", "params")
 """The tags of ZeRO's own traffic over the data axis: gradient reductions and parameter gathers."""
 
+ZERO_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+"""The ops ZeRO's data-parallel traffic uses: the theory line compares only when ``prof_ops`` keeps them all."""
+
 EVAL_SUFFIX = " (eval)"
 """Appended to the key of a call made during an evaluation forward (``CommsLog.evaluating``): its own row, and
 outside the theory's per-step traffic, which counts training micro-steps only."""
@@ -249,6 +252,9 @@ class CommsLog:
             return "ZeRO traffic theory: not known for this log (set CommsLog.theory)"
         if self.steps == 0:
             return "ZeRO traffic theory: no optimizer step logged yet"
+        unlogged = sorted(ZERO_OPS - self.prof_ops) if self.prof_ops else []
+        if unlogged:  # a filtered log would read as a fraction of the theory
+            return f"ZeRO traffic theory: not compared (comms_logger.prof_ops leaves out {', '.join(unlogged)})"
         t = self.theory
         measured = self.data_parallel_elements() / self.steps
         expected = t.elements_per_step
