@@ -33,8 +33,8 @@ from shardspeed.demo.progress import ProgressBar, RunSummary, gather_stats, read
 
 COMMS_LOG_NOTE = (
     "(the table includes start-up broadcasts; evaluation forwards are their own '(eval)' rows, outside the theory "
-    "line. At stage 3 a ratio below 1 is expected: the tied embedding's unit stays gathered from forward through "
-    "backward (stage3_max_reuse_distance), so it is not gathered again.)"
+    "line. At stage 3 a ratio near 2/3 is expected: a unit still gathered when backward reaches it (within "
+    "stage3_max_reuse_distance, default 1e9) is not gathered again, so a step moves 2Ψ·(N−1)/N, not 3Ψ.)"
 )
 
 
