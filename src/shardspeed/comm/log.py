@@ -116,7 +116,8 @@ class ZeroTraffic:
     With G = 1 these are the paper's 2Ψ and 3Ψ (× (N−1)/N). Padding to the world size moves the measured figure a
     little above the theory; stage 3's persistent small parameters (never re-gathered) and units kept gathered from
     forward through backward (``stage3_max_reuse_distance``, default 1e9: not gathered again in backward) move it
-    below, down to 2/3 when no unit is released: the demo's GPT reads about 0.72×. Evaluation forwards are not counted (``EVAL_SUFFIX``)."""
+    below, down to 2/3 when no unit is released: the demo's GPT reads about 0.72×. Evaluation forwards are not
+    counted (``EVAL_SUFFIX``)."""
 
     stage: int
     numel: int
