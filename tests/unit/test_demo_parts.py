@@ -315,7 +315,10 @@ def test_the_run_dir_is_written_with_the_config_and_chosen_once_by_the_relaunche
 ) -> None:
     demo_observe.prepare_run_dir(tmp_path / "run", {"a": 1}, is_rank0=True, wandb=False)
     assert json.loads((tmp_path / "run" / "ds_config.json").read_text()) == {"a": 1}
-    assert demo_observe.default_run_dir(0.0) == Path("runs/demo-19700101-000000")
+    first = demo_observe.default_run_dir(0.0, tmp_path / "runs")
+    assert first == tmp_path / "runs/demo-19700101-000000" and first.is_dir()
+    assert demo_observe.default_run_dir(0.0, tmp_path / "runs") == tmp_path / "runs/demo-19700101-000000-2"
+    monkeypatch.chdir(tmp_path)  # the relauncher below claims runs/demo-<now> in the current directory
     assert demo_observe.agree_run_dir("given", None) == Path("given")
     seen = {}
     monkeypatch.delenv("RANK", raising=False)

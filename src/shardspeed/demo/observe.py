@@ -23,9 +23,20 @@ MONITOR_SECTIONS = ("tensorboard", "csv_monitor")
 JOB_NAME = "demo"
 
 
-def default_run_dir(now: float | None = None) -> Path:
-    """``runs/demo-<UTC timestamp>`` under the current directory."""
-    return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime(now))
+def default_run_dir(now: float | None = None, root: Path = Path("runs")) -> Path:
+    """``runs/demo-<UTC timestamp>`` under the current directory, created here: the stamp has one-second
+    resolution, so a second demo started in the same second claims ``demo-<stamp>-2`` (mkdir is atomic) instead
+    of sharing, and appending to, the first one's logs."""
+    stamp = time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime(now))
+    root.mkdir(parents=True, exist_ok=True)
+    suffix = 1
+    while True:
+        path = root / (stamp if suffix == 1 else f"{stamp}-{suffix}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            suffix += 1
 
 
 def agree_run_dir(requested: str | None, device: torch.device | None) -> Path:
