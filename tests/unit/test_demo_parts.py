@@ -347,3 +347,11 @@ def test_a_report_that_fails_is_a_line_not_a_crash(tmp_path: Path) -> None:
     (job / "Train_Samples_lr.csv").write_bytes(b"step,lr\n" + b"8,0.1\n" * 3000 + b"\xff\xfe")  # UnicodeDecodeError
     line = demo_observe.write_run_report(tmp_path / "run")
     assert line.startswith("report: not written (UnicodeDecodeError")
+
+
+def test_the_report_line_names_the_run_dir_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo-x").mkdir(parents=True)
+    line = demo_observe.write_run_report(Path("runs/demo-x"))
+    assert line.startswith("report: runs/demo-x/report/index.html  (open it"), line

@@ -131,4 +131,5 @@ def write_run_report(run_dir: Path) -> str:
         index = write_report(run_dir)
     except Exception as error:  # matplotlib missing, a bad CSV, a corrupt event file: the run itself succeeded
         return f"report: not written ({type(error).__name__}: {error})"
-    return f"report: {index}  (open it in a browser; `shardspeed report {run_dir}` rewrites it)"
+    shown = run_dir / "report" / index.name  # the path as the user gave it: write_report resolves symlinks
+    return f"report: {shown}  (open it in a browser; `shardspeed report {run_dir}` rewrites it)"
