@@ -17,8 +17,7 @@ STAGE3 = Path(__file__).resolve().parents[2] / "src" / "shardspeed" / "zero" / "
 HOOK_PATH = ["unit.py", "grads.py", "runtime.py", "prefetch.py", "id_check.py", "saved_views.py"]
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero", "is_nonzero", "any", "all"}
 SYNC_BUILTINS = {"bool", "int", "float"}  # on a tensor each is a host read; the hook path needs none
-# the batched unit-id read: at the step boundary on a device, of already-finished CPU checks (id_check.py)
-ALLOWED = {("id_check.py", "_check")}
+ALLOWED = {("id_check.py", "verify")}  # the one batched host read, at the step boundary
 
 
 def _host_reads(path: Path) -> list[str]:

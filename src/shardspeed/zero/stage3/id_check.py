@@ -7,11 +7,8 @@ integers, asynchronous, launched just before the data); the ids say, for each ra
 
 Reading those ids is a host read. On a device that is a sync that stops the host from running ahead of the
 device (prefetching, launching kernels), so one per unit would serialize the whole pass. Hence two modes:
-- *immediate* (the ids live on the CPU: gloo on CPU tensors, where a read costs nothing): after each unit's data
-  collective is waited for, every queued check whose all-gather has *finished* is read, so a mismatch raises at (or
-  just after) the collective that diverged. A check still in flight is not waited for: gloo runs collectives on
-  a pool of worker threads, so a tiny id gather can sit queued behind another unit's data (the MLP benchmark spent
-  34 ms per step blocked there, issue #16); it is read at the next unit's check, or at the step boundary.
+- *immediate* (the ids live on the CPU: gloo on CPU tensors, where a read costs nothing): each check is read as
+  soon as its unit's collective is waited for, and a mismatch raises at the very collective that diverged.
 - *deferred* (a device): the ids stay on the device, queued; ``verify()`` reads the whole queue with one host
   read at a natural sync point (the optimizer step boundary, or every ``MAX_PENDING`` checks so an
   evaluation-only loop is checked too). A mismatch raises there, naming the first pair of units that differed.
@@ -57,30 +54,15 @@ class UnitIdCheck:
         self._pending.append((what, unit_index, ids, work))
 
     def after_wait(self) -> None:
-        """A unit's data collective was waited for: read the checks that finished (immediate), or all of them when
-        the queue is full."""
-        if len(self._pending) >= MAX_PENDING:
+        """A unit's data collective was waited for: check now (immediate), or when the queue is full."""
+        if self.immediate or len(self._pending) >= MAX_PENDING:
             self.verify()
-        elif self.immediate:
-            self._verify_finished()
-
-    def _verify_finished(self) -> None:
-        """Read the queued checks in order up to the first one still in flight (never waits)."""
-        ready = 0
-        while ready < len(self._pending) and self._pending[ready][3].done():
-            ready += 1
-        if ready:
-            finished, self._pending = self._pending[:ready], self._pending[ready:]
-            self._check(finished)
 
     def verify(self) -> None:
         """Read every queued check (one host read) and raise on the first mismatch."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._check(pending)
-
-    def _check(self, pending: list[tuple[str, int, torch.Tensor, Work]]) -> None:
         for _, _, _, work in pending:
             work.wait()
         rows = torch.stack([ids for _, _, ids, _ in pending]).tolist()  # the one host read
