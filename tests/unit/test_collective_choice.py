@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -178,3 +179,13 @@ def test_buckets_keep_deepspeeds_default_without_a_spare_core() -> None:
     assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (500_000_000, 500_000_000)
     roomy_zero = bucket_defaults(ZeroConfig(stage=1), roomy)
     assert (roomy_zero.reduce_bucket_size, roomy_zero.allgather_bucket_size) == (M, M)
+
+
+def test_usable_cpus_without_sched_getaffinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no os.sched_getaffinity: every CPU counts, so the engine's startup exchange still works there."""
+    from shardspeed.comm.calibrate import usable_cpus
+
+    assert usable_cpus() == sorted(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert usable_cpus() == [0, 1, 2]

@@ -162,6 +162,13 @@ def _only(op: str, algorithm: str) -> CollectiveChoice:
     return CollectiveChoice(**{op: (SizeRule(None, algorithm),)})  # type: ignore[arg-type]
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on: its affinity where the OS has one (Linux), else every CPU (macOS has no
+    ``sched_getaffinity``; a laptop run must not fail here)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return sorted(affinity(0)) if affinity is not None else list(range(os.cpu_count() or 1))
+
+
 def resolve_choice(
     mode: str,
     configured_dir: str | None,
@@ -188,7 +195,7 @@ def resolve_choice(
     key = cache_key(backend, axis.size, dtype, device.type)
     path = cache_file(cache_dir(configured_dir), key)
     mine = load_cached(path, key)
-    placement = (socket.gethostname(), sorted(os.sched_getaffinity(0)))
+    placement = (socket.gethostname(), usable_cpus())
     gathered = collectives.all_gather_object((None if mine is None else to_json(mine, {}), placement), world)
     everyone = [cached for cached, _ in gathered]
     cores = cores_per_rank([where for _, where in gathered])  # the same on every rank: computed from one gather
