@@ -81,6 +81,21 @@ def _repeat(
     }
 
 
+HEAD = (
+    f"{'link':<22}{'world':>6}{'elements':>11}  {'op':<15}{'bytes ratio':>13}{'x 32':>8}"
+    f"{'fp32 s':>9}{'1-bit s':>9}{'time ratio':>12}  IQR"
+)
+
+
+def format_row(r: dict[str, Any]) -> str:
+    q25, q75 = r["time_ratio_iqr"]
+    return (
+        f"{r['link']:<22}{r['world']:>6}{r['numel']:>11}  {r['op']:<15}{r['bytes_ratio']:>13.6f}"
+        f"{r['bytes_ratio'] * 32:>8.4f}{r['fp32_s_median']:>9.3f}{r['compressed_s_median']:>9.3f}"
+        f"{r['time_ratio_median']:>12.3f}  [{q25:.3f}, {q75:.3f}]"
+    )
+
+
 def _rank_rows(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     axis = AxisGroup("data", dist.group.WORLD, tuple(range(world)), rank)
     cpu, rows = torch.device("cpu"), []
@@ -120,6 +135,8 @@ def _rank_rows(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                         "compressed_s_median": sorted(times[one])[len(times[one]) // 2],
                     }
                 )
+                if rank == 0:
+                    print(format_row(rows[-1]), flush=True)
     return rows
 
 
@@ -162,20 +179,12 @@ def run_world(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # forked ranks hang on a parent's OpenMP pool otherwise
-    rows = [row for world in args.world_list for row in run_world(world, args)]
     print(
         f"compressed (1-bit, error-fed) / fp32, {args.repeats} repeats; time ratio median [IQR]; SIMULATED rows "
         f"add latency {args.latency_us:g} us + bytes/bandwidth per call (comm/simulated_link.py)"
     )
-    head = f"{'link':<22}{'world':>6}{'elements':>11}  {'op':<15}{'bytes ratio':>13}{'x 32':>8}"
-    print(head + f"{'fp32 s':>9}{'1-bit s':>9}{'time ratio':>12}  IQR")
-    for r in rows:
-        q25, q75 = r["time_ratio_iqr"]
-        print(
-            f"{r['link']:<22}{r['world']:>6}{r['numel']:>11}  {r['op']:<15}{r['bytes_ratio']:>13.6f}"
-            f"{r['bytes_ratio'] * 32:>8.4f}{r['fp32_s_median']:>9.3f}{r['compressed_s_median']:>9.3f}"
-            f"{r['time_ratio_median']:>12.3f}  [{q25:.3f}, {q75:.3f}]"
-        )
+    print(HEAD, flush=True)
+    rows = [row for world in args.world_list for row in run_world(world, args)]  # rank 0 prints each row
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
