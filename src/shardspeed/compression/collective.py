@@ -39,14 +39,16 @@ from shardspeed.topology import AxisGroup
 class _ChainedWork(Work):
     """Phase-one Works plus the rest of the algorithm, run once in ``wait()`` ([Note: compressed work])."""
 
-    def __init__(self, first: list[Work], then: Callable[[], None]) -> None:
+    def __init__(self, first: list[Work], then: Callable[[], None], keep: tuple[Tensor, ...] = ()) -> None:
         super().__init__(None)
         self._first, self._then = first, then
+        self._keep = keep  # phase one's inputs, alive until it has finished (gloo reads them async)
 
     def wait(self) -> None:
         while self._first:
             self._first[0].wait()
             self._first.pop(0)
+        self._keep = ()
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -126,9 +128,9 @@ class CompressedAllReduce(_ErrorFed):
             c.all_to_all_single(received, packed, self.axis, async_op=True, tag=self.tag),
             c.all_gather(scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
-        return _ChainedWork(first, lambda: self._serve(tensor, received, scales, (packed, scale)))
+        return _ChainedWork(first, lambda: self._serve(tensor, received, scales), keep=(packed, scale))
 
-    def _serve(self, tensor: Tensor, received: Tensor, scales: Tensor, keep: object) -> None:
+    def _serve(self, tensor: Tensor, received: Tensor, scales: Tensor) -> None:
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
         n, c = self.axis.size, self.collectives
         mean = average_chunks(received.view(n, -1), scales, self.chunk)
@@ -185,7 +187,5 @@ class CompressedReduceScatter(_ErrorFed):
 
         def own() -> None:
             shard.view(-1).copy_(average_chunks(received.view(n, -1), scales, self.slice))
-            del packed_keep[:]  # gloo read the packed input until phase one finished
 
-        packed_keep = [packed, scale]
-        return _ChainedWork(first, own)
+        return _ChainedWork(first, own, keep=(packed, scale))
