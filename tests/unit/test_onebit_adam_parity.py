@@ -41,7 +41,8 @@ def test_warmup_equals_deepspeed_onebit_adam(tmp_path: Path) -> None:
     params = [torch.randn(5, 3), torch.randn(7), torch.randn(())]
     grads = [[torch.randn_like(p) for p in params] for _ in range(6)]
     hyper = [1e-2, 0.9, 0.999, 1e-8, weight_decay, 100.0]
-    torch.save({"params": params, "grads": grads, "hyper": torch.tensor(hyper, dtype=torch.float64)}, tmp_path / "in.pt")
+    data = {"params": params, "grads": grads, "hyper": torch.tensor(hyper, dtype=torch.float64)}
+    torch.save(data, tmp_path / "in.pt")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # DeepSpeed's venv, not our source tree
     run = subprocess.run(
