@@ -4,9 +4,12 @@ config names and their errors."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from shardspeed.compression.engine_wiring import OptimizerOwnedGrads, bind_compressed_optimizer, owns_communication
 from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
 from shardspeed.config.errors import ConfigError
 from shardspeed.optim import build_optimizer
@@ -89,3 +92,49 @@ def test_config_errors_name_the_key(params: dict, pattern: str) -> None:
 def test_client_instance_checks_backend_name() -> None:
     with pytest.raises(ValueError, match="comm_backend_name='gloo' is not one of DeepSpeed's"):
         OneBitAdam([torch.nn.Parameter(torch.zeros(1))], comm_backend_name="gloo")
+
+
+def _axes(data: int = 2, tensor: int = 1, pipe: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        data=SimpleNamespace(size=data), tensor=SimpleNamespace(size=tensor), pipe=SimpleNamespace(size=pipe)
+    )
+
+
+def _zero(stage: int = 0, offload: str | None = None) -> SimpleNamespace:
+    off = None if offload is None else SimpleNamespace(device=offload)
+    return SimpleNamespace(zero_optimization=SimpleNamespace(stage=stage, offload_optimizer=off))
+
+
+@pytest.mark.parametrize(
+    ("config", "topology", "states", "pattern"),
+    [
+        (_zero(), _axes(tensor=2), SimpleNamespace(let_optimizer_communicate=None), r"tensor or pipeline axis"),
+        (_zero(), _axes(pipe=2), SimpleNamespace(let_optimizer_communicate=None), r"tensor or pipeline axis"),
+        (_zero(offload="cpu"), _axes(), SimpleNamespace(let_optimizer_communicate=None), r"offload_optimizer"),
+        (_zero(stage=2), _axes(), SimpleNamespace(), r"ZeRO stage 2 is not supported"),
+    ],
+)
+def test_engine_wiring_refuses_what_it_cannot_run(config, topology, states, pattern: str) -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(NotImplementedError, match=pattern):
+        bind_compressed_optimizer(config, states, opt, topology, None, torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def test_owned_grads_skip_communication_only_while_the_optimizer_owns_it() -> None:
+    calls: list[str] = []
+    inner = SimpleNamespace(
+        launch=lambda k: calls.append(f"launch{k}") or "work",
+        complete=lambda k: calls.append(f"complete{k}"),
+        zero=lambda: calls.append("zero"),
+    )
+    owns = [False]
+    sync = OptimizerOwnedGrads(inner, lambda: owns[0])
+    assert sync.launch(0) == "work"
+    sync.complete(0)
+    owns[0] = True
+    work = sync.launch(1)
+    assert work.done()  # a finished no-op: nothing issued
+    sync.complete(1)
+    sync.zero()  # everything else is the wrapped sync's
+    assert calls == ["launch0", "complete0", "zero"]
+    assert not owns_communication(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))

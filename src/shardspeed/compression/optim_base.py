@@ -48,7 +48,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     collectives and saves/loads/resets their error buffers.
     """
 
-    shardspeed_owns_communication = True  # what engine wiring looks for (class-level, not inherited by accident)
+    shardspeed_owns_communication = True  # what engine wiring and the step core look for (inherited by subclasses)
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
