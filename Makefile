@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp bench-pipe gpu-check clean
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-compressed-collective gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-tp: $(STAMP)
 # DS_PYTHON names a venv's python with deepspeed 0.19.8 (see the script's docstring), DeepSpeed's PipelineModule.
 bench-pipe: $(STAMP)
 	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
+
+# 1-bit compressed all-reduce / reduce-scatter against fp32 (bytes, time), real gloo and a SIMULATED 10 / 1 Gbit/s link.
+bench-compressed-collective: $(STAMP)
+	$(PY) benchmarks/bench_compressed_collective.py $(ARGS)
 
 # 1-bit Adam (compressed phase) vs Adam, stage 0, on a SIMULATED link of 0.1 / 1 / 10 Gbit/s (comm-bound MLP).
 .PHONY: bench-compression-speed

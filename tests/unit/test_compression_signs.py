@@ -116,3 +116,12 @@ def test_reference_reduce_scatter_slices_track_the_mean() -> None:
         sum_mean += torch.stack(xs).mean(0)
         sum_out += torch.cat(reference.compressed_reduce_scatter(xs, we))
     assert (torch.linalg.norm(sum_out - sum_mean) / torch.linalg.norm(sum_mean)).item() < 0.05
+
+
+def test_negative_zero_sends_plus_one_like_deepspeed() -> None:
+    """DeepSpeed: ``sign(x) + 1`` as bool, so -0.0 is +1 and its error is ``-0.0 - scale``."""
+    x, error = torch.tensor([-0.0, 2.0, -2.0, 0.0]), torch.tensor([-0.0, 0.0, 0.0, 0.0])
+    packed, scale = compress_(x, error)
+    assert unpack_signs(packed, 4).tolist() == [1.0, 1.0, -1.0, 1.0]
+    s = scale.item()
+    assert error.tolist() == [-s, 2.0 - s, -2.0 + s, -s]

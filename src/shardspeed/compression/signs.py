@@ -13,11 +13,22 @@ bits (-1) up to a whole byte.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_GATHER_BITS = 0x8040201008040201 - (1 << 64)  # as a signed int64 (torch has no uint64 arithmetic)
+"""Multiplying 8 bytes of 0/1 (little-endian in an int64: element k's bit at 8k) by this puts element k's bit at
+bit 63 - k with no carries (every partial product lands on its own bit), so the top byte is the 8 signs packed
+MSB-first: one multiply and one shift per 8 elements."""
+
+
+def _bit_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(256, 8): the ±1 signs each byte value unpacks to, MSB first (a lookup beats masking 8 times)."""
+    values = torch.arange(256, device=device).reshape(-1, 1)
+    shifts = torch.arange(7, -1, -1, device=device)
+    return ((values >> shifts) & 1).to(dtype).mul_(2).sub_(1)
 
 
 def packed_size(numel: int) -> int:
@@ -25,22 +36,32 @@ def packed_size(numel: int) -> int:
     return (numel + 7) // 8
 
 
+def pack_bits(bits: Tensor) -> Tensor:
+    """Pack a flat bool tensor 8 per byte, MSB first, zero-padded."""
+    numel = bits.numel()
+    if numel % 8:
+        bits = torch.cat([bits, bits.new_zeros(8 - numel % 8)])
+    octets = bits.contiguous().view(torch.uint8)
+    if sys.byteorder == "little" and octets.storage_offset() % 8 == 0:
+        words = octets.view(torch.int64)  # element k of each 8 at bit 8k
+    else:  # build the same little-endian words explicitly
+        weights = torch.tensor([1 << (8 * k) for k in range(8)], dtype=torch.int64, device=bits.device)
+        words = (octets.view(-1, 8).to(torch.int64) * weights).sum(1)
+    # int64 wraps on overflow (only bits beyond 63 are lost); the arithmetic shift's sign bits are masked off
+    return (((words * _GATHER_BITS) >> 56) & 0xFF).to(torch.uint8)
+
+
 def pack_signs(x: Tensor) -> Tensor:
     """uint8 tensor of ``packed_size(x.numel())`` bytes: bit 1 where ``x >= 0``, MSB first, zero-padded."""
-    flat = x.reshape(-1)
-    bits = torch.zeros(packed_size(flat.numel()) * 8, dtype=torch.uint8, device=flat.device)
-    bits[: flat.numel()] = flat >= 0
-    weights = _BIT_WEIGHTS.to(flat.device)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return pack_bits(x.reshape(-1) >= 0)
 
 
 def unpack_signs(packed: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The first ``numel`` signs of ``packed`` as ±1.0 values of ``dtype``."""
     if numel > packed.numel() * 8:
         raise ValueError(f"unpack_signs: {packed.numel()} bytes hold at most {packed.numel() * 8} signs, not {numel}")
-    weights = _BIT_WEIGHTS.to(packed.device)
-    bits = (packed.reshape(-1, 1) & weights).ne(0).reshape(-1)[:numel]
-    return bits.to(dtype).mul_(2).sub_(1)
+    table = _bit_table(dtype, packed.device)
+    return torch.nn.functional.embedding(packed.reshape(-1).long(), table).reshape(-1)[:numel]
 
 
 def scale_of(x: Tensor) -> Tensor:
@@ -54,11 +75,11 @@ def compress_(x: Tensor, error: Tensor) -> tuple[Tensor, Tensor]:
     compensated values (the caller may reuse it as scratch)."""
     if x.shape != error.shape:
         raise ValueError(f"compress_: input {tuple(x.shape)} and error buffer {tuple(error.shape)} differ")
-    x.add_(error)
+    x.add_(error).add_(0.0)  # + 0.0 turns -0.0 into +0.0, so copysign below agrees with x >= 0 (sent as +1)
     scale = scale_of(x)
-    signs = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
-    torch.sub(x, signs.mul_(scale), out=error)
-    return pack_signs(x), scale
+    # scale · (±1) is exactly ±scale: the same bits as DeepSpeed's ``x - scale * sign``, without a sign tensor
+    torch.sub(x, torch.copysign(scale, x), out=error)
+    return pack_bits(x >= 0), scale
 
 
 def decompress(packed: Tensor, scale: Tensor, numel: int) -> Tensor:
