@@ -14,6 +14,7 @@ from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel
 from shardspeed.comm.calibrate import resolve_choice
 from shardspeed.comm.order_check import check_flags_agree, requested
 from shardspeed.comm.simulated_link import SimulatedLink
+from shardspeed.compression.engine_wiring import bind_compressed_optimizer
 from shardspeed.config import ShardSpeedConfig, ZeroConfig
 from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
@@ -196,6 +197,7 @@ def build_engine_optimizer(
             f"{type(optimizer).__name__} is not known to be element-wise. Set "
             '"zero_allow_untested_optimizer": true to run it anyway.'
         )
+    bind_compressed_optimizer(config, states, optimizer, topology, collectives, device)  # 1-bit optimizers
     return _offload(config, states, optimizer, masters_access, axis, collectives)
 
 
