@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.compression.owned_comm import LocalComm, MeanComm
+from shardspeed.compression.owned_comm import LocalComm, MeanComm, OwnsCommunication
 
 
 def lamb_trust_ratio(weight_norm: float, update_norm: float, min_coeff: float, max_coeff: float) -> float:
@@ -79,7 +79,7 @@ def compression_factor(
     return factor
 
 
-class OneBitLamb(torch.optim.Optimizer):
+class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
     """1-bit LAMB with DeepSpeed's parameter names and defaults; the math is in the module docstring."""
 
     shardspeed_elementwise = False  # per-tensor norms and one flat compression over every tensor
@@ -135,9 +135,6 @@ class OneBitLamb(torch.optim.Optimizer):
         self.lamb_coeffs: list[float] = []
 
     # -- engine protocol -------------------------------------------------------------------------------------
-    def bind_comm(self, comm: MeanComm) -> None:
-        self.comm = comm
-
     @property
     def compressing(self) -> bool:
         """Whether the next step is a compression-stage step (DeepSpeed's ``lamb_freeze_key``)."""

@@ -120,3 +120,35 @@ class CollectiveComm:
                 self._compressors[key].load_state_dict(state)
             else:
                 self._pending[key] = state
+
+
+class OwnsCommunication:
+    """What ZeroOneAdam and OneBitLamb add to ``torch.optim.Optimizer`` for the engine (the seam with the engine
+    protocol): ``bind`` once before the first step, ``owns_communication`` (defined by each optimizer), and the
+    checkpoint hooks for the error buffers (kept at the same world size, reset with a warning otherwise)."""
+
+    comm: MeanComm
+
+    def bind(self, collectives: Collectives, axis: AxisGroup) -> None:
+        """Take the means over ``axis`` through ``collectives`` from now on."""
+        self.comm = CollectiveComm(collectives, axis, tag=type(self).__name__)
+
+    def bind_comm(self, comm: MeanComm) -> None:
+        """Any ``MeanComm`` (the tests' simulated workers)."""
+        self.comm = comm
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """This rank's error buffers (each rank saves its own: they differ between ranks)."""
+        return self.comm.errors_state_dict()
+
+    def load_compression_state_dict(self, sd: dict[str, Any], same_world: bool) -> None:
+        if same_world:
+            self.comm.load_errors_state_dict(sd)
+            return
+        from shardspeed.log import logger
+
+        logger.warning(
+            f"{type(self).__name__}: the checkpoint's compression error buffers were saved at another data-parallel "
+            "world size; they are reset (DeepSpeed always resets them)"
+        )
+        self.comm.reset_errors()

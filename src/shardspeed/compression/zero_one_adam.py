@@ -7,9 +7,9 @@ Per parameter, with ``d = sqrt(v) + eps`` and DeepSpeed's step counter ``s`` (no
         otherwise:              g = 1-bit compressed mean (error-fed);  m = b1*m + (1-b1)*g     (v unchanged)
         w -= lr * (m / d + weight_decay * w)
     local phase (after var_freeze_step; v frozen):
-        m = b1*m + (1-b1)*g_local;  u = m / d + weight_decay * w;  w -= lr*u;  acc -= lr*u;  lrs += lr
-        every local_step_interval steps (a sync step):
-            w -= acc;  c = compressed mean of (acc * d);  m = -c / lrs;  w += c / d;  acc = 0;  lrs = 0
+        m = b1*m + (1-b1)*g_local;  u = m / d + weight_decay * w;  w -= lr*u;  lrs += lr
+        every local_step_interval steps (a sync step), with w_s the parameter at the last sync:
+            c = compressed mean of ((w - w_s) * d);  m = -c / lrs;  w = w_s + c / d;  w_s = w;  lrs = 0
 
 ``var_interval`` starts at 1 and doubles after every ``var_update_scaler`` variance updates;
 ``local_step_interval`` starts at 1 and doubles after every ``local_step_scaler`` local-phase steps, up to
@@ -25,6 +25,13 @@ take the (exact) mean as on any axis. The error buffers are kept in checkpoints 
 size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
 compressed on its own (its own scale), as DeepSpeed does.
 
+[Note: 0/1 Adam's accumulator] DeepSpeed sums the local updates into an accumulator ``acc`` and at a sync
+undoes them (``w -= acc``) before adding the mean; in floating point ``(w - lr*u) - (-lr*u)`` is not ``w``, so
+its ranks drift apart by rounding and never re-agree. We keep ``w_s`` (the parameter at the last sync, same
+memory as ``acc``) and compress ``w - w_s``: equal to DeepSpeed's to rounding (the world-1 parity holds to
+1e-6), and every rank rebuilds the identical ``w_s + c / d`` after each sync. Between syncs the ranks'
+parameters differ by design (local steps).
+
 Communication is owned by the optimizer from the first step ([Note: optimizer-owned means] in
 ``owned_comm.py``): the engine hands over local gradients and the optimizer takes the exact mean itself on
 variance steps (one flat all-reduce), which is what DeepSpeed's engine toggle ``enable_backward_allreduce``
@@ -39,7 +46,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.compression.owned_comm import LocalComm, MeanComm
+from shardspeed.compression.owned_comm import LocalComm, MeanComm, OwnsCommunication
 
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
 
@@ -125,44 +132,43 @@ def local_phase_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    accumulator: torch.Tensor,
     *,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One local step on one tensor: momentum from the local gradient, the update also summed into ``accumulator``."""
+    """One local step on one tensor: momentum from the local gradient, no communication."""
     beta1 = betas[0]
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     update = exp_avg / (exp_avg_sq.sqrt() + eps)
     if weight_decay > 0.0:
         update += weight_decay * param
     param.add_(update, alpha=-lr)
-    accumulator.add_(update, alpha=-lr)
 
 
-def sync_prepare(param: torch.Tensor, accumulator: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> None:
-    """Before a sync: undo the local updates and turn the accumulated update into momentum units (``acc * d``)."""
-    param.sub_(accumulator)
-    accumulator.mul_(exp_avg_sq.sqrt() + eps)
+def sync_payload(param: torch.Tensor, synced: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
+    """What a sync compresses: the update accumulated since the last sync, in momentum units (``acc * d``)."""
+    return (param - synced).mul_(exp_avg_sq.sqrt() + eps)
 
 
 def sync_finish(
     param: torch.Tensor,
-    accumulator: torch.Tensor,
+    synced: torch.Tensor,
+    mean: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     eps: float,
     lrs: float,
 ) -> None:
-    """After the compressed mean of ``accumulator``: the shared momentum and the synchronized parameter."""
-    exp_avg.copy_(accumulator / lrs).neg_()
-    param.add_(accumulator / (exp_avg_sq.sqrt() + eps))
-    accumulator.zero_()
+    """After the compressed mean of the payload: the shared momentum, and the parameter rebuilt from the last
+    synchronized value (so every rank holds the same bits; see [Note: 0/1 Adam's accumulator])."""
+    exp_avg.copy_(mean / lrs).neg_()
+    param.copy_(synced + mean / (exp_avg_sq.sqrt() + eps))
+    synced.copy_(param)
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
     """0/1 Adam with DeepSpeed's parameter names and defaults; the math is in the module docstring.
 
     Unbound (``bind`` not called) it runs as on a data axis of size 1. ``owns_communication`` is True from the
@@ -210,10 +216,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self.comm: MeanComm = LocalComm()
 
     # -- engine protocol -------------------------------------------------------------------------------------
-    def bind_comm(self, comm: MeanComm) -> None:
-        """Where the means go (``CollectiveComm`` over the data axis; tests pass simulated workers)."""
-        self.comm = comm
-
     @property
     def owns_communication(self) -> bool:
         return True
@@ -231,7 +233,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
             state["lrs"] = 0.0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["momentum_accumulator"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
     def schedule(self) -> ZeroOneSchedule:
@@ -271,15 +272,17 @@ class ZeroOneAdam(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], **hyper,
                 )  # fmt: skip
                 continue
-            acc = state["momentum_accumulator"]
+            if "synced_param" not in state:  # entering the local phase: every rank holds the same parameter
+                state["synced_param"] = p.detach().clone()
             local_phase_update(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], acc, weight_decay=group["weight_decay"], **hyper
+                p, grad, state["exp_avg"], state["exp_avg_sq"], weight_decay=group["weight_decay"], **hyper
             )
             state["lrs"] += group["lr"]
             if kind == "sync":
-                sync_prepare(p, acc, state["exp_avg_sq"], group["eps"])
-                self.comm.compressed_mean(key, acc)
-                sync_finish(p, acc, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
+                synced = state["synced_param"]
+                payload = sync_payload(p, synced, state["exp_avg_sq"], group["eps"])
+                self.comm.compressed_mean(key, payload)
+                sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
                 state["lrs"] = 0.0
         after = advance(schedule, *self._args())
         for *_, p in members:
