@@ -65,7 +65,10 @@ def _train(
             opt.bind(c, axis)
             opt.load_state_dict(saved["optimizer"])
             opt.load_compression_state_dict(saved["errors"], same_world=True)
-        kinds.append(step_kind(opt.schedule(), opt.var_freeze_step) if name == "ZeroOneAdam" else "")
+        if name != "ZeroOneAdam":
+            kinds.append("")
+        else:  # the first step only creates states (DeepSpeed's initialization step)
+            kinds.append("init" if opt.schedule().step == 0 else step_kind(opt.schedule(), opt.var_freeze_step))
         for p, g in zip(live, grads(step, rank, opt), strict=True):
             p.grad = g
         before = c.log.algorithmic_bytes()
@@ -116,9 +119,9 @@ def _traffic(rank: int, world: int) -> dict[str, float]:
     return {
         "zero_one_compressed_phase": sum(compressed) / len(compressed) / fp32_ring,
         "zero_one_sync": sum(syncs) / len(syncs) / fp32_ring,
-        "zero_one_variance_step": zo_bytes[0] / fp32_ring,
+        "zero_one_variance_step": zo_bytes[1] / fp32_ring,
         "lamb_compressed": lamb_bytes[-1] / fp32_ring,
-        "lamb_warmup": lamb_bytes[0] / fp32_ring,
+        "lamb_warmup": lamb_bytes[1] / fp32_ring,
     }
 
 

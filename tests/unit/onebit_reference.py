@@ -36,10 +36,18 @@ def problem(seed: int, steps: int, shapes: tuple[tuple[int, ...], ...] = ((6, 5)
     return params, grads
 
 
-def run_ours(opt_cls, kwargs: dict, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> tuple:
-    """Our optimizer over the same problem: (history of parameters, history of lamb coefficients)."""
+def run_ours(
+    opt_cls, kwargs: dict, params: list[torch.Tensor], grads: list[list[torch.Tensor]], first_step: bool = True
+) -> tuple:
+    """Our optimizer over the same problem: (history of parameters, history of lamb coefficients). With
+    ``first_step``, a first step on a gradient that must not matter comes first, as in the DeepSpeed runner."""
     live = [torch.nn.Parameter(t.clone()) for t in params]
     opt = opt_cls(live, **kwargs)
+    if first_step:
+        for p in live:
+            p.grad = torch.full_like(p, 123.0)
+        opt.step()  # DeepSpeed's initialization step: states only
+        assert all(torch.equal(p.detach(), t) for p, t in zip(live, params, strict=True))
     history, coeffs = [], []
     for step_grads in grads:
         for p, g in zip(live, step_grads, strict=True):

@@ -36,7 +36,7 @@ def _ds_counters(steps: int, vfs: int, vus: int, lss: int, lsc: int) -> list[tup
 
 @pytest.mark.parametrize("vfs,vus,lss,lsc", [(12, 2, 2, 4), (40, 3, 1, 8), (5, 2, 3, 2)])
 def test_schedule_matches_deepspeeds_counters(vfs: int, vus: int, lss: int, lsc: int) -> None:
-    schedule, seen = ZeroOneSchedule(), []
+    schedule, seen = ZeroOneSchedule(step=1), []  # after DeepSpeed's initialization step
     for _ in range(80):
         kind = step_kind(schedule, vfs)
         schedule = advance(schedule, vfs, vus, lss, lsc)
@@ -80,6 +80,10 @@ def test_each_step_asks_for_the_means_its_kind_needs() -> None:
     opt = ZeroOneAdam(live, lr=0.01, var_freeze_step=12, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
     comm = RecordingComm()
     opt.bind_comm(comm)
+    for p in live:
+        p.grad = torch.ones_like(p)
+    opt.step()  # DeepSpeed's initialization step: no communication, no update
+    assert comm.calls == [] and all(torch.equal(p.detach(), t) for p, t in zip(live, params, strict=True))
     expected = _ds_counters(20, 12, 2, 2, 4)
     for step_grads, (kind, *_) in zip(grads, expected, strict=True):
         for p, g in zip(live, step_grads, strict=True):
@@ -102,7 +106,7 @@ def test_each_step_asks_for_the_means_its_kind_needs() -> None:
 def test_resume_from_state_dict_is_bit_exact() -> None:
     kwargs = {"lr": 0.01, "var_freeze_step": 5, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
     params, grads = problem(3, 16)
-    straight, _ = run_ours(ZeroOneAdam, kwargs, params, grads)
+    straight, _ = run_ours(ZeroOneAdam, kwargs, params, grads, first_step=False)
     live = [torch.nn.Parameter(t.clone()) for t in params]
     first = ZeroOneAdam(live, **kwargs)
     for step_grads in grads[:9]:  # stop inside the local phase, with an accumulator and lrs pending

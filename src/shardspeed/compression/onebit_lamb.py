@@ -19,12 +19,12 @@ Per parameter, with DeepSpeed's step counter ``s`` (no bias correction)::
         w -= lr * (c_frozen * f) * u
 
 ``k_p`` (``scaling_coeff``) brings every tensor's momentum to one scale before the single flat compression,
-so one sign scale fits them all. The step counter follows [Note: DeepSpeed's step counter] in
-``zero_one_adam.py``: our first update is DeepSpeed's step 2, so the warm-up has ``freeze_step - 1``
-updates, as in DeepSpeed. Deliberate differences: the error buffers, ``lamb_coeff_freeze``,
-``last_factor`` and ``scaling_coeff`` survive a checkpoint (DeepSpeed resets the errors, and in the warm-up
-the coefficient EMA, on load); a tensor whose momentum is exactly zero at the freeze gets ``k_p = 1``
-(DeepSpeed divides by zero); ``exp_avg_mask`` and AMSGrad are not supported.
+so one sign scale fits them all. The first step only creates the states ([Note: DeepSpeed's first step]
+in ``zero_one_adam.py``), so the warm-up has ``freeze_step - 1`` updates, as in DeepSpeed. Deliberate
+differences: the error buffers, ``lamb_coeff_freeze``, ``last_factor`` and ``scaling_coeff`` survive a
+checkpoint (DeepSpeed resets the errors, and in the warm-up the coefficient EMA, on load); a tensor whose
+momentum is exactly zero at the freeze gets ``k_p = 1`` (DeepSpeed divides by zero); ``exp_avg_mask`` and
+AMSGrad are not supported.
 
 Communication ([Note: optimizer-owned means] in ``owned_comm.py``): the engine all-reduces gradients in the
 warm-up (``owns_communication`` is False) and hands local gradients over once the compression starts.
@@ -155,13 +155,13 @@ class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
     def _counter(self) -> int:
         for _, p in self._members():
             state = self.state.get(p)
-            return int(state["step"]) if state else 1
-        return 1
+            return int(state["step"]) if state else 0
+        return 0
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if "step" not in state:
-            state["step"] = 1  # [Note: DeepSpeed's step counter] in zero_one_adam.py
+            state["step"] = 0
             state["lamb_coeff_freeze"] = 0.0
             state["last_factor"] = 1.0
             for name in ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"):
@@ -189,6 +189,10 @@ class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
             for _, p in members
         ]
         states = [self._state(p) for _, p in members]
+        if states[0]["step"] == 0:  # [Note: DeepSpeed's first step] in zero_one_adam.py: states only
+            for state in states:
+                state["step"] = 1
+            return loss
         if compressing:
             self._compressed_step(members, grads, states)
         else:

@@ -16,10 +16,10 @@ Per parameter, with ``d = sqrt(v) + eps`` and DeepSpeed's step counter ``s`` (no
 ``local_step_clipper``. The error buffers are zeroed when the local phase starts (they then track the
 accumulated update, not gradients).
 
-[Note: DeepSpeed's step counter] DeepSpeed's first ``step()`` only allocates its communication buffers (the
-counter reaches 1, nothing is updated, that batch's gradient is dropped). We update from the first step but
-keep DeepSpeed's counter (it reads 2 after our first update), so ``var_freeze_step`` and the interval
-policies select exactly the steps they select in DeepSpeed. Differences from DeepSpeed, each deliberate:
+[Note: DeepSpeed's first step] DeepSpeed's first ``step()`` of its 1-bit optimizers only allocates their
+communication buffers: the counter reaches 1, nothing is updated, that batch's gradient is dropped. We keep
+that step as it is (as ``OneBitAdam`` does), so a run matches DeepSpeed's step for step and
+``var_freeze_step`` / the interval policies select the same steps. Differences from DeepSpeed, each deliberate:
 on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps (its ``size > 1`` guard); we
 take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
 size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
@@ -55,7 +55,7 @@ _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_c
 class ZeroOneSchedule:
     """0/1 Adam's interval policy state (DeepSpeed keeps it per parameter; every parameter holds the same)."""
 
-    step: int = 1  # DeepSpeed's counter after its buffer-allocating first step ([Note: DeepSpeed's step counter])
+    step: int = 0  # DeepSpeed's counter; its first step only allocates buffers ([Note: DeepSpeed's first step])
     var_interval: int = 1
     var_counter: int = 0
     local_step_interval: int = 1
@@ -257,6 +257,10 @@ class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
         if not members:
             return loss
         schedule = self.schedule()
+        if schedule.step == 0:  # [Note: DeepSpeed's first step]: states only, no update
+            for _, _, p in self._params():
+                self._state(p)["step"] = 1
+            return loss
         kind = step_kind(schedule, self.var_freeze_step)
         grads = [p.grad.detach().to(torch.float32, copy=True) for *_, p in members]  # local; the means go in place
         if kind == "variance":
