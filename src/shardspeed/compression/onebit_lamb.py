@@ -96,11 +96,16 @@ class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
         min_coeff: float = 0.01,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
+        bias_correction: bool = True,
+        eps_inside_sqrt: bool = False,
+        amsgrad: bool = False,
         coeff_beta: float = 0.9,
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
     ) -> None:
+        if amsgrad:
+            raise ValueError("OneBitLamb has no AMSGrad variant (DeepSpeed refuses it too)")
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"OneBitLamb: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -131,6 +136,8 @@ class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
         self.factor_threshold = factor_threshold
         self.cuda_aware = cuda_aware  # accepted for DeepSpeed configs; Collectives picks the transport
         self.comm_backend_name = comm_backend_name
+        # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
+        self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
         self.comm: MeanComm = LocalComm()
         self.lamb_coeffs: list[float] = []
 

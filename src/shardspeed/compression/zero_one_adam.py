@@ -190,7 +190,12 @@ class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
         local_step_clipper: int = 16,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
+        bias_correction: bool = True,
+        eps_inside_sqrt: bool = False,
+        amsgrad: bool = False,
     ) -> None:
+        if amsgrad:
+            raise ValueError("ZeroOneAdam has no AMSGrad variant (DeepSpeed refuses it too)")
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"ZeroOneAdam: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -213,6 +218,8 @@ class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
         # Accepted for DeepSpeed configs; the transport is the process group's backend through Collectives.
         self.cuda_aware = cuda_aware
         self.comm_backend_name = comm_backend_name
+        # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
+        self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
         self.comm: MeanComm = LocalComm()
 
     # -- engine protocol -------------------------------------------------------------------------------------
