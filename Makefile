@@ -47,6 +47,11 @@ bench-tp: $(STAMP)
 bench-pipe: $(STAMP)
 	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
 
+# 1-bit Adam (compressed phase) vs Adam, stage 0, on a SIMULATED link of 0.1 / 1 / 10 Gbit/s (comm-bound MLP).
+.PHONY: bench-compression-speed
+bench-compression-speed: $(STAMP)
+	$(PY) benchmarks/bench_compression_speed.py $(ARGS)
+
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with
 # its reason, exit status 0. ARGS: --quick, --json OUT.

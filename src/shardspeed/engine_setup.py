@@ -13,6 +13,8 @@ from shardspeed.comm import Collectives, CommsLog
 from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel
 from shardspeed.comm.calibrate import resolve_choice
 from shardspeed.comm.order_check import check_flags_agree, requested
+from shardspeed.comm.simulated_link import SimulatedLink
+from shardspeed.compression.engine_wiring import bind_compressed_optimizer
 from shardspeed.config import ShardSpeedConfig, ZeroConfig
 from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
@@ -49,7 +51,9 @@ def engine_collectives(
     unverified = Collectives(log, board)
     for axis in (topology.pipe, topology.data, topology.tensor):
         check_flags_agree(unverified.all_gather_object(want, axis), axis.ranks)
-    collectives = Collectives(log, board, verify_order=want)
+    sim = config.communication.simulated_link  # a SIMULATION, off by default ([Note: simulated link])
+    link = SimulatedLink(sim.bandwidth_gbps, sim.latency_us) if sim is not None else None
+    collectives = Collectives(log, board, verify_order=want, link=link)
     # [Note: agreed calibration] in comm/calibrate.py: measured on the data axis (whose buckets matter) and used
     # there only; agreed over the world, since every data group's ranks also meet in tensor / pipe collectives
     comm = config.communication
@@ -193,6 +197,7 @@ def build_engine_optimizer(
             f"{type(optimizer).__name__} is not known to be element-wise. Set "
             '"zero_allow_untested_optimizer": true to run it anyway.'
         )
+    bind_compressed_optimizer(config, states, optimizer, topology, collectives, device)  # 1-bit optimizers
     return _offload(config, states, optimizer, masters_access, axis, collectives)
 
 

@@ -28,6 +28,7 @@ import torch
 from shardspeed.checkpoint.agreement import agree_on_outcome, failure_of
 from shardspeed.checkpoint.box_io import write_local
 from shardspeed.checkpoint.commit import commit_checkpoint, discard_tmp, make_tmp_dir
+from shardspeed.checkpoint.compression_state import read_compression_state, write_compression_state
 from shardspeed.checkpoint.engine_pieces import (
     FORMAT,
     _all_pieces,
@@ -170,6 +171,7 @@ def _write_pieces(
                 write_local(writer, f"optim/{piece.name}/{key}", *where, part)
             elif (scalar := _scalar(value)) is not None:
                 scalars.setdefault(piece.name, {})[key] = scalar
+    write_compression_state(engine, writer)  # per-rank error buffers of 1-bit optimizers
     if engine.topology.dp_rank == 0 and engine.topology.tp_rank == 0:
         for name, buf in _persistent_buffers(engine.module):
             writer.add(f"buffer/{name}", tuple(buf.shape), 0, buf.detach().reshape(-1).contiguous())
@@ -320,6 +322,8 @@ def load(
         failure, own = None, None
         try:
             read_into_engine(engine, plan)
+            if plan.with_optimizer:  # [Note: error buffers in checkpoints]
+                read_compression_state(engine, reader, meta)
         except Exception as error:  # verified data failed to read after all (the file changed meanwhile?)
             failure, own = failure_of(error), error
         partly = f"{what} (after verification: the state is partly loaded)"

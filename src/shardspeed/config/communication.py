@@ -14,7 +14,21 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from pydantic import Field
+
 from .base import ConfigModel
+
+
+class SimulatedLinkConfig(ConfigModel):
+    """``communication.simulated_link``: a SIMULATION for benchmarks, not a network setting. Every logged
+    collective completes only after its algorithmic bytes would have crossed a link of this bandwidth plus the
+    latency, counted from its launch ([Note: simulated link] in comm/simulated_link.py)."""
+
+    bandwidth_gbps: float = Field(gt=0)
+    """The simulated link's bandwidth in Gbit/s (per rank, per call)."""
+
+    latency_us: float = Field(default=0.0, ge=0)
+    """Added to every call, in microseconds."""
 
 
 class CommunicationConfig(ConfigModel):
@@ -33,3 +47,7 @@ class CommunicationConfig(ConfigModel):
     """Directory of cached calibrations (one JSON file per backend, axis size, dtype, device type, host and torch
     version). Default: ``$SHARDSPEED_CACHE_DIR`` or ``~/.cache/shardspeed``. A corrupt file is ignored with a
     warning."""
+
+    simulated_link: SimulatedLinkConfig | None = None
+    """Off (None) by default. ``{"bandwidth_gbps": 1.0, "latency_us": 50}`` makes every collective wait out a
+    SIMULATED link of that speed (benchmarks of communication-bound training on fast hosts); never for real runs."""

@@ -14,6 +14,7 @@ import torch
 
 from shardspeed.log import logger
 from shardspeed.ops.adam.fused_adam import FusedAdam
+from shardspeed.optim.compressed_types import COMPRESSED_TYPES
 from shardspeed.optim.lamb import Lamb
 from shardspeed.optim.lion import Lion
 from shardspeed.optim.names import canonical_optimizer_name, torch_optimizer_classes
@@ -136,6 +137,8 @@ def build_optimizer(
         return Lamb(params, **hyperparameters)
     if name == "Lion":
         return Lion(params, **hyperparameters)
+    if name in COMPRESSED_TYPES:  # 1-bit optimizers: the engine binds them to its collectives (engine_setup.py)
+        return COMPRESSED_TYPES[name].cls()(params, **hyperparameters)
     return torch_optimizer_classes()[name](params, **hyperparameters)
 
 

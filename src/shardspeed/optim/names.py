@@ -15,12 +15,12 @@ import inspect
 import torch
 
 from shardspeed.config.errors import ConfigError, did_you_mean
+from shardspeed.optim.compressed_types import COMPRESSED_TYPES
 
 DEEPSPEED_TYPES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", "Lion")
 """Types whose parameters and defaults we define ourselves to match DeepSpeed (not torch's defaults)."""
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "onebitadam": "OneBitAdam",
     "zerooneadam": "ZeroOneAdam",
     "onebitlamb": "OneBitLamb",
     "muadam": "MuAdam",
@@ -56,7 +56,7 @@ def torch_optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
 
 def known_optimizer_names() -> list[str]:
     """All names ``optimizer.type`` accepts, in their canonical spelling."""
-    names = list(DEEPSPEED_TYPES)
+    names = list(DEEPSPEED_TYPES) + list(COMPRESSED_TYPES)  # compressed: optim/compressed_types.py
     names += [name for name in torch_optimizer_classes() if name.lower() not in {n.lower() for n in names}]
     return names
 

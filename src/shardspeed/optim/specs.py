@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from shardspeed.config.errors import ConfigError
+from shardspeed.optim.compressed_types import COMPRESSED_TYPES
 from shardspeed.optim.names import canonical_optimizer_name, torch_optimizer_classes
 from shardspeed.optim.param_checks import (
     ParamSpec,
@@ -209,6 +210,8 @@ def validate_optimizer_params(type_name: str, params: dict[str, Any], path: str 
         return normalized
     if name == "Lion":
         return validate_params(raw, LION_SPEC, path)
+    if name in COMPRESSED_TYPES:
+        return validate_params(raw, COMPRESSED_TYPES[name].spec, path)
     cls = torch_optimizer_classes()[name]
     normalized = validate_params(raw, torch_class_spec(cls), path)
     _check_with_torch(cls, normalized, path)

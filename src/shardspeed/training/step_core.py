@@ -11,7 +11,10 @@ counted once] in precision/norm_weights.py). A data-parallel-only model pays wha
 stage 0, one scalar all-reduce over the data axis at stages 1-3. So the overflow verdict and the clip coefficient
 are identical everywhere; the unused-parameter check, the count of gradient clearings since the last step, whether
 every rank reduced this step's gradients and a pending preemption stop are one small all-reduce over the world.
-Nothing in the step may depend on a rank-local value that was not agreed first. The non-finite verdict (fp32/bf16
+Nothing in the step may depend on a rank-local value that was not agreed first. An optimizer that owns
+communication (1-bit Adam's compressed phase) steps on local gradients: the norm is then always computed, from
+one all-reduce of the local sums of squares ([Note: optimizer-owned communication] in
+compression/optim_base.py). The non-finite verdict (fp32/bf16
 skip, fp16 overflow) follows from the agreed norm, so the consecutive-skip counters advance alike everywhere;
 locating the first offending parameter is one more small collective over the world, issued only on that path
 ([Note: non-finite steps] in ``nonfinite.py``).
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives
+from shardspeed.compression.engine_wiring import owns_communication
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.params.spec import ParamSpecs
 from shardspeed.precision.grad_norm import clip_coefficient
@@ -120,6 +124,7 @@ class StepCore:
         scaler = self.loss_scaler
         loss_scale = scaler.scale if scaler else 1.0
         computed = want_norm or self.gradient_clipping > 0 or scaler is not None or self.nonfinite.forces_norm
+        computed = computed or owns_communication(self.optimizer)  # local gradients: the verdict must be agreed
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else 0.0
         step, error = step_index + 1, None  # 1-based in reports, as global_steps after the step
         if scaler is None:  # fp32/bf16: [Note: non-finite steps] in nonfinite.py

@@ -3,11 +3,13 @@ from the master dtype (bf16/fp16 training; none with bf16 master weights: [Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shardspeed.checkpoint.pieces import Piece
+from shardspeed.compression.engine_wiring import OptimizerOwnedGrads
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.master import MasterWeights
 from shardspeed.precision.norm_weights import NormScope, counted_views
@@ -41,6 +43,7 @@ class ReplicatedStates(FlatLayoutStates):
         self.meter = StagingMeter()
         self.norm_scope = NormScope()
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
+        self.optimizer_owns: Callable[[], bool] | None = None  # [Note: optimizer-owned communication]
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
         self._set_markers()
@@ -61,7 +64,9 @@ class ReplicatedStates(FlatLayoutStates):
         self.grad_buffer = FlatGradBuffer(
             self.packed.params, layout, self.master_dtype, as_views=not self.mixed, device=self.device
         )
-        self.grad_sync = AllReduceGrads(self.grad_buffer, self.ctx, self.meter)
+        self.grad_sync: Any = AllReduceGrads(self.grad_buffer, self.ctx, self.meter)
+        if self.optimizer_owns is not None:  # a 1-bit optimizer: no gradient all-reduce once it communicates
+            self.grad_sync = OptimizerOwnedGrads(self.grad_sync, self.optimizer_owns)
         # masters copy the model's parameters, which stage 0 never repacks: a re-layout only moves them
         self.master = MasterWeights(self.packed.params, self.grad_buffer) if self.mixed else None
         self.tensor_segments()  # refreshed in place: a Lamb over tensor-parallel slices keeps it
@@ -79,6 +84,13 @@ class ReplicatedStates(FlatLayoutStates):
             carry_param_states(optimizer, list(zip(old_master.masters, self.master.masters)))
         self.reducer.set_layout(layout, self.grad_sync)
         self._set_markers()
+
+    def let_optimizer_communicate(self, owns: Callable[[], bool]) -> None:
+        """While ``owns()``, backward reduces nothing ([Note: optimizer-owned communication] in
+        compression/optim_base.py); called once, at construction."""
+        self.optimizer_owns = owns
+        self.grad_sync = OptimizerOwnedGrads(self.grad_sync, owns)
+        self.reducer.set_layout(self.layout, self.grad_sync)
 
     def optimizer_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.master is None:
@@ -124,6 +136,10 @@ class ReplicatedStates(FlatLayoutStates):
         scope, flat = self.norm_scope, self.grad_buffer.flat
         spans = [self.layout.span(i) for i, n in enumerate(self.packed.names) if n in scope.excluded]
         partial = sum_of_squares(counted_views([flat], [(0, flat.numel())], spans), flat.device)
+        if self.optimizer_owns is not None and self.optimizer_owns():
+            # local gradients differ between ranks: the norm is the ranks' RMS, agreed ([Note: agreed step])
+            self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
+            partial.div_(self.ctx.axis.size)
         if scope.whole_grads is not None:
             self.ctx.collectives.all_reduce(partial, scope.whole_grads, tag="grad_norm")
         return partial.item()

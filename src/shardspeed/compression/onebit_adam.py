@@ -1,0 +1,153 @@
+"""``OneBitAdam``: DeepSpeed's 1-bit Adam (Tang et al. 2021) on any backend, through the engine's collectives.
+
+[Note: 1-bit Adam's phases] DeepSpeed 0.19.6's ``OnebitAdam`` (deepspeed/runtime/fp16/onebit/adam.py), step by
+step, with ``freeze_step`` = F and ``k`` the 1-based step count:
+- k = 1 ("initialization"): DeepSpeed allocates its buffers; moments and parameters do not change. We keep that
+  step as it is, so a run matches DeepSpeed's from the first step.
+- 2 <= k <= F (warm-up): gradients are all-reduced by the engine (the mean), then Adam *without bias
+  correction*: ``m = β1 m + (1-β1) g``, ``v = β2 v + (1-β2) g²``, ``u = m / (sqrt(v) + eps) + wd·p``,
+  ``p -= lr·u`` (weight decay added to the update, DeepSpeed's ``update += weight_decay * p``).
+- k > F (compressed): the variance is frozen; each rank folds its *local* gradient into its momentum, the momentum
+  of each param group is averaged with the error-fed 1-bit all-reduce (``CompressedAllReduce``: worker and
+  server error buffers), and the same update as above runs on the averaged momentum, so every rank steps alike.
+The switch happens after the step whose count reaches F (DeepSpeed: ``state['step'] >= freeze_step``, checked
+from step 2 on: its first step returns early), so ``owns_communication`` is ``steps done >= max(F, 2)``.
+DeepSpeed compresses each parameter's momentum apart (each padded); we compress one flat buffer per param group
+(one collective per group, padding once). DeepSpeed's
+``bias_correction``, ``eps_inside_sqrt``, ``cuda_aware`` are accepted and have no effect there either;
+``comm_backend_name`` is checked against DeepSpeed's values and otherwise unused: the backend is the process
+group's (gloo, NCCL, …).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shardspeed.compression.optim_base import CompressedOptimizer
+
+COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed")
+"""DeepSpeed's ``comm_backend_name`` values (any of them runs on the process group's own backend here)."""
+
+
+def check_comm_backend_name(value: Any, path: str = "comm_backend_name") -> str:
+    """DeepSpeed's backend names are accepted (the process group's backend is used whatever they say); anything
+    else is an error: DeepSpeed itself fails on it with an AttributeError deep in the constructor."""
+    if value not in COMM_BACKEND_NAMES:
+        raise ValueError(
+            f"{path}={value!r} is not one of DeepSpeed's 1-bit backends {list(COMM_BACKEND_NAMES)}; shardspeed "
+            "compresses through the engine's process group whichever you name (gloo, NCCL, ...)"
+        )
+    return value
+
+
+# --- the math, pure functions (tests pin them against DeepSpeed's source) ----------------------------------------
+def adam_moments_(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float) -> None:
+    """Warm-up moments, in place, in DeepSpeed's operation order."""
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def momentum_(m: Tensor, g: Tensor, beta1: float) -> None:
+    """Compressed phase: only the momentum takes the (local) gradient; the variance stays frozen."""
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+
+
+def apply_update_(p: Tensor, m: Tensor, v: Tensor, lr: float, eps: float, weight_decay: float) -> None:
+    """``p -= lr · (m / (sqrt(v) + eps) + wd · p)``: no bias correction (DeepSpeed's OnebitAdam)."""
+    update = m / (v.sqrt() + eps)
+    if weight_decay > 0.0:
+        update += weight_decay * p
+    p.add_(-lr * update)
+
+
+class OneBitAdam(CompressedOptimizer):
+    """DeepSpeed's ``OneBitAdam`` ([Note: 1-bit Adam's phases]); config ``"type": "OneBitAdam"``."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ) -> None:
+        if amsgrad:
+            raise ValueError("OneBitAdam has no AMSGrad variant (DeepSpeed refuses it too)")
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
+            raise ValueError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
+        self.comm_backend_name = check_comm_backend_name(comm_backend_name)
+        self.cuda_aware = cuda_aware
+        self.freeze_step = freeze_step
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self.eps_inside_sqrt = eps_inside_sqrt
+
+    def steps_done(self) -> int:
+        """Optimizer steps taken (the first parameter's ``step``; every parameter steps together)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                return int(self.state[p].get("step", 0)) if p in self.state else 0
+        return 0
+
+    @property
+    def owns_communication(self) -> bool:
+        return self.steps_done() >= max(self.freeze_step, 2)  # [Note: 1-bit Adam's phases]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressed = self.owns_communication  # decided by the steps before this one, on every rank alike
+        first = self.steps_done() == 0
+        for index, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            params = list(group["params"])
+            for p in params:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+            if first:  # DeepSpeed's initialization step: buffers only ([Note: 1-bit Adam's phases])
+                continue
+            if compressed:
+                self._compressed_momentum(index, params, beta1)
+            for p in params:
+                state = self.state[p]
+                if not compressed:
+                    if p.grad is None:
+                        continue
+                    adam_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                apply_update_(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+        return loss
+
+    def _compressed_momentum(self, index: int, params: list[Tensor], beta1: float) -> None:
+        """Fold each rank's local gradient into the momentum, then average the group's momentum over the data axis
+        with the error-fed 1-bit all-reduce (one flat buffer per group; parameter order is the same on every
+        rank). A parameter without gradient adds nothing (its momentum still decays, as the others')."""
+        moments = [self.state[p]["exp_avg"] for p in params]
+        for p, m in zip(params, moments):
+            if p.grad is None:
+                m.mul_(beta1)
+            else:
+                momentum_(m, p.grad, beta1)
+        flat = torch.cat([m.reshape(-1).float() for m in moments])
+        self.compressor(f"group{index}", flat.numel())(flat)
+        offset = 0
+        for m in moments:
+            m.view(-1).copy_(flat[offset : offset + m.numel()])
+            offset += m.numel()

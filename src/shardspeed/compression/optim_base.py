@@ -1,0 +1,142 @@
+"""The protocol between the engine and an optimizer that owns its communication (1-bit Adam and its kin).
+
+[Note: optimizer-owned communication] DeepSpeed's 1-bit optimizers switch the engine's gradient all-reduce off
+once their warm-up ends (``engine.enable_backward_allreduce = False``) and communicate the *momentum* themselves,
+compressed. Here the switch is a question the stage asks, never an attribute the optimizer sets on the engine:
+
+1. The engine builds the optimizer (config ``optimizer.type`` or a client instance) and, before the first step,
+   calls ``bind(collectives, axis)`` once (``compression/engine_wiring.py``): the axis is the data axis, the
+   collectives the engine's own (logged, failure board, order check).
+2. Before every backward the stage's gradient sync asks ``owns_communication``. False (warm-up): the ordinary
+   bucketed all-reduce runs, the optimizer sees mean gradients. True (compressed phase): no gradient collective
+   runs at all; each rank's optimizer sees its *local* gradient, already scaled by 1/GAS (the flat buffer
+   accumulates the micro-steps as usual). The answer changes only inside ``step()``, and only as a function of
+   the step count, so it is the same on every rank at every backward.
+3. ``step()`` communicates through the bound ``Collectives`` (e.g. ``CompressedAllReduce`` of the momentum);
+   every rank ends the step with identical parameters.
+4. Checkpoints: ``compression_state_dict()`` is this rank's error-feedback state (flat tensors; ranks differ),
+   ``load_compression_state_dict(sd, same_world)`` puts it back — or, at another data-parallel world size, resets
+   it with one warning (the buffers' chunks follow the world size). The phase itself is not saved apart: it
+   follows from the per-parameter ``step`` counts, saved with the optimizer's other states.
+
+What the step core must agree on in the compressed phase ([Note: agreed step] in training/step_core.py): local
+gradients differ between ranks, so the norm (non-finite verdict, fp16 overflow, clipping) is one scalar
+all-reduce of the local sums of squares over the data axis (``zero/replicated.py``); the reported norm and the
+clip coefficient then use the root mean square of the ranks' local norms, one value everywhere (DeepSpeed clips
+each rank's local gradient by its own local norm).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shardspeed.comm import Collectives
+from shardspeed.topology import AxisGroup
+
+logger = logging.getLogger("shardspeed")
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base class of optimizers that own communication after a warm-up ([Note: optimizer-owned communication]).
+
+    Subclasses implement ``step`` and ``owns_communication`` and create their compressors with
+    ``compressor(key, numel)`` (one per flat param-group buffer); the base keeps them, binds them to the engine's
+    collectives and saves/loads/resets their error buffers.
+    """
+
+    shardspeed_owns_communication = True  # what engine wiring and the step core look for (inherited by subclasses)
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._collectives: Collectives | None = None
+        self._axis: AxisGroup | None = None
+        self._device: torch.device | None = None
+        self._compressors: dict[str, Any] = {}
+        self._pending_state: dict[str, dict[str, Tensor]] = {}  # loaded before the compressor exists
+
+    # --- the engine's side ---------------------------------------------------------------------------------------
+    def bind(self, collectives: Collectives, axis: AxisGroup, device: torch.device | None = None) -> None:
+        """The engine's collectives and the axis gradients would be averaged over (its data axis). Called once,
+        before the first step; an optimizer used outside an engine binds itself to a world of one on first use."""
+        if self._collectives is not None and (self._collectives is not collectives or self._axis is not axis):
+            raise RuntimeError(f"{type(self).__name__} is already bound to another engine's collectives")
+        self._collectives, self._axis = collectives, axis
+        self._device = device
+
+    @property
+    def bound(self) -> bool:
+        return self._collectives is not None
+
+    @property
+    def axis(self) -> AxisGroup:
+        if self._axis is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to an engine: call bind(collectives, axis) first")
+        return self._axis
+
+    @property
+    def owns_communication(self) -> bool:
+        """True once the compressed phase runs: the engine then reduces no gradients ([Note: optimizer-owned
+        communication]). Must be a function of state every rank shares (the step count)."""
+        raise NotImplementedError
+
+    # --- compressors ---------------------------------------------------------------------------------------------
+    def compressor(self, key: str, numel: int) -> Any:
+        """The error-fed compressed all-reduce (MEAN over the bound axis) for the flat buffer ``key`` of ``numel``
+        fp32 elements, created on first use (its error buffers start at zero, or from a loaded checkpoint)."""
+        comp = self._compressors.get(key)
+        if comp is None:
+            from shardspeed.compression.collective import CompressedAllReduce
+
+            if self._collectives is None:
+                raise RuntimeError(f"{type(self).__name__} is not bound to an engine: call bind(collectives, axis)")
+            device = self._device or torch.device("cpu")
+            comp = CompressedAllReduce(numel, self.axis, self._collectives, device=device, tag=f"compressed:{key}")
+            pending = self._pending_state.pop(key, None)
+            if pending is not None:
+                comp.load_state_dict(pending)
+            self._compressors[key] = comp
+        return comp
+
+    @property
+    def error_bytes(self) -> int:
+        """Bytes held by every compressor's error buffers on this rank (memory figures)."""
+        return sum(int(c.error_bytes) for c in self._compressors.values())
+
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+    def compression_state_dict(self) -> dict[str, Tensor]:
+        """This rank's error-feedback state, flat tensors keyed ``"<buffer key>/<name>"`` (empty in warm-up)."""
+        out: dict[str, Tensor] = {}
+        for key, comp in sorted(self._compressors.items()):
+            for name, tensor in comp.state_dict().items():
+                out[f"{key}/{name}"] = tensor
+        for key, state in sorted(self._pending_state.items()):  # loaded, not used yet: saved again as loaded
+            for name, tensor in state.items():
+                out[f"{key}/{name}"] = tensor
+        return out
+
+    def load_compression_state_dict(self, state: dict[str, Tensor], same_world: bool) -> None:
+        """Put back what ``compression_state_dict`` saved; ``same_world`` False: reset instead (the caller warns:
+        the buffers' chunks follow the data-parallel world size)."""
+        self.reset_compression()
+        if not same_world:
+            return
+        grouped: dict[str, dict[str, Tensor]] = {}
+        for full, tensor in state.items():
+            key, _, name = full.rpartition("/")
+            grouped.setdefault(key, {})[name] = tensor
+        for key, tensors in grouped.items():
+            comp = self._compressors.get(key)
+            if comp is not None:
+                comp.load_state_dict(tensors)
+            else:  # created at the next compressed step (its size is known then)
+                self._pending_state[key] = tensors
+
+    def reset_compression(self) -> None:
+        """Forget every error buffer (they restart at zero at the next compressed step)."""
+        for comp in self._compressors.values():
+            comp.reset()
+        self._pending_state = {}

@@ -1,0 +1,203 @@
+"""OneBitAdam through the engine at world 2 (GAS 2, clipping): equal to a one-process reference of the same
+algorithm with simulated workers (compression/reference.py), parameters identical on every rank at every step,
+no gradient all-reduce in the compressed phase (comms log) and its traffic the compressed call's; bf16 and fp16;
+checkpoint resume with the error buffers (bit for bit), and at another world size the buffers reset."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from parity import global_batches, make_model, rank_slice
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+import shardspeed
+from shardspeed.compression.onebit_adam import apply_update_
+from shardspeed.compression.reference import compressed_allreduce
+from shardspeed.compression.signs import padded_numel
+from shardspeed.precision.grad_norm import clip_coefficient
+
+STEPS, MB, GAS, LR, FREEZE, CLIP, WD, WORLD = 7, 2, 2, 0.02, 3, 0.5, 0.01, 2
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+def _config(dtype: str = "fp32", freeze: int = FREEZE) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze, "weight_decay": WD}},
+        "gradient_clipping": CLIP,
+        "comms_logger": {"enabled": True},
+        "steps_per_print": 1000,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _flat(engine: shardspeed.ShardSpeedEngine) -> torch.Tensor:
+    return parameters_to_vector([p.detach().float() for p in engine.module.parameters()]).clone()
+
+
+def _micro_steps(engine: shardspeed.ShardSpeedEngine, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> None:
+    for m in range(GAS):
+        xs = rank_slice(x, m, rank, world, MB).to(next(engine.module.parameters()).dtype)
+        loss = F.mse_loss(engine(xs).float(), rank_slice(y, m, rank, world, MB))
+        engine.backward(loss)
+        engine.step()
+
+
+def _train(rank: int, world: int, dtype: str) -> dict:
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(dtype))
+    params, comms = [], []
+    for x, y in global_batches(STEPS, MB * GAS * world):
+        engine.comms_log.reset()
+        _micro_steps(engine, x, y, rank, world)
+        params.append(_flat(engine))
+        rows = engine.comms_log.rows()
+        comms.append({k: (r["count"], engine.comms_log.totals[k].algorithmic_bytes) for k, r in rows.items()})
+    return {"params": params, "comms": comms, "owns": engine.optimizer.owns_communication}
+
+
+def _reference(world: int) -> list[torch.Tensor]:
+    """The same algorithm with ``world`` simulated workers in one process (fp32)."""
+    model = make_model()
+    params = list(model.parameters())
+    flat = parameters_to_vector(params).detach().clone()
+    n = flat.numel()
+    m, v = torch.zeros(n), torch.zeros(n)
+    padded = padded_numel(n, world)
+    werr, serr = [torch.zeros(padded) for _ in range(world)], [torch.zeros(padded // world) for _ in range(world)]
+    out = []
+    for k, (x, y) in enumerate(global_batches(STEPS, MB * GAS * world), start=1):
+        local = []
+        for r in range(world):
+            g = torch.zeros(n)
+            for mi in range(GAS):
+                vector_to_parameters(flat, params)
+                model.zero_grad()
+                (F.mse_loss(model(rank_slice(x, mi, r, world, MB)), rank_slice(y, mi, r, world, MB)) / GAS).backward()
+                g += parameters_to_vector([p.grad for p in params])
+            local.append(g)
+        if k > 1:  # step 1 only counts ([Note: 1-bit Adam's phases])
+            if k - 1 < max(FREEZE, 2):  # warm-up: the engine's all-reduced mean
+                g = torch.stack(local).sum(0) * (1 / world)
+                g = g * clip_coefficient(g.norm().item(), CLIP)
+                m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
+                v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+            else:  # compressed: local gradients, agreed norm (RMS of local norms), compressed momentum
+                norm = math.sqrt(sum(g.square().sum().item() for g in local) / world)
+                coef = clip_coefficient(norm, CLIP)
+                ms = [m * BETAS[0] + (1 - BETAS[0]) * (g * coef) for g in local]
+                m = compressed_allreduce(ms, werr, serr)
+            apply_update_(flat, m, v, LR, EPS, WD)
+        out.append(flat.clone())
+    return out
+
+
+def test_onebit_adam_matches_simulated_workers_and_compresses(dist_run) -> None:
+    results = dist_run(_train, WORLD, "fp32")
+    ref = _reference(WORLD)
+    r0, r1 = results
+    for step in range(STEPS):
+        assert torch.equal(r0["params"][step], r1["params"][step]), f"ranks differ after step {step + 1}"
+        torch.testing.assert_close(r0["params"][step], ref[step], atol=2e-5, rtol=0, msg=f"step {step + 1}")
+    assert r0["owns"]
+    warm, compressed = r0["comms"][1], r0["comms"][-1]
+    assert "all_reduce:grads" in warm and not any("compressed" in k for k in warm)
+    assert "all_reduce:grads" not in compressed, compressed  # no gradient all-reduce in the compressed phase
+    comp_bytes = sum(b for k, (_, b) in compressed.items() if "compressed" in k)
+    other = {k for k in compressed if "compressed" not in k}
+    assert other <= {"all_reduce:grad_norm", "all_reduce:step_checks"}, other  # two scalars besides
+    assert 0 < comp_bytes < warm["all_reduce:grads"][1] / 20
+    moved = (ref[-1] - ref[0]).abs().max().item()
+    assert moved > 1e-3
+
+
+def _low_precision(rank: int, world: int) -> dict:
+    """bf16, then fp16 where rank 1 alone gets an infinite loss at one compressed step (its gradients overflow)."""
+    out = {}
+    for dtype in ("bf16", "fp16"):
+        engine, *_ = shardspeed.initialize(model=make_model(), config=_config(dtype))
+        params = []
+        for i, (x, y) in enumerate(global_batches(STEPS, MB * GAS * world)):
+            if dtype == "fp16" and i == FREEZE + 1 and rank == 1:
+                y = y * float("inf")
+            _micro_steps(engine, x, y, rank, world)
+            params.append(_flat(engine))
+        out[dtype] = {"params": params, "owns": engine.optimizer.owns_communication, "skipped": engine.skipped_steps}
+        engine.destroy()
+    return out
+
+
+def test_low_precision_ranks_stay_identical_and_skip_together(dist_run) -> None:
+    r0, r1 = dist_run(_low_precision, WORLD)
+    for dtype in ("bf16", "fp16"):
+        assert r0[dtype]["owns"]
+        for step in range(STEPS):
+            a, b = r0[dtype]["params"][step], r1[dtype]["params"][step]
+            assert torch.equal(a, b), f"{dtype}: ranks differ after step {step + 1}"
+            assert torch.isfinite(a).all()
+        assert not torch.equal(r0[dtype]["params"][-1], r0[dtype]["params"][FREEZE])  # the compressed phase moved
+    # rank 1's local overflow (no gradient all-reduce to spread it) is agreed: both ranks skip that step
+    assert r0["fp16"]["skipped"] == r1["fp16"]["skipped"] == 1
+    assert torch.equal(r0["fp16"]["params"][FREEZE + 1], r0["fp16"]["params"][FREEZE])
+
+
+def _run_from(rank: int, world: int, ckpt: str, save_at: int, load: bool, reset: bool) -> list[torch.Tensor]:
+    """Steps 1..STEPS saving after ``save_at``, or (``load``) steps save_at+1..STEPS from that checkpoint."""
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    batches = global_batches(STEPS, MB * GAS * world)
+    start = 0
+    if load:
+        engine.load_checkpoint(ckpt)
+        start = save_at
+        if reset:  # what DeepSpeed does on every load: the bit-for-bit comparison must then fail
+            engine.optimizer.reset_compression()
+    out = []
+    for i in range(start, STEPS):
+        x, y = batches[i]
+        _micro_steps(engine, x, y, rank, world)
+        if not load and i + 1 == save_at:
+            engine.save_checkpoint(ckpt)
+        out.append(_flat(engine))
+    engine.destroy()
+    return out
+
+
+def _resume(rank: int, world: int, ckpt: str, save_at: int) -> tuple[list[torch.Tensor], ...]:
+    full = _run_from(rank, world, ckpt, save_at, False, False)
+    return full, _run_from(rank, world, ckpt, save_at, True, False), _run_from(rank, world, ckpt, save_at, True, True)
+
+
+def _load_elsewhere(rank: int, world: int, ckpt: str) -> tuple[list[str], float, bool]:
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("shardspeed").addHandler(handler)
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    engine.load_checkpoint(ckpt)
+    logging.getLogger("shardspeed").removeHandler(handler)
+    state = engine.optimizer.compression_state_dict()
+    return records, sum(t.abs().sum().item() for t in state.values()), engine.optimizer.owns_communication
+
+
+def test_resume_keeps_error_buffers_at_the_same_world_only(dist_run, tmp_path) -> None:
+    """Same world: the resumed run equals the uninterrupted one bit for bit (and would not with the buffers
+    reset). Another world (1): the buffers are reset with one warning, the compressed phase continues."""
+    save_at = FREEZE + 2  # inside the compressed phase: error buffers are live
+    for r, (full, resumed, reset) in enumerate(dist_run(_resume, WORLD, str(tmp_path), save_at)):
+        tail = full[save_at:]
+        assert all(torch.equal(a, b) for a, b in zip(tail, resumed)), f"rank {r}: resumed run differs"
+        assert not torch.equal(tail[-1], reset[-1])  # without the buffers the run is not the same
+    ((records, error_sum, owns),) = dist_run(_load_elsewhere, 1, str(tmp_path))
+    assert len([m for m in records if "compression error buffers are reset" in m]) == 1, records
+    assert error_sum == 0.0 and owns

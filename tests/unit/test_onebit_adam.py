@@ -1,0 +1,140 @@
+"""OneBitAdam without processes: DeepSpeed's warm-up formula pinned from its source (0.19.6
+runtime/fp16/onebit/adam.py; the subprocess parity test runs DeepSpeed's class itself), the phase switch, the
+config names and their errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardspeed.compression.engine_wiring import OptimizerOwnedGrads, bind_compressed_optimizer, owns_communication
+from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
+from shardspeed.config.errors import ConfigError
+from shardspeed.optim import build_optimizer
+from shardspeed.optim.specs import validate_optimizer_params
+
+
+def _run(steps: int, freeze_step: int = 100, wd: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, OneBitAdam]:
+    torch.manual_seed(0)
+    p0 = torch.randn(6)
+    p = torch.nn.Parameter(p0.clone())
+    opt = OneBitAdam([p], lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=wd, freeze_step=freeze_step)
+    grads = [torch.randn(6) for _ in range(steps)]
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p0, torch.stack(grads), opt
+
+
+def test_warmup_is_deepspeeds_formula() -> None:
+    """Step 1 moves nothing (DeepSpeed's initialization step); then Adam with no bias correction, weight decay
+    added to the update."""
+    p0, grads, opt = _run(4, wd=0.05)
+    p, m, v = p0.clone(), torch.zeros(6), torch.zeros(6)
+    for g in grads[1:]:
+        m = 0.8 * m + 0.2 * g
+        v = 0.9 * v + 0.1 * g * g
+        p = p - 0.1 * (m / (v.sqrt() + 1e-3) + 0.05 * p)
+    (param,) = opt.param_groups[0]["params"]
+    torch.testing.assert_close(param.detach(), p, atol=1e-6, rtol=0)
+    torch.testing.assert_close(opt.state[param]["exp_avg"], m, atol=1e-7, rtol=0)
+    assert opt.state[param]["step"] == 4
+
+
+def test_first_step_only_counts() -> None:
+    p0, _, opt = _run(1)
+    (param,) = opt.param_groups[0]["params"]
+    assert torch.equal(param.detach(), p0)
+    assert not opt.state[param]["exp_avg"].any() and not opt.state[param]["exp_avg_sq"].any()
+
+
+@pytest.mark.parametrize(("freeze_step", "switch"), [(0, 2), (1, 2), (2, 2), (5, 5)])
+def test_compressed_phase_starts_after_freeze_step(freeze_step: int, switch: int) -> None:
+    """DeepSpeed checks ``step >= freeze_step`` after each step from step 2 on (its first step returns early)."""
+    _, _, opt = _run(switch - 1, freeze_step=freeze_step)
+    assert not opt.owns_communication
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.owns_communication
+
+
+def test_apply_update_matches_deepspeed_order() -> None:
+    p, m, v = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.25]), torch.tensor([4.0, 0.0])
+    apply_update_(p, m, v, lr=0.5, eps=1.0, weight_decay=0.1)
+    expected = torch.tensor([1.0, -2.0]) - 0.5 * (torch.tensor([0.5 / 3.0, 0.25]) + 0.1 * torch.tensor([1.0, -2.0]))
+    torch.testing.assert_close(p, expected)
+
+
+def test_config_builds_onebit_adam_with_deepspeed_defaults() -> None:
+    params = validate_optimizer_params("onebitadam", {"lr": 4e-4, "freeze_step": 23000, "cuda_aware": False})
+    assert params["freeze_step"] == 23000 and params["comm_backend_name"] == "nccl" and params["betas"] == (0.9, 0.999)
+    opt = build_optimizer("OneBitAdam", params, [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, OneBitAdam) and opt.freeze_step == 23000 and opt.param_groups[0]["lr"] == 4e-4
+
+
+@pytest.mark.parametrize(
+    ("params", "pattern"),
+    [
+        ({"comm_backend_name": "gloo"}, r"optimizer\.params\.comm_backend_name must be one of .*\"nccl\""),
+        ({"amsgrad": True}, r"optimizer\.params\.amsgrad=true is not supported"),
+        ({"freeze_step": -1}, r"optimizer\.params\.freeze_step must be an integer >= 0"),
+        ({"freeze_stp": 3}, r"did you mean \"freeze_step\""),
+    ],
+)
+def test_config_errors_name_the_key(params: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        validate_optimizer_params("OneBitAdam", params)
+
+
+def test_client_instance_checks_backend_name() -> None:
+    with pytest.raises(ValueError, match="comm_backend_name='gloo' is not one of DeepSpeed's"):
+        OneBitAdam([torch.nn.Parameter(torch.zeros(1))], comm_backend_name="gloo")
+
+
+def _axes(data: int = 2, tensor: int = 1, pipe: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        data=SimpleNamespace(size=data), tensor=SimpleNamespace(size=tensor), pipe=SimpleNamespace(size=pipe)
+    )
+
+
+def _zero(stage: int = 0, offload: str | None = None) -> SimpleNamespace:
+    off = None if offload is None else SimpleNamespace(device=offload)
+    return SimpleNamespace(zero_optimization=SimpleNamespace(stage=stage, offload_optimizer=off))
+
+
+@pytest.mark.parametrize(
+    ("config", "topology", "states", "pattern"),
+    [
+        (_zero(), _axes(tensor=2), SimpleNamespace(let_optimizer_communicate=None), r"tensor or pipeline axis"),
+        (_zero(), _axes(pipe=2), SimpleNamespace(let_optimizer_communicate=None), r"tensor or pipeline axis"),
+        (_zero(offload="cpu"), _axes(), SimpleNamespace(let_optimizer_communicate=None), r"offload_optimizer"),
+        (_zero(stage=2), _axes(), SimpleNamespace(), r"ZeRO stage 2 is not supported"),
+    ],
+)
+def test_engine_wiring_refuses_what_it_cannot_run(config, topology, states, pattern: str) -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(NotImplementedError, match=pattern):
+        bind_compressed_optimizer(config, states, opt, topology, None, torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def test_owned_grads_skip_communication_only_while_the_optimizer_owns_it() -> None:
+    calls: list[str] = []
+    inner = SimpleNamespace(
+        launch=lambda k: calls.append(f"launch{k}") or "work",
+        complete=lambda k: calls.append(f"complete{k}"),
+        zero=lambda: calls.append("zero"),
+    )
+    owns = [False]
+    sync = OptimizerOwnedGrads(inner, lambda: owns[0])
+    assert sync.launch(0) == "work"
+    sync.complete(0)
+    owns[0] = True
+    work = sync.launch(1)
+    assert work.done()  # a finished no-op: nothing issued
+    sync.complete(1)
+    sync.zero()  # everything else is the wrapped sync's
+    assert calls == ["launch0", "complete0", "zero"]
+    assert not owns_communication(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))

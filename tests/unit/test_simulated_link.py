@@ -1,0 +1,95 @@
+"""[Note: simulated link]: a Work completes only at launch + latency + bytes / bandwidth, waits block until then
+(never at launch), and the link is off by default."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardspeed.comm import Collectives, CommsLog
+from shardspeed.comm.composite import Launched
+from shardspeed.comm.simulated_link import SimulatedLink
+from shardspeed.comm.work import CompositeWork, Work
+from shardspeed.config import load_config
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class FinishedHandle:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+def _link(clock: FakeClock, gbps: float = 1.0, latency_us: float = 50.0) -> SimulatedLink:
+    return SimulatedLink(gbps, latency_us, clock=clock, sleep=clock.sleep)
+
+
+def test_transfer_time_is_latency_plus_bytes_over_bandwidth() -> None:
+    link = SimulatedLink(10.0, 50.0)
+    assert link.transfer_s(0) == pytest.approx(50e-6)
+    assert link.transfer_s(125_000_000) == pytest.approx(0.1 + 50e-6)  # 1 Gbit at 10 Gbit/s
+    with pytest.raises(ValueError, match="bandwidth_gbps must be > 0"):
+        SimulatedLink(0.0)
+
+
+def test_work_is_not_done_before_the_deadline_and_wait_blocks_until_it() -> None:
+    clock = FakeClock()
+    link = _link(clock)
+    hold = link.hold(1_250_000)  # 10 Mbit at 1 Gbit/s: 10 ms + 50 µs
+    assert clock.slept == []  # nothing slept at launch
+    work = Work(FinishedHandle(), hold=hold)  # the real op already finished
+    assert not work.done()
+    clock.now += 0.004  # compute overlapping the simulated transfer
+    assert not work.done()
+    work.wait()
+    assert clock.slept == [pytest.approx(0.01005 - 0.004)]  # only the remainder
+    assert clock.now == pytest.approx(100.01005) and work.done()
+
+
+def test_done_turns_true_once_the_deadline_passed_without_waiting() -> None:
+    clock = FakeClock()
+    done: list[bool] = []
+    work = Work(FinishedHandle(), hold=_link(clock).hold(0), on_complete=lambda: done.append(True))
+    assert not work.done() and not done
+    clock.now += 1.0
+    assert work.done() and done == [True]  # the comms log's timer sees the simulated completion
+    work.wait()
+    assert clock.slept == [] and done == [True]
+
+
+def test_composite_work_waits_the_deadline_before_its_action() -> None:
+    clock = FakeClock()
+    finished_at: list[float] = []
+    launched = Launched([FinishedHandle()], lambda: finished_at.append(clock.now), ())
+    work = CompositeWork(launched, None, str, blocked=None, key="x", hold=_link(clock, 8.0, 0.0).hold(1e9))
+    assert not work.done()
+    work.wait()
+    assert finished_at == [pytest.approx(101.0)]  # 8 Gbit at 8 Gbit/s
+
+
+def test_off_by_default() -> None:
+    assert Collectives(CommsLog()).link is None
+    config = load_config({"train_batch_size": 2}, dp_world_size=1)
+    assert config.communication.simulated_link is None
+    on = load_config(
+        {"train_batch_size": 2, "communication": {"simulated_link": {"bandwidth_gbps": 1.0}}}, dp_world_size=1
+    )
+    assert on.communication.simulated_link is not None
+    assert on.communication.simulated_link.latency_us == 0.0
+    with pytest.raises(Exception, match="bandwidth_gbps"):
+        load_config(
+            {"train_batch_size": 2, "communication": {"simulated_link": {"bandwidth_gbps": -1.0}}}, dp_world_size=1
+        )
