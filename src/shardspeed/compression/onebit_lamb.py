@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from shardspeed.compression.owned_comm import LocalComm, MeanComm, OwnsCommunication
+from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 
 def lamb_trust_ratio(weight_norm: float, update_norm: float, min_coeff: float, max_coeff: float) -> float:
@@ -79,7 +80,7 @@ def compression_factor(
     return factor
 
 
-class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
+class OneBitLamb(MeanCommOptimizer):
     """1-bit LAMB with DeepSpeed's parameter names and defaults; the math is in the module docstring."""
 
     shardspeed_elementwise = False  # per-tensor norms and one flat compression over every tensor
@@ -135,10 +136,9 @@ class OneBitLamb(OwnsCommunication, torch.optim.Optimizer):
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
         self.cuda_aware = cuda_aware  # accepted for DeepSpeed configs; Collectives picks the transport
-        self.comm_backend_name = comm_backend_name
+        self.comm_backend_name = check_comm_backend_name(comm_backend_name)
         # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
         self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
-        self.comm: MeanComm = LocalComm()
         self.lamb_coeffs: list[float] = []
 
     # -- engine protocol -------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from shardspeed.compression.owned_comm import LocalComm, MeanComm, OwnsCommunication
+from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
 
@@ -168,7 +169,7 @@ def sync_finish(
     synced.copy_(param)
 
 
-class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
+class ZeroOneAdam(MeanCommOptimizer):
     """0/1 Adam with DeepSpeed's parameter names and defaults; the math is in the module docstring.
 
     Unbound (``bind`` not called) it runs as on a data axis of size 1. ``owns_communication`` is True from the
@@ -217,10 +218,9 @@ class ZeroOneAdam(OwnsCommunication, torch.optim.Optimizer):
         self.local_step_clipper = int(local_step_clipper)
         # Accepted for DeepSpeed configs; the transport is the process group's backend through Collectives.
         self.cuda_aware = cuda_aware
-        self.comm_backend_name = comm_backend_name
+        self.comm_backend_name = check_comm_backend_name(comm_backend_name)
         # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
         self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
-        self.comm: MeanComm = LocalComm()
 
     # -- engine protocol -------------------------------------------------------------------------------------
     @property
