@@ -5,6 +5,7 @@ and checkpoint resume (error buffers, counters, coefficients) bit for bit at the
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -77,7 +78,13 @@ def _reference(name: str) -> list[list[torch.Tensor]]:
     names = [n for n, _ in model.named_parameters()]
     batches = global_batches(STEPS, MB * GAS * WORLD)
 
+    lock = threading.Lock()  # functional_call swaps the shared module's tensors: one worker at a time
+
     def local_grad(live: list[torch.Tensor], step: int, rank: int) -> list[torch.Tensor]:
+        with lock:
+            return _local_grad(live, step, rank)
+
+    def _local_grad(live: list[torch.Tensor], step: int, rank: int) -> list[torch.Tensor]:
         x, y = batches[step]
         weights = {n: p.detach().clone().requires_grad_(True) for n, p in zip(names, live, strict=True)}
         total = [torch.zeros_like(p) for p in live]
