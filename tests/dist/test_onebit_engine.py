@@ -126,7 +126,9 @@ def test_engine_matches_simulated_workers(dist_run, name: str) -> None:
     assert (reference[-1][0] - reference[0][0]).abs().max() > 1e-3  # training moved the parameters
 
 
-@pytest.mark.parametrize("name,save_at", [("ZeroOneAdam", 7), ("OneBitLamb", 6)])
+@pytest.mark.parametrize(
+    "name,save_at", [("ZeroOneAdam", 7), pytest.param("OneBitLamb", 6, marks=pytest.mark.slow)]
+)  # OneBitLamb's optimizer-level resume (test_onebit_optimizers.py) stays in the default suite
 def test_engine_resume_is_bit_exact(dist_run, tmp_path, name: str, save_at: int) -> None:
     full = dist_run(_run, WORLD, name, str(tmp_path), save_at)
     resumed = dist_run(_run, WORLD, name, str(tmp_path), save_at, True)

@@ -43,6 +43,7 @@ def deepspeed_runs(tmp_path_factory) -> list[dict]:
     return deepspeed_histories(tmp_path_factory.mktemp("ds0196"), cases)
 
 
+@pytest.mark.slow  # the DeepSpeed subprocess: importing DeepSpeed alone takes ~10 s of CPU
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_matches_deepspeed_at_world_1(deepspeed_runs, index: int) -> None:
     name, kwargs = CASES[index]
