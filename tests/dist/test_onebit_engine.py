@@ -28,14 +28,17 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def _config(name: str) -> dict:
-    return {
+def _config(name: str, bf16: bool = False) -> dict:
+    cfg = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": name, "params": CASES[name][1]},
         "comms_logger": {"enabled": True},
         "steps_per_print": 1000,
     }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def _flat(engine: Any) -> torch.Tensor:
@@ -48,8 +51,11 @@ def _kind(opt: Any) -> str:
     return "compressed" if opt.owns_communication else "warmup"
 
 
-def _run(rank: int, world: int, name: str, ckpt: str | None = None, save_at: int = 0, load: bool = False) -> dict:
-    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(name))
+def _run(
+    rank: int, world: int, name: str, ckpt: str | None = None, save_at: int = 0, load: bool = False, bf16: bool = False
+) -> dict:
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(name, bf16))
+    dtype = next(engine.module.parameters()).dtype
     batches = global_batches(STEPS, MB * GAS * world)
     start = save_at if load else 0
     if load:
@@ -60,7 +66,8 @@ def _run(rank: int, world: int, name: str, ckpt: str | None = None, save_at: int
         kinds.append(_kind(engine.optimizer))
         engine.comms_log.reset()
         for m in range(GAS):
-            loss = F.mse_loss(engine(rank_slice(x, m, rank, world, MB)), rank_slice(y, m, rank, world, MB))
+            out = engine(rank_slice(x, m, rank, world, MB).to(dtype)).float()
+            loss = F.mse_loss(out, rank_slice(y, m, rank, world, MB))
             engine.backward(loss)
             engine.step()
         comms.append(set(engine.comms_log.rows()))
@@ -135,3 +142,13 @@ def test_engine_resume_is_bit_exact(dist_run, tmp_path, name: str, save_at: int)
     for rank in range(WORLD):
         tail = full[rank]["params"][save_at:]
         assert all(torch.equal(a, b) for a, b in zip(tail, resumed[rank]["params"], strict=True)), rank
+
+
+@pytest.mark.parametrize("name", ["ZeroOneAdam", pytest.param("OneBitLamb", marks=pytest.mark.slow)])
+def test_bf16_ranks_agree_wherever_synchronized(dist_run, name: str) -> None:
+    r0, r1 = dist_run(_run, WORLD, name, None, 0, False, True)
+    for step, kind in enumerate(r0["kinds"]):
+        assert torch.isfinite(r0["params"][step]).all()
+        if kind != "local":
+            assert torch.equal(r0["params"][step], r1["params"][step]), f"step {step + 1} ({kind})"
+    assert not torch.equal(r0["params"][-1], r0["params"][2])  # the compressed phase moved them
