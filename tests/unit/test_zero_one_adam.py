@@ -129,3 +129,14 @@ def test_rejects_bad_hyperparameters() -> None:
         ZeroOneAdam(p, var_update_scaler=0)
     with pytest.raises(ValueError, match="betas"):
         ZeroOneAdam(p, betas=(1.0, 0.9))
+
+
+def test_a_parameter_without_gradient_keeps_the_shared_schedule() -> None:
+    frozen, live = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    opt = ZeroOneAdam([frozen, live], lr=0.01, var_freeze_step=3, var_update_scaler=2)
+    for _ in range(6):
+        live.grad = torch.ones(4)
+        opt.step()
+    assert frozen.grad is None and torch.equal(frozen.detach(), torch.ones(3))  # never updated
+    assert opt.state[frozen]["step"] == opt.state[live]["step"] == 6
+    assert opt.schedule().var_interval == opt.state[live]["var_interval"]

@@ -296,8 +296,8 @@ class ZeroOneAdam(MeanCommOptimizer):
                 sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
                 state["lrs"] = 0.0
         after = advance(schedule, *self._args())
-        for *_, p in members:
-            state = self.state[p]
+        for *_, p in self._params():  # every parameter, with a gradient this step or not: one shared schedule
+            state = self._state(p)
             state["step"] = after.step
             for name in _COUNTERS:
                 state[name] = getattr(after, name)
