@@ -23,6 +23,7 @@ from shardspeed.optim.param_checks import (
 )
 
 _non_negative = partial(check_number, minimum=0.0)
+_positive = partial(check_number, minimum=0.0, exclusive_minimum=True)
 _betas = partial(check_number_tuple, length=2, minimum=0.0, maximum=1.0, exclusive_maximum=True)
 _backend = partial(check_choice, choices=("nccl", "mpi", "hccl", "compressed"))
 
@@ -67,6 +68,43 @@ COMPRESSED_TYPES: dict[str, CompressedType] = {
             **_COMMON,
         },
         "shardspeed.compression.onebit_adam:OneBitAdam",
+    ),
+    "ZeroOneAdam": CompressedType(
+        {
+            "lr": ParamSpec(_non_negative, 1e-3),
+            "betas": ParamSpec(_betas, (0.9, 0.999)),
+            "eps": ParamSpec(_non_negative, 1e-8),
+            "weight_decay": ParamSpec(_non_negative, 0.0),
+            "var_freeze_step": ParamSpec(partial(check_int, minimum=0), 100000),
+            "var_update_scaler": ParamSpec(partial(check_int, minimum=1), 16),
+            "local_step_scaler": ParamSpec(partial(check_int, minimum=1), 32678),
+            "local_step_clipper": ParamSpec(partial(check_int, minimum=1), 16),
+            "bias_correction": ParamSpec(check_bool, True),  # DeepSpeed's ZeroOneAdam ignores it (no correction)
+            "eps_inside_sqrt": ParamSpec(check_bool, False),  # ignored there too
+            "amsgrad": ParamSpec(_no_amsgrad, False),
+            **_COMMON,
+        },
+        "shardspeed.compression.zero_one_adam:ZeroOneAdam",
+    ),
+    "OneBitLamb": CompressedType(
+        {
+            "lr": ParamSpec(_non_negative, 1e-3),
+            "freeze_step": ParamSpec(partial(check_int, minimum=0), 100000),
+            "betas": ParamSpec(_betas, (0.9, 0.999)),
+            "eps": ParamSpec(_non_negative, 1e-8),
+            "weight_decay": ParamSpec(_non_negative, 0.0),
+            "max_coeff": ParamSpec(_positive, 10.0),
+            "min_coeff": ParamSpec(_positive, 0.01),
+            "coeff_beta": ParamSpec(partial(check_number, minimum=0.0, maximum=1.0, exclusive_maximum=True), 0.9),
+            "factor_max": ParamSpec(_positive, 4.0),
+            "factor_min": ParamSpec(_positive, 0.5),
+            "factor_threshold": ParamSpec(_non_negative, 0.1),
+            "bias_correction": ParamSpec(check_bool, True),  # DeepSpeed's OnebitLamb ignores it (no correction)
+            "eps_inside_sqrt": ParamSpec(check_bool, False),  # ignored there too
+            "amsgrad": ParamSpec(_no_amsgrad, False),
+            **_COMMON,
+        },
+        "shardspeed.compression.onebit_lamb:OneBitLamb",
     ),
 }
 """DeepSpeed's compressed optimizer types by canonical name."""

@@ -21,8 +21,6 @@ DEEPSPEED_TYPES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", "Lion")
 """Types whose parameters and defaults we define ourselves to match DeepSpeed (not torch's defaults)."""
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",

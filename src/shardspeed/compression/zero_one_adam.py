@@ -1,0 +1,307 @@
+"""0/1 Adam (Lu et al. 2022, arXiv 2202.06009), DeepSpeed's ``ZeroOneAdam`` on any backend.
+
+Per parameter, with ``d = sqrt(v) + eps`` and DeepSpeed's step counter ``s`` (no bias correction)::
+
+    variance phase (s <= var_freeze_step):
+        s % var_interval == 0:  g = exact mean of the local gradients;  v = b2*v + (1-b2)*g^2;  m = b1*m + (1-b1)*g
+        otherwise:              g = 1-bit compressed mean (error-fed);  m = b1*m + (1-b1)*g     (v unchanged)
+        w -= lr * (m / d + weight_decay * w)
+    local phase (after var_freeze_step; v frozen):
+        m = b1*m + (1-b1)*g_local;  u = m / d + weight_decay * w;  w -= lr*u;  lrs += lr
+        every local_step_interval steps (a sync step), with w_s the parameter at the last sync:
+            c = compressed mean of ((w - w_s) * d);  m = -c / lrs;  w = w_s + c / d;  w_s = w;  lrs = 0
+
+``var_interval`` starts at 1 and doubles after every ``var_update_scaler`` variance updates;
+``local_step_interval`` starts at 1 and doubles after every ``local_step_scaler`` local-phase steps, up to
+``local_step_clipper``. The error buffers are zeroed when the local phase starts (they then track the
+accumulated update, not gradients).
+
+[Note: DeepSpeed's first step] DeepSpeed's first ``step()`` of its 1-bit optimizers only allocates their
+communication buffers: the counter reaches 1, nothing is updated, that batch's gradient is dropped. We keep
+that step as it is (as ``OneBitAdam`` does), so a run matches DeepSpeed's step for step and
+``var_freeze_step`` / the interval policies select the same steps. Differences from DeepSpeed, each deliberate:
+on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps (its ``size > 1`` guard); we
+take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
+size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
+compressed on its own (its own scale), as DeepSpeed does.
+
+[Note: 0/1 Adam's accumulator] DeepSpeed sums the local updates into an accumulator ``acc`` and at a sync
+undoes them (``w -= acc``) before adding the mean; in floating point ``(w - lr*u) - (-lr*u)`` is not ``w``, so
+its ranks drift apart by rounding and never re-agree. We keep ``w_s`` (the parameter at the last sync, same
+memory as ``acc``) and compress ``w - w_s``: equal to DeepSpeed's to rounding (the world-1 parity holds to
+1e-6), and every rank rebuilds the identical ``w_s + c / d`` after each sync. Between syncs the ranks'
+parameters differ by design (local steps).
+
+Communication is owned by the optimizer from the first step ([Note: optimizer-owned means] in
+``owned_comm.py``): the engine hands over local gradients and the optimizer takes the exact mean itself on
+variance steps (one flat all-reduce), which is what DeepSpeed's engine toggle ``enable_backward_allreduce``
+achieves from the outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.owned_comm import MeanCommOptimizer
+
+_COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
+
+
+@dataclass(frozen=True)
+class ZeroOneSchedule:
+    """0/1 Adam's interval policy state (DeepSpeed keeps it per parameter; every parameter holds the same)."""
+
+    step: int = 0  # DeepSpeed's counter; its first step only allocates buffers ([Note: DeepSpeed's first step])
+    var_interval: int = 1
+    var_counter: int = 0
+    local_step_interval: int = 1
+    local_step_counter: int = 0
+
+
+def is_frozen(schedule: ZeroOneSchedule, var_freeze_step: int) -> bool:
+    """Whether the *next* step runs in the local phase (DeepSpeed freezes once its counter passed var_freeze_step)."""
+    return schedule.step > var_freeze_step
+
+
+def step_kind(schedule: ZeroOneSchedule, var_freeze_step: int) -> str:
+    """What the next step does: ``"variance"`` (exact mean), ``"compressed"`` (1-bit mean of gradients),
+    ``"local"`` (no communication) or ``"sync"`` (local step, then 1-bit mean of the accumulated update)."""
+    s = schedule.step + 1
+    if not is_frozen(schedule, var_freeze_step):
+        return "variance" if s % schedule.var_interval == 0 else "compressed"
+    return "sync" if s % schedule.local_step_interval == 0 else "local"
+
+
+def advance(
+    schedule: ZeroOneSchedule,
+    var_freeze_step: int,
+    var_update_scaler: int,
+    local_step_scaler: int,
+    local_step_clipper: int,
+) -> ZeroOneSchedule:
+    """The schedule after one step (DeepSpeed's counter updates at the end of ``ZeroOneAdam.step``)."""
+    frozen = is_frozen(schedule, var_freeze_step)
+    s = schedule.step + 1
+    new = replace(schedule, step=s)
+    if not frozen:
+        if s % new.var_interval == 0:
+            counter = new.var_counter + 1
+            if counter == var_update_scaler:
+                new = replace(new, var_counter=0, var_interval=new.var_interval * 2)
+            else:
+                new = replace(new, var_counter=counter)
+    else:
+        counter = new.local_step_counter + 1
+        if counter == local_step_scaler:
+            interval = min(local_step_clipper, new.local_step_interval * 2)
+            new = replace(new, local_step_counter=0, local_step_interval=interval)
+        else:
+            new = replace(new, local_step_counter=counter)
+    return new
+
+
+def variance_phase_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    update_variance: bool,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One variance-phase step on one tensor; ``grad`` is already the (exact or compressed) mean."""
+    beta1, beta2 = betas
+    if update_variance:
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    update = exp_avg / (exp_avg_sq.sqrt() + eps)
+    if weight_decay > 0.0:
+        update += weight_decay * param
+    param.add_(update, alpha=-lr)
+
+
+def local_phase_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One local step on one tensor: momentum from the local gradient, no communication."""
+    beta1 = betas[0]
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    update = exp_avg / (exp_avg_sq.sqrt() + eps)
+    if weight_decay > 0.0:
+        update += weight_decay * param
+    param.add_(update, alpha=-lr)
+
+
+def sync_payload(param: torch.Tensor, synced: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
+    """What a sync compresses: the update accumulated since the last sync, in momentum units (``acc * d``)."""
+    return (param - synced).mul_(exp_avg_sq.sqrt() + eps)
+
+
+def sync_finish(
+    param: torch.Tensor,
+    synced: torch.Tensor,
+    mean: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    eps: float,
+    lrs: float,
+) -> None:
+    """After the compressed mean of the payload: the shared momentum, and the parameter rebuilt from the last
+    synchronized value (so every rank holds the same bits; see [Note: 0/1 Adam's accumulator])."""
+    exp_avg.copy_(mean / lrs).neg_()
+    param.copy_(synced + mean / (exp_avg_sq.sqrt() + eps))
+    synced.copy_(param)
+
+
+class ZeroOneAdam(MeanCommOptimizer):
+    """0/1 Adam with DeepSpeed's parameter names and defaults; the math is in the module docstring.
+
+    Unbound (``bind`` not called) it runs as on a data axis of size 1. ``owns_communication`` is True from the
+    first step: the engine must hand it local (1/GAS-scaled) gradients and leave the means to it.
+    """
+
+    shardspeed_elementwise = False  # the local-phase sync and the per-tensor compression scales are per tensor
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        bias_correction: bool = True,
+        eps_inside_sqrt: bool = False,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("ZeroOneAdam has no AMSGrad variant (DeepSpeed refuses it too)")
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"ZeroOneAdam: lr, eps, weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"ZeroOneAdam: betas must each be in [0, 1), got {betas}")
+        for name, value in (
+            ("var_update_scaler", var_update_scaler),
+            ("local_step_scaler", local_step_scaler),
+            ("local_step_clipper", local_step_clipper),
+        ):
+            if int(value) != value or value < 1:
+                raise ValueError(f"ZeroOneAdam: {name} must be an integer >= 1, got {value}")
+        if int(var_freeze_step) != var_freeze_step or var_freeze_step < 0:
+            raise ValueError(f"ZeroOneAdam: var_freeze_step must be an integer >= 0, got {var_freeze_step}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.var_freeze_step = int(var_freeze_step)
+        self.var_update_scaler = int(var_update_scaler)
+        self.local_step_scaler = int(local_step_scaler)
+        self.local_step_clipper = int(local_step_clipper)
+        # Accepted for DeepSpeed configs; the transport is the process group's backend through Collectives.
+        self.cuda_aware = cuda_aware
+        self.comm_backend_name = check_comm_backend_name(comm_backend_name)
+        # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
+        self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
+
+    # -- engine protocol -------------------------------------------------------------------------------------
+    @property
+    def owns_communication(self) -> bool:
+        return True
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def _params(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+        return [(g, f"{i}.{j}", p) for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])]
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = ZeroOneSchedule().step
+            for name in _COUNTERS:
+                state[name] = getattr(ZeroOneSchedule(), name)
+            state["lrs"] = 0.0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def schedule(self) -> ZeroOneSchedule:
+        """The interval policy state (read from the first parameter; every parameter holds the same)."""
+        first = self.param_groups[0]["params"][0]
+        state = self.state.get(first) or {}
+        if not state:
+            return ZeroOneSchedule()
+        return ZeroOneSchedule(step=int(state["step"]), **{n: int(state[n]) for n in _COUNTERS})
+
+    def _args(self) -> tuple[int, int, int, int]:
+        return self.var_freeze_step, self.var_update_scaler, self.local_step_scaler, self.local_step_clipper
+
+    # -- step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        members = [(g, key, p) for g, key, p in self._params() if p.grad is not None]
+        if not members:
+            return loss
+        schedule = self.schedule()
+        if schedule.step == 0:  # [Note: DeepSpeed's first step]: states only, no update
+            for _, _, p in self._params():
+                self._state(p)["step"] = 1
+            return loss
+        kind = step_kind(schedule, self.var_freeze_step)
+        grads = [p.grad.detach().to(torch.float32, copy=True) for *_, p in members]  # local; the means go in place
+        if kind == "variance":
+            self.comm.exact_mean(grads)
+        for (group, key, p), grad in zip(members, grads, strict=True):
+            state = self._state(p)
+            hyper = {"lr": group["lr"], "betas": group["betas"], "eps": group["eps"]}
+            if kind in ("variance", "compressed"):
+                if kind == "compressed":
+                    self.comm.compressed_mean(key, grad)
+                variance_phase_update(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], update_variance=kind == "variance",
+                    weight_decay=group["weight_decay"], **hyper,
+                )  # fmt: skip
+                continue
+            if "synced_param" not in state:  # entering the local phase: every rank holds the same parameter
+                state["synced_param"] = p.detach().clone()
+            local_phase_update(
+                p, grad, state["exp_avg"], state["exp_avg_sq"], weight_decay=group["weight_decay"], **hyper
+            )
+            state["lrs"] += group["lr"]
+            if kind == "sync":
+                synced = state["synced_param"]
+                payload = sync_payload(p, synced, state["exp_avg_sq"], group["eps"])
+                self.comm.compressed_mean(key, payload)
+                sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
+                state["lrs"] = 0.0
+        after = advance(schedule, *self._args())
+        for *_, p in self._params():  # every parameter, with a gradient this step or not: one shared schedule
+            state = self._state(p)
+            state["step"] = after.step
+            for name in _COUNTERS:
+                state[name] = getattr(after, name)
+        if is_frozen(after, self.var_freeze_step) and not is_frozen(schedule, self.var_freeze_step):
+            # The errors tracked gradients; from now on they track accumulated updates (DeepSpeed resets too).
+            self.comm.reset_errors()
+        return loss

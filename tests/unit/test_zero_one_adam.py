@@ -1,0 +1,142 @@
+"""0/1 Adam's math on one process: the interval policy, the per-step kinds, DeepSpeed 0.19.6's own class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from onebit_reference import problem, run_ours
+
+from shardspeed.compression.zero_one_adam import ZeroOneAdam, ZeroOneSchedule, advance, step_kind
+
+
+def _ds_counters(steps: int, vfs: int, vus: int, lss: int, lsc: int) -> list[tuple]:
+    """A transcription of DeepSpeed's per-parameter counter updates in ZeroOneAdam.step (from its first real step)."""
+    s, var_interval, var_counter, lsi, lsc_counter, freeze = 1, 1, 0, 1, 0, False
+    seen = []
+    for _ in range(steps):
+        s += 1
+        if not freeze:
+            kind = "variance" if s % var_interval == 0 else "compressed"
+        else:
+            kind = "sync" if s % lsi == 0 else "local"
+        if not freeze:
+            if s % var_interval == 0:
+                var_counter += 1
+                if var_counter == vus:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            lsc_counter += 1
+            if lsc_counter == lss:
+                lsc_counter, lsi = 0, min(lsc, lsi * 2)
+        if s > vfs:
+            freeze = True
+        seen.append((kind, s, var_interval, var_counter, lsi, lsc_counter))
+    return seen
+
+
+@pytest.mark.parametrize("vfs,vus,lss,lsc", [(12, 2, 2, 4), (40, 3, 1, 8), (5, 2, 3, 2)])
+def test_schedule_matches_deepspeeds_counters(vfs: int, vus: int, lss: int, lsc: int) -> None:
+    schedule, seen = ZeroOneSchedule(step=1), []  # after DeepSpeed's initialization step
+    for _ in range(80):
+        kind = step_kind(schedule, vfs)
+        schedule = advance(schedule, vfs, vus, lss, lsc)
+        seen.append((kind, schedule.step, schedule.var_interval, schedule.var_counter,
+                     schedule.local_step_interval, schedule.local_step_counter))  # fmt: skip
+    assert seen == _ds_counters(80, vfs, vus, lss, lsc)
+    kinds = [k for k, *_ in seen]
+    assert {"variance", "compressed", "sync"} <= set(kinds)  # every phase exercised
+    assert max(s[4] for s in seen) <= lsc
+
+
+class RecordingComm:
+    """World-2-like comm that records which means each step asks for (and halves compressed values)."""
+
+    world = 2
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.resets = 0
+
+    def exact_mean(self, tensors):
+        self.calls.append("exact")
+
+    def compressed_mean(self, key, tensor):
+        self.calls.append(f"compressed:{key}")
+        tensor.mul_(0.5)
+
+    def reset_errors(self):
+        self.resets += 1
+
+    def errors_state_dict(self):
+        return {}
+
+    def load_errors_state_dict(self, sd):
+        pass
+
+
+def test_each_step_asks_for_the_means_its_kind_needs() -> None:
+    params, grads = problem(1, 20, shapes=((4, 3), (5,)))
+    live = [torch.nn.Parameter(t.clone()) for t in params]
+    opt = ZeroOneAdam(live, lr=0.01, var_freeze_step=12, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    comm = RecordingComm()
+    opt.bind_comm(comm)
+    for p in live:
+        p.grad = torch.ones_like(p)
+    opt.step()  # DeepSpeed's initialization step: no communication, no update
+    assert comm.calls == [] and all(torch.equal(p.detach(), t) for p, t in zip(live, params, strict=True))
+    expected = _ds_counters(20, 12, 2, 2, 4)
+    for step_grads, (kind, *_) in zip(grads, expected, strict=True):
+        for p, g in zip(live, step_grads, strict=True):
+            p.grad = g.clone()
+        v_before = [opt.state[p]["exp_avg_sq"].clone() for p in live] if opt.state else None
+        comm.calls.clear()
+        opt.step()
+        want = {
+            "variance": ["exact"],
+            "compressed": ["compressed:0.0", "compressed:0.1"],
+            "sync": ["compressed:0.0", "compressed:0.1"],
+            "local": [],
+        }[kind]
+        assert comm.calls == want, kind
+        if v_before is not None and kind != "variance":  # the variance moves on variance steps only
+            assert all(torch.equal(opt.state[p]["exp_avg_sq"], v) for p, v in zip(live, v_before, strict=True))
+    assert comm.resets == 1  # once, when the local phase starts
+
+
+def test_resume_from_state_dict_is_bit_exact() -> None:
+    kwargs = {"lr": 0.01, "var_freeze_step": 5, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
+    params, grads = problem(3, 16)
+    straight, _ = run_ours(ZeroOneAdam, kwargs, params, grads, first_step=False)
+    live = [torch.nn.Parameter(t.clone()) for t in params]
+    first = ZeroOneAdam(live, **kwargs)
+    for step_grads in grads[:9]:  # stop inside the local phase, with an accumulator and lrs pending
+        for p, g in zip(live, step_grads, strict=True):
+            p.grad = g.clone()
+        first.step()
+    saved = first.state_dict()
+    second = ZeroOneAdam(live, **kwargs)
+    second.load_state_dict(saved)
+    for step_grads in grads[9:]:
+        for p, g in zip(live, step_grads, strict=True):
+            p.grad = g.clone()
+        second.step()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(live, straight[-1], strict=True))
+
+
+def test_rejects_bad_hyperparameters() -> None:
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="var_update_scaler"):
+        ZeroOneAdam(p, var_update_scaler=0)
+    with pytest.raises(ValueError, match="betas"):
+        ZeroOneAdam(p, betas=(1.0, 0.9))
+
+
+def test_a_parameter_without_gradient_keeps_the_shared_schedule() -> None:
+    frozen, live = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    opt = ZeroOneAdam([frozen, live], lr=0.01, var_freeze_step=3, var_update_scaler=2)
+    for _ in range(6):
+        live.grad = torch.ones(4)
+        opt.step()
+    assert frozen.grad is None and torch.equal(frozen.detach(), torch.ones(3))  # never updated
+    assert opt.state[frozen]["step"] == opt.state[live]["step"] == 6
+    assert opt.schedule().var_interval == opt.state[live]["var_interval"]
