@@ -1,0 +1,175 @@
+"""ZeRO stages 1/2 with 1-bit compression: each bucket's gradient reduce-scatter becomes error-fed 1-bit.
+
+[Note: compressed ZeRO gradients] 1-bit Adam (stage 0) compresses the *momentum*: every rank keeps the full
+momentum, and after the warm-up the momentum itself is all-reduced with error feedback. Under ZeRO-1/2 the momentum
+is sharded: a rank holds 1/N of it, so there is nothing to all-reduce. What still crosses the wire every step is
+the gradient reduce-scatter (and the parameter all-gather). So under ZeRO-1/2 the compressed phase compresses the
+*gradient*: each bucket's reduce-scatter is the error-fed 1-bit ``CompressedReduceScatter`` (compression/, one per
+bucket; the worker error buffer is the full bucket, so 4 bytes per model element on every rank). The sharded
+optimizer then runs Adam without bias correction on its shard with the variance frozen at ``freeze_step``, as
+1-bit Adam does. This is a different algorithm from 1-bit Adam (what is compressed, and where the error lives):
+it has its own convergence evidence (benchmarks/bench_compression_convergence.py, ``zero2-onebitadam``).
+
+Before ``freeze_step`` every bucket uses the stage's ordinary reduce-scatter (``communication_data_type``, pre/post
+scaling); after it the compressor takes the bucket unscaled and returns the mean directly. The parameter
+all-gather is never compressed (it carries weights, where an error would not be fed back anywhere).
+
+Memory per rank, Ψ elements, N ranks, fp32 Adam (ZeRO paper's formula with K = 12): stage 1 4Ψ + 12Ψ/N (mixed
+precision: 2Ψ + 2Ψ + 12Ψ/N), stage 2 2Ψ + 14Ψ/N; the worker error buffers add 4Ψ bytes per rank (fp32, padded to
+the compressor's granularity): ``error_buffer_bytes``. Traffic per step: the compressed reduce-scatter moves about
+Ψ/8 bytes (sign bits) plus scales, the fp32 all-gather 4Ψ(N-1)/N: about half of plain ZeRO's 8Ψ(N-1)/N.
+
+ZeRO-3 shards the parameters too and gathers them per unit inside forward and backward; its reduce-scatter runs
+per unit on a schedule the optimizer does not see, and ZeroOneAdam's local steps or OneBitLamb's momentum-based
+scaling coefficients need the full momentum. Those combinations are refused (``check_compression_combination``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from shardspeed.comm import Collectives, Work
+from shardspeed.config.errors import ConfigError
+from shardspeed.topology import AxisGroup
+from shardspeed.zero.layout import ShardLayout
+
+COMPRESSED_OPTIMIZERS: dict[str, str] = {
+    "onebitadam": "OneBitAdam",
+    "zerooneadam": "ZeroOneAdam",
+    "onebitlamb": "OneBitLamb",
+}
+"""DeepSpeed's communication-compressed optimizer types (lower-case config name -> class name)."""
+
+
+def compressed_optimizer_name(optimizer: object) -> str | None:
+    """The DeepSpeed name of a 1-bit optimizer (an instance, a class, or a config type string), else None."""
+    if isinstance(optimizer, str):
+        name = optimizer
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        name = str(getattr(cls, "deepspeed_name", cls.__name__))
+    return COMPRESSED_OPTIMIZERS.get(name.lower().replace("_", ""))
+
+
+def check_compression_combination(optimizer: object, stage: int) -> None:
+    """One clear error for a 1-bit optimizer under a ZeRO stage it cannot run with (pure: every rank raises the
+    same error from the same config before any collective). Stage 0 and OneBitAdam at stages 1/2 pass."""
+    name = compressed_optimizer_name(optimizer)
+    if name is None or stage == 0 or (stage in (1, 2) and name == "OneBitAdam"):
+        return
+    if stage == 3:
+        why = (
+            "ZeRO-3 gathers and reduce-scatters parameters per module inside forward and backward, outside the "
+            "optimizer's control; use stage 0 (compressed momentum) or, for OneBitAdam, stage 1/2 (compressed "
+            "gradient reduce-scatter)"
+        )
+    else:
+        why = (
+            "under ZeRO-1/2 the momentum is sharded, and "
+            f"{name} needs the full momentum on every rank ("
+            + ("its local steps and variance updates" if name == "ZeroOneAdam" else "its scaling coefficients")
+            + "); use stage 0, or OneBitAdam at stage 1/2"
+        )
+    raise ConfigError(f"optimizer {name} with zero_optimization.stage {stage} is not supported: {why}")
+
+
+class BucketCompressor(Protocol):
+    """compression/collective.py's ``CompressedReduceScatter`` as this module uses it."""
+
+    error_bytes: int
+
+    def launch(self, shard: torch.Tensor, unsharded: torch.Tensor) -> Work: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+CompressorFactory = Callable[[int, AxisGroup, Collectives, torch.device], BucketCompressor]
+
+
+def default_compressor(numel: int, axis: AxisGroup, collectives: Collectives, device: torch.device) -> BucketCompressor:
+    from shardspeed.compression.collective import CompressedReduceScatter
+
+    return CompressedReduceScatter(numel, axis, collectives, device=device, tag="grads_1bit")  # type: ignore[return-value]
+
+
+class GradCompression:
+    """The compressed phase of a stage-1/2 gradient reduction: one error-fed compressor per bucket, built on first
+    use (so a re-layout before the first reduction costs nothing). ``active`` is set by the sharded optimizer
+    after ``freeze_step``; every rank sets it at the same step, so every rank issues the same collectives."""
+
+    def __init__(
+        self,
+        axis: AxisGroup,
+        collectives: Collectives,
+        device: torch.device,
+        factory: CompressorFactory = default_compressor,
+    ) -> None:
+        self.axis, self.collectives, self.device, self.factory = axis, collectives, device, factory
+        self.active = False
+        self.layout: ShardLayout | None = None
+        self._compressors: dict[int, BucketCompressor] = {}
+
+    def bind(self, layout: ShardLayout) -> None:
+        """The stage's (new) layout; compressors of another bucket layout are dropped (error buffers restart)."""
+        if self.layout is not None and self.layout.buckets != layout.buckets:
+            self._compressors.clear()
+        self.layout = layout
+
+    def compressor(self, k: int) -> BucketCompressor:
+        c = self._compressors.get(k)
+        if c is None:
+            assert self.layout is not None, "GradCompression used before bind(layout)"
+            c = self.factory(self.layout.buckets[k].numel, self.axis, self.collectives, self.device)
+            self._compressors[k] = c
+        return c
+
+    def launch(self, k: int, full_bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Work]:
+        """Compressed mean of bucket ``k`` over the axis: (the fp32 input kept alive, this rank's fp32 output
+        slice, the pending work). The input is the unscaled local gradient: the compressor averages itself."""
+        src = full_bucket if full_bucket.dtype == torch.float32 else full_bucket.float()
+        out = torch.empty(src.numel() // self.axis.size, dtype=torch.float32, device=src.device)
+        return src, out, self.compressor(k).launch(out, src)
+
+    @property
+    def error_bytes(self) -> int:
+        """Bytes the worker error buffers hold on this rank (every bucket's compressor built so far)."""
+        return sum(c.error_bytes for c in self._compressors.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Error buffers per bucket (``"<bucket>.<name>"``), for the checkpoint."""
+        return {f"{k}.{n}": t for k, c in sorted(self._compressors.items()) for n, t in c.state_dict().items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        per_bucket: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in sd.items():
+            k, _, name = key.partition(".")
+            per_bucket.setdefault(int(k), {})[name] = t
+        for k, part in per_bucket.items():
+            self.compressor(k).load_state_dict(part)
+
+    def reset(self) -> None:
+        for c in self._compressors.values():
+            c.reset()
+
+
+def error_buffer_bytes(layout: ShardLayout, world: int, granularity: int = 8) -> int:
+    """fp32 worker error bytes per rank: every bucket at full size, padded to ``granularity`` × world elements
+    (8 signs per byte on each rank's chunk), as CompressedReduceScatter pads."""
+    unit = granularity * world
+    return sum(4 * (-(-b.numel // unit) * unit) for b in layout.buckets)
+
+
+def zero_memory_bytes(psi: int, world: int, stage: int, mixed: bool) -> int:
+    """ZeRO's per-rank model-state bytes (Adam, K = 12): stage 1 2Ψ+2Ψ+12Ψ/N mixed (fp32: 4Ψ params+4Ψ grads
+    ... see partitioned.py's table), stage 2 2Ψ + 14Ψ/N mixed. Without mixed precision the fp32 parameters are
+    the masters: stage 1 4Ψ + 4Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N."""
+    if mixed:
+        return 4 * psi + 12 * psi // world if stage == 1 else 2 * psi + 14 * psi // world
+    return 8 * psi + 8 * psi // world if stage == 1 else 4 * psi + 12 * psi // world
