@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm import groups
 from shardspeed.comm.algorithms import NATIVE, CollectiveChoice
 from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.composite import (
@@ -30,8 +31,9 @@ from shardspeed.comm.composite import (
     reduce_scatter_by_all_reduce,
     reduce_scatter_into_slot,
 )
-from shardspeed.comm.log import CommsLog
+from shardspeed.comm.log import ALGORITHMIC_FACTOR, CommsLog
 from shardspeed.comm.order_check import OrderChecker
+from shardspeed.comm.simulated_link import Hold, SimulatedLink
 from shardspeed.comm.work import CompositeWork, P2PWork, Work
 from shardspeed.faults.board import FailureBoard
 from shardspeed.topology import AxisGroup
@@ -46,10 +48,17 @@ class Collectives:
     """Collectives with an attached comms log. One per engine; passed down explicitly."""
 
     def __init__(
-        self, log: CommsLog | None = None, board: FailureBoard | None = None, *, verify_order: bool = False
+        self,
+        log: CommsLog | None = None,
+        board: FailureBoard | None = None,
+        *,
+        verify_order: bool = False,
+        link: SimulatedLink | None = None,
     ) -> None:
         self.log = log or CommsLog(enabled=False)
         self.board = board
+        self.link = link
+        """A SIMULATED link every logged collective waits out ([Note: simulated link]); None: off (the default)."""
         self.blocked = BlockedTime()
         """Wall time this process's calls spent blocked waiting on communication ([Note: exposed communication])."""
         self.algorithms: CollectiveChoice = NATIVE
@@ -73,19 +82,20 @@ class Collectives:
         tag: str,
         async_op: bool,
         timer: Callable[[], None] | None = None,
+        hold: Hold | None = None,
     ) -> Work:
         """Issue ``launch(async_op)`` and return its Work, waited already unless ``async_op``: through the failure
         board when there is one (always issued async then), else as torch's own synchronous call. ``timer``: the
-        comms log's latency callback, called when the call is seen complete ([Note: comms-log latency])."""
+        comms log's latency callback, called when the call is seen complete ([Note: comms-log latency]);
+        ``hold``: the simulated link's deadline ([Note: simulated link])."""
 
-        doing, key = _describer(op, tag, axis), f"{op}:{tag}" if tag else op
+        doing, key = groups.describer(op, tag, axis), f"{op}:{tag}" if tag else op
         if self.board is None and not async_op:  # torch's own synchronous call: all of it is blocked time
             timed_wait(self.blocked, key, lambda: launch(False))  # type: ignore[operator]
-            if timer is not None:
-                timer()
+            Work(None, blocked=self.blocked, key=key, on_complete=timer, hold=hold).wait()
             return Work(None)
         handle = launch(True)  # type: ignore[operator]
-        work = Work(handle, self.board, doing, blocked=self.blocked, key=key, on_complete=timer)
+        work = Work(handle, self.board, doing, blocked=self.blocked, key=key, on_complete=timer, hold=hold)
         if not async_op:
             work.wait()
         return work
@@ -98,13 +108,14 @@ class Collectives:
         tag: str,
         async_op: bool,
         timer: Callable[[], None] | None = None,
+        hold: Hold | None = None,
     ) -> Work:
         """``_run`` for a logical op carried by several async calls: one ``CompositeWork``, waited already unless
         ``async_op``; blocked time recorded under the logical op's key."""
 
         key = f"{op}:{tag}" if tag else op
-        doing = _describer(op, tag, axis)
-        work = CompositeWork(launch(), self.board, doing, blocked=self.blocked, key=key, on_complete=timer)
+        doing = groups.describer(op, tag, axis)
+        work = CompositeWork(launch(), self.board, doing, blocked=self.blocked, key=key, on_complete=timer, hold=hold)
         if not async_op:
             work.wait()
         return work
@@ -117,15 +128,23 @@ class Collectives:
             return "native"
         return self.algorithms.algorithm(op, nbytes)
 
+    def _record(
+        self, op: str, tensor: torch.Tensor, axis: AxisGroup, tag: str
+    ) -> tuple[Callable[[], None] | None, Hold | None]:
+        """Log one call of ``op`` over ``axis`` moving ``tensor`` (the full, unsharded message): the comms log's
+        completion timer, and the simulated link's deadline for its algorithmic bytes when a link is set."""
+        numel, size = tensor.numel(), tensor.element_size()
+        timer = self.log.record(op, numel, size, axis.size, tag, axis.name, axis.group)
+        hold = None if self.link is None else self.link.hold(numel * size * ALGORITHMIC_FACTOR[op](axis.size))
+        return timer, hold
+
     def all_reduce(self, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = "") -> Work:
         """Sum ``tensor`` in place over ``axis``."""
         if self.order is not None:
             self.order.check("all_reduce(sum)", axis, (tensor,), tag)
         if axis.size == 1:
             return Work(None)
-        timer = self.log.record(
-            "all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
-        )
+        timer, hold = self._record("all_reduce", tensor, axis, tag)
         return self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
             axis,
@@ -133,6 +152,7 @@ class Collectives:
             tag,
             async_op,
             timer,
+            hold,
         )
 
     def all_reduce_max(self, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> None:
@@ -140,9 +160,7 @@ class Collectives:
             self.order.check("all_reduce(max)", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        timer = self.log.record(
-            "all_reduce", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
-        )
+        timer, hold = self._record("all_reduce", tensor, axis, tag)
         self._run(
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=axis.group, async_op=a),
             axis,
@@ -150,6 +168,7 @@ class Collectives:
             tag,
             False,
             timer,
+            hold,
         )
 
     def all_gather(
@@ -172,20 +191,18 @@ class Collectives:
             if unsharded.data_ptr() != shard.data_ptr():
                 unsharded.copy_(shard)
             return Work(None)
-        timer = self.log.record(
-            "all_gather", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name, axis.group
-        )
+        timer, hold = self._record("all_gather", unsharded, axis, tag)
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("all_gather", nbytes, axis, unsharded)
         self.algorithm_counts[f"all_gather={algorithm}"] += 1
         if algorithm == "broadcast":
             return self._run_composite(
-                lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer
+                lambda: all_gather_by_broadcast(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer, hold
             )
         if in_slot(shard, unsharded, axis) and dist.get_backend(axis.group) != "nccl":
             # NCCL documents in-place all-gather; elsewhere the input gets its own memory, kept until the gather lands
             return self._run_composite(
-                lambda: all_gather_from_copy(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer
+                lambda: all_gather_from_copy(unsharded, shard, axis), axis, "all_gather", tag, async_op, timer, hold
             )
         return self._run(
             lambda a: _all_gather_single(unsharded, shard, group=axis.group, async_op=a),
@@ -194,6 +211,7 @@ class Collectives:
             tag,
             async_op,
             timer,
+            hold,
         )
 
     def reduce_scatter(
@@ -218,9 +236,7 @@ class Collectives:
             if unsharded.data_ptr() != shard.data_ptr():
                 shard.copy_(unsharded)
             return Work(None)
-        timer = self.log.record(
-            "reduce_scatter", unsharded.numel(), unsharded.element_size(), axis.size, tag, axis.name, axis.group
-        )
+        timer, hold = self._record("reduce_scatter", unsharded, axis, tag)
         nbytes = unsharded.numel() * unsharded.element_size()
         algorithm = self._algorithm("reduce_scatter", nbytes, axis, unsharded)
         self.algorithm_counts[f"reduce_scatter={algorithm}"] += 1
@@ -232,6 +248,7 @@ class Collectives:
                 tag,
                 async_op,
                 timer,
+                hold,
             )
         if in_slot(shard, unsharded, axis):
             if not clobber_input:
@@ -243,6 +260,7 @@ class Collectives:
                 tag,
                 async_op,
                 timer,
+                hold,
             )
         return self._run(
             lambda a: _reduce_scatter_single(shard, unsharded, op=dist.ReduceOp.SUM, group=axis.group, async_op=a),
@@ -251,6 +269,7 @@ class Collectives:
             tag,
             async_op,
             timer,
+            hold,
         )
 
     def broadcast(self, tensor: torch.Tensor, axis: AxisGroup, src_index: int = 0, *, tag: str = "") -> None:
@@ -259,9 +278,7 @@ class Collectives:
             self.order.check(f"broadcast(src={src_index})", axis, (tensor,), tag)
         if axis.size == 1:
             return
-        timer = self.log.record(
-            "broadcast", tensor.numel(), tensor.element_size(), axis.size, tag, axis.name, axis.group
-        )
+        timer, hold = self._record("broadcast", tensor, axis, tag)
         self._run(
             lambda a: dist.broadcast(tensor, src=axis.ranks[src_index], group=axis.group, async_op=a),
             axis,
@@ -269,7 +286,29 @@ class Collectives:
             tag,
             False,
             timer,
+            hold,
         )
+
+    def all_to_all_single(
+        self, output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = ""
+    ) -> Work:
+        """Split ``tensor`` into ``axis.size`` equal blocks (along dim 0 when it divides evenly, else flat) and send
+        block j to member j; ``output`` receives member i's block for this rank in block i. Equal splits only."""
+        if self.order is not None:
+            self.order.check("all_to_all", axis, (tensor, output), tag)
+        if output.numel() != tensor.numel() or tensor.numel() % axis.size:
+            raise ValueError(
+                f"all_to_all_single: {tensor.numel()} elements in, {output.numel()} out: equal "
+                f"sizes divisible by the {axis.name} axis' {axis.size} ranks are required"
+            )
+        if axis.size == 1:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return Work(None)
+        timer, hold = self._record("all_to_all", tensor, axis, tag)
+        out, src = output.view(axis.size, -1), tensor.reshape(axis.size, -1)  # dim 0 = destination member
+        launch = lambda a: dist.all_to_all_single(out, src, group=axis.group, async_op=a)  # noqa: E731
+        return self._run(launch, axis, "all_to_all", tag, async_op, timer, hold)
 
     def p2p(
         self,
@@ -327,7 +366,7 @@ class Collectives:
             return out
         # torch's all_gather_object has no async form: the same two steps (sizes, then padded bytes), each waited
         # through the board. NCCL moves device tensors only.
-        device = _device_for(group)
+        device = groups.device_for(group)
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.zeros(axis.size, dtype=torch.int64, device=device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -338,43 +377,21 @@ class Collectives:
         padded = torch.zeros(width, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         gathered = torch.empty(width * axis.size, dtype=torch.uint8, device=device)
-        self._run(
-            lambda a: _all_gather_single(gathered, padded, group=group, async_op=a),
-            axis,
-            "all_gather_object",
-            "",
-            False,
-        )
+        gather = lambda a: _all_gather_single(gathered, padded, group=group, async_op=a)  # noqa: E731
+        self._run(gather, axis, "all_gather_object", "", False)
         host, counts = gathered.cpu(), sizes.tolist()
         return [pickle.loads(host[i * width : i * width + counts[i]].numpy().tobytes()) for i in range(axis.size)]
 
     # --- collective-order verification's own exchanges (raw: not verified, not logged) ------------------------------
     def _exchange_digest(self, digest: int, axis: AxisGroup) -> list[int]:
-        """All-gather one int64 over ``axis`` (on ``WORLD`` when the axis spans it: see ``_check_group``); waited
+        """All-gather one int64 over ``axis`` (on ``WORLD`` when the axis spans it: see ``groups.check_group``); waited
         like every engine collective, so a failed peer interrupts the agreement too."""
-        group = _check_group(axis)
-        device = _device_for(group)
+        group = groups.check_group(axis)
+        device = groups.device_for(group)
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
         everyone = torch.empty(axis.size, dtype=torch.int64, device=device)
         self._run(lambda a: _all_gather_single(everyone, mine, group=group, async_op=a), axis, "order check", "", False)
         return everyone.tolist()
 
     def _exchange_object(self, obj: object, axis: AxisGroup) -> list[object]:
-        return self._gather_objects(obj, axis, _check_group(axis))
-
-
-def _describer(op: str, tag: str, axis: AxisGroup) -> Callable[[], str]:
-    """What a wait was doing, built only for an error message (this runs for every collective)."""
-    return lambda: f"waiting in {op}{f' {tag!r}' if tag else ''} over the {axis.name} axis (ranks {list(axis.ranks)})"
-
-
-def _device_for(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small host-made tensor must live to cross ``group``: NCCL moves device tensors only."""
-    nccl = dist.get_backend(group) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-
-def _check_group(axis: AxisGroup) -> dist.ProcessGroup | None:
-    """Where an order check runs: ``WORLD`` for a group of every rank, so ranks that diverged onto two such groups
-    still meet in one exchange ([Note: collective-order verification])."""
-    return dist.group.WORLD if axis.size == dist.get_world_size() else axis.group
+        return self._gather_objects(obj, axis, groups.check_group(axis))

@@ -5,6 +5,7 @@ Each record keeps the raw message size and the *algorithmic* traffic per rank �
 counts — using the usual ring factors for N ranks:
     all-reduce                       2 (N - 1) / N × size
     all-gather / reduce-scatter      (N - 1) / N × (full, unsharded) size
+    all-to-all                       (N - 1) / N × the message each rank sends (its own block stays local)
     broadcast                        size (each rank receives it once)
     send / recv (point-to-point)     size at the sender, 0 at the receiver: each message is counted once, where
                                      it is sent; ``elements`` / ``bytes`` hold the message as sent on both sides
@@ -79,6 +80,7 @@ class OpTotals:
     elements: int = 0  # full (unsharded) message size in elements
     bytes: int = 0
     algorithmic_elements: float = 0.0  # elements actually sent per rank under a ring algorithm
+    algorithmic_bytes: float = 0.0  # the same in bytes (calls of one key may mix dtypes: packed signs + scales)
     axis_elements: dict[str, float] = field(default_factory=dict)  # algorithmic elements per mesh axis name
     timed: int = 0  # calls whose completion was seen ([Note: comms-log latency])
     enqueue_only: int = 0  # calls on NCCL groups: the host never sees them complete, so they are not timed
@@ -184,6 +186,7 @@ class CommsLog:
         totals.bytes += numel * element_size
         algorithmic = numel * ALGORITHMIC_FACTOR[op](world)
         totals.algorithmic_elements += algorithmic
+        totals.algorithmic_bytes += algorithmic * element_size
         totals.axis_elements[axis] = totals.axis_elements.get(axis, 0.0) + algorithmic
         if not self._host_waits(group):
             totals.enqueue_only += 1
@@ -233,6 +236,11 @@ class CommsLog:
 
     def algorithmic_elements(self, op_prefix: str = "") -> float:
         return sum(t.algorithmic_elements for k, t in self.totals.items() if k.startswith(op_prefix))
+
+    def algorithmic_bytes(self, op_prefix: str = "", tag: str | None = None) -> float:
+        """Algorithmic bytes per rank of the keys starting with ``op_prefix`` (and of ``tag`` only, if given)."""
+        keys = [k for k in self.totals if k.startswith(op_prefix) and (tag is None or k.partition(":")[2] == tag)]
+        return sum(self.totals[k].algorithmic_bytes for k in keys)
 
     def data_parallel_elements(self) -> float:
         """Algorithmic elements per rank ZeRO moved over the data axis (tags ``grads`` / ``params``)."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.composite import Launched
+from shardspeed.comm.simulated_link import Hold
 from shardspeed.faults.board import FailureBoard
 
 
@@ -27,12 +28,20 @@ class Work:
         blocked: BlockedTime | None = None,
         key: str = "",
         on_complete: Callable[[], None] | None = None,
+        hold: Hold | None = None,
     ) -> None:
         self._handle = handle
         self._board = board
         self._doing = doing
         self._blocked, self._key = blocked, key  # [Note: exposed communication] in comm/blocked.py
         self._on_complete = on_complete  # the comms log's latency timer ([Note: comms-log latency] in comm/log.py)
+        self._hold = hold  # a simulated link's deadline ([Note: simulated link] in comm/simulated_link.py)
+
+    def _wait_hold(self) -> None:
+        """Block until the simulated link's deadline, as blocked communication time."""
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            timed_wait(self._blocked, self._key, hold.wait)
 
     def _completed(self) -> None:
         """The call was seen complete: tell the comms log, once."""
@@ -48,11 +57,14 @@ class Work:
             else:
                 timed_wait(self._blocked, self._key, lambda: board.wait(handle, self._doing))
             self._handle = None
+        self._wait_hold()
         self._completed()
 
     def done(self) -> bool:
-        """Whether ``wait()`` would return at once (the collective has finished)."""
-        if self._handle is None or self._handle.is_completed():
+        """Whether ``wait()`` would return at once (the collective has finished, and a simulated link's deadline
+        has passed)."""
+        if (self._handle is None or self._handle.is_completed()) and (self._hold is None or self._hold.passed()):
+            self._hold = None
             self._completed()
             return True
         return False
@@ -144,8 +156,9 @@ class CompositeWork(Work):
         blocked: BlockedTime | None,
         key: str,
         on_complete: Callable[[], None] | None = None,
+        hold: Hold | None = None,
     ) -> None:
-        super().__init__(None, board, doing, blocked=blocked, key=key, on_complete=on_complete)
+        super().__init__(None, board, doing, blocked=blocked, key=key, on_complete=on_complete, hold=hold)
         self._handles = list(launched.handles)
         self._finish = launched.finish
         self._keep = launched.keep  # inputs and outputs alive until the handles are waited (gloo reads them async)
@@ -153,6 +166,7 @@ class CompositeWork(Work):
     def wait(self) -> None:
         if self._handles:
             timed_wait(self._blocked, self._key, self._wait_handles)
+        self._wait_hold()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -172,7 +186,7 @@ class CompositeWork(Work):
         """Whether the logical op is complete: every handle has finished *and* the completion action ran (the copy
         into the output of an all-reduce-then-slice). Once the handles have finished the action runs here, so a
         caller that polls ``done()`` never sees True before the output holds the result."""
-        if not all(h.is_completed() for h in self._handles):
+        if not all(h.is_completed() for h in self._handles) or not (self._hold is None or self._hold.passed()):
             return False
         self.wait()  # returns at once (every handle finished): runs the action, once
         return True

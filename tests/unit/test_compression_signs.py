@@ -1,0 +1,118 @@
+"""[Note: 1-bit compression]: sign packing, the scale, error feedback, and the one-process references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shardspeed.compression import reference
+from shardspeed.compression.signs import (
+    average_chunks,
+    compress_,
+    decompress,
+    pack_signs,
+    packed_size,
+    padded_numel,
+    scale_of,
+    unpack_signs,
+)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 63, 1000, 1001])
+def test_pack_unpack_round_trip(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::5] = 0.0  # zero sends +1 (DeepSpeed: sign(x) + 1 as bool)
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_size(numel) == math.ceil(numel / 8)
+    expected = torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(unpack_signs(packed, numel), expected)
+    # numpy's packbits order (DeepSpeed's packer): first element in the most significant bit, zero-padded
+    assert packed.tolist() == np.packbits((x >= 0).numpy()).tolist()
+    assert unpack_signs(packed, numel, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_padding_bits_are_zero_and_unpack_checks_size() -> None:
+    assert pack_signs(torch.ones(3)).tolist() == [0b11100000]
+    with pytest.raises(ValueError, match="hold at most 8 signs"):
+        unpack_signs(torch.zeros(1, dtype=torch.uint8), 9)
+
+
+def test_scale_keeps_the_norm_and_compress_updates_the_error() -> None:
+    x = torch.tensor([3.0, -4.0, 0.0, 1.0])
+    assert scale_of(x).item() == pytest.approx(math.sqrt(26 / 4))
+    error = torch.tensor([0.5, 0.5, -1.0, 0.0])
+    compensated = x + error
+    packed, scale = compress_(x, error)
+    assert scale.item() == pytest.approx(torch.linalg.norm(compensated).item() / 2)
+    sent = decompress(packed, scale, 4)
+    assert torch.allclose(sent, scale * torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    assert torch.allclose(sent + error, compensated)  # what was sent + the new error = the compensated input
+    assert torch.linalg.norm(sent).item() == pytest.approx(torch.linalg.norm(compensated).item(), rel=1e-6)
+    with pytest.raises(ValueError, match="error buffer"):
+        compress_(torch.zeros(3), torch.zeros(4))
+
+
+def test_error_feedback_running_sum_tracks_the_inputs() -> None:
+    """sum(sent) = sum(inputs) - error at every step: the gap is one error buffer, bounded, not growing."""
+    g = torch.Generator().manual_seed(0)
+    error, sum_in, sum_out, gaps = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096), []
+    for _ in range(200):
+        x = torch.randn(4096, generator=g) + 0.3
+        sum_in += x
+        packed, scale = compress_(x.clone(), error)
+        sum_out += decompress(packed, scale, 4096)
+        gaps.append((torch.linalg.norm(sum_in - sum_out) / torch.linalg.norm(sum_in)).item())
+        assert torch.allclose(sum_in - sum_out, error, atol=1e-3)
+    assert max(gaps[100:]) < 0.05  # relative gap shrinks as the sums grow: the absolute one stays bounded
+    no_feedback = torch.zeros(4096)
+    for _ in range(200):  # without feedback, the gap grows with the steps
+        x = torch.randn(4096, generator=g) + 0.3
+        no_feedback += x - decompress(*compress_(x.clone(), torch.zeros(4096)), 4096)
+    assert torch.linalg.norm(no_feedback) > 5 * torch.linalg.norm(error)
+
+
+def test_average_chunks_is_the_mean_of_decompressed_copies() -> None:
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randn(16, generator=g) for _ in range(3)]
+    packs = torch.stack([pack_signs(c) for c in chunks])
+    scales = torch.cat([scale_of(c) for c in chunks])
+    expected = sum(decompress(p, s, 16) for p, s in zip(packs, scales, strict=True)) / 3
+    assert torch.allclose(average_chunks(packs, scales, 16), expected, atol=1e-6)
+
+
+def test_padded_numel_is_deepspeeds_corrected_size() -> None:
+    for world in (1, 2, 3, 4, 6, 8):
+        divider = int(world * 8 / np.gcd(world, 8))  # OnebitAdam's divider
+        for numel in (1, 100, 4096, 12345):
+            size = numel + (world * divider - numel % (world * divider)) % (world * divider)
+            assert padded_numel(numel, world) == size
+
+
+def test_reference_allreduce_single_worker_is_exact_and_tracks_the_mean() -> None:
+    x = torch.randn(1000)
+    assert torch.equal(reference.compressed_allreduce([x], [torch.zeros(0)], [torch.zeros(0)]), x)
+    n, numel, steps = 4, 1000, 100
+    padded = padded_numel(numel, n)
+    we, se = [torch.zeros(padded) for _ in range(n)], [torch.zeros(padded // n) for _ in range(n)]
+    g = torch.Generator().manual_seed(2)
+    sum_mean, sum_out = torch.zeros(numel), torch.zeros(numel)
+    for _ in range(steps):
+        xs = [torch.randn(numel, generator=g) + 1.0 for _ in range(n)]
+        sum_mean += torch.stack(xs).mean(0)
+        sum_out += reference.compressed_allreduce(xs, we, se)
+    assert (torch.linalg.norm(sum_out - sum_mean) / torch.linalg.norm(sum_mean)).item() < 0.05
+
+
+def test_reference_reduce_scatter_slices_track_the_mean() -> None:
+    n, numel = 2, 30  # slices of 15: padded to 16 each
+    we = [torch.zeros(n * 16) for _ in range(n)]
+    g = torch.Generator().manual_seed(3)
+    sum_mean, sum_out = torch.zeros(numel), torch.zeros(numel)
+    for _ in range(200):
+        xs = [torch.randn(numel, generator=g) + 1.0 for _ in range(n)]
+        sum_mean += torch.stack(xs).mean(0)
+        sum_out += torch.cat(reference.compressed_reduce_scatter(xs, we))
+    assert (torch.linalg.norm(sum_out - sum_mean) / torch.linalg.norm(sum_mean)).item() < 0.05
