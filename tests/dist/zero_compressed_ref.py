@@ -1,60 +1,14 @@
-"""Single-process reference of 1-bit Adam under ZeRO-1/2 (simulated workers over the engine's bucket layout), and
-the error-fed 1-bit mean it compresses buckets with.
-
-``sign_compress`` is the worker step of DeepSpeed's compressed_allreduce (error added, one scale per worker's
-buffer = ‖buffer‖₂/√numel, signs with 0 → +1, the residual kept as the new error); the mean over ranks is the mean
-of the compressed buffers. The dist tests run the engine with ``GatherCompressor`` (the same math through a plain
-fp32 all-gather: traffic is not the point there) or compression/'s ``CompressedReduceScatter``.
-"""
+"""Single-process reference of 1-bit Adam under ZeRO-1/2: simulated workers over the engine's bucket layout, each
+bucket's compressed mean from compression/reference.py's ``compressed_reduce_scatter`` (the same algorithm as
+``CompressedReduceScatter``, one process)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from shardspeed.comm import Work
+from shardspeed.compression.reference import compressed_reduce_scatter
 from shardspeed.zero.compressed_adam import frozen_at, onebit_adam_update
 from shardspeed.zero.layout import ShardLayout
-
-
-def sign_compress(x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(compressed x + error, new error)."""
-    buf = x + error
-    scale = buf.norm() / math.sqrt(buf.numel())
-    comp = scale * torch.where(buf >= 0, 1.0, -1.0)
-    return comp, buf - comp
-
-
-class GatherCompressor:
-    """``BucketCompressor`` with the reference math, over a plain all-gather (tests only)."""
-
-    def __init__(self, numel: int, axis, collectives, device: torch.device) -> None:
-        self.axis, self.collectives = axis, collectives
-        self.error = torch.zeros(numel, device=device)
-
-    @property
-    def error_bytes(self) -> int:
-        return self.error.numel() * 4
-
-    def launch(self, shard: torch.Tensor, unsharded: torch.Tensor) -> Work:
-        comp, self.error = sign_compress(unsharded, self.error)
-        n = self.axis.size
-        out = torch.empty(comp.numel() * n)
-        self.collectives.all_gather(out, comp, self.axis, tag="grads_ref")
-        mean = out.view(n, -1).sum(0) / n
-        share = comp.numel() // n
-        shard.copy_(mean[self.axis.rank * share : (self.axis.rank + 1) * share])
-        return Work(None)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"worker_error": self.error.clone()}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.error.copy_(sd["worker_error"])
-
-    def reset(self) -> None:
-        self.error.zero_()
 
 
 class ZeroOneBitAdamReference:
@@ -67,7 +21,8 @@ class ZeroOneBitAdamReference:
         self.flat, self.layout, self.world = flat, layout, world
         self.lr, self.freeze_step, self.betas, self.eps, self.wd = lr, freeze_step, betas, eps, weight_decay
         self.m, self.v = torch.zeros_like(flat), torch.zeros_like(flat)
-        self.errors = [[torch.zeros(b.numel) for b in layout.buckets] for _ in range(world)]
+        chunk = [-(-(b.numel // world) // 8) * 8 for b in layout.buckets]
+        self.errors = [[torch.zeros(world * c) for c in chunk] for _ in range(world)]
         self.step_count = 0
 
     def compressed_now(self) -> bool:
@@ -79,11 +34,9 @@ class ZeroOneBitAdamReference:
             return _exact_mean(local_grads)
         out = torch.zeros_like(self.flat)
         for k, b in enumerate(self.layout.buckets):
-            comps = []
-            for r, g in enumerate(local_grads):
-                comp, self.errors[r][k] = sign_compress(g[b.start : b.end], self.errors[r][k])
-                comps.append(comp)
-            out[b.start : b.end] = torch.stack(comps).sum(0) / self.world
+            errors = [e[k] for e in self.errors]  # updated in place
+            slices = compressed_reduce_scatter([g[b.start : b.end] for g in local_grads], errors)
+            out[b.start : b.end] = torch.cat(slices)
         return out
 
     def step(self, grad: torch.Tensor) -> None:

@@ -16,7 +16,6 @@ t - 1 ≥ max(2, freeze_step). The step count lives in the optimizer state, so a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -173,19 +172,14 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
         return {} if self.grad_compression is None else self.grad_compression.state_dict()
 
     def load_compression_state_dict(self, sd: dict[str, torch.Tensor], same_world: bool) -> None:
-        """Same world size: the saved error buffers; another: reset, with a warning (DeepSpeed always resets)."""
+        """Same world size: the saved error buffers; another: reset (the checkpoint reader warns; DeepSpeed
+        always resets)."""
         if self.grad_compression is None:
             return
         if same_world:
             self.grad_compression.load_state_dict(sd)
         else:
             self.grad_compression.reset()
-            if sd:
-                warnings.warn(
-                    "OneBitAdam (ZeRO): the checkpoint was saved at another data-parallel size; the gradient "
-                    "compression error buffers restart from zero",
-                    stacklevel=2,
-                )
 
 
 def zero_compressed_optimizer(

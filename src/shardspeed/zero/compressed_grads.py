@@ -115,9 +115,12 @@ class GradCompression:
         self.active = False
         self.layout: ShardLayout | None = None
         self._compressors: dict[int, BucketCompressor] = {}
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, for compressors not built yet
 
     def bind(self, layout: ShardLayout) -> None:
-        """The stage's (new) layout; compressors of another bucket layout are dropped (error buffers restart)."""
+        """The stage's (new) layout. Compressors exist only in the compressed phase, long after the first
+        backward's re-layout (zero/arrival_order.py), so a layout change drops none in practice; if it does, they
+        restart at zero."""
         if self.layout is not None and self.layout.buckets != layout.buckets:
             self._compressors.clear()
         self.layout = layout
@@ -127,6 +130,9 @@ class GradCompression:
         if c is None:
             assert self.layout is not None, "GradCompression used before bind(layout)"
             c = self.factory(self.layout.buckets[k].numel, self.axis, self.collectives, self.device)
+            pending = self._pending.pop(k, None)
+            if pending is not None:
+                c.load_state_dict(pending)
             self._compressors[k] = c
         return c
 
@@ -143,27 +149,34 @@ class GradCompression:
         return sum(c.error_bytes for c in self._compressors.values())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Error buffers per bucket (``"<bucket>.<name>"``), for the checkpoint."""
-        return {f"{k}.{n}": t for k, c in sorted(self._compressors.items()) for n, t in c.state_dict().items()}
+        """Error buffers per bucket (``"bucket<k>.<name>"``), for the checkpoint; loaded ones not used yet are
+        saved as loaded."""
+        out = {f"bucket{k}.{n}": t for k, c in sorted(self._compressors.items()) for n, t in c.state_dict().items()}
+        for k, part in sorted(self._pending.items()):
+            out.update({f"bucket{k}.{n}": t for n, t in part.items()})
+        return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        per_bucket: dict[int, dict[str, torch.Tensor]] = {}
+        """[Note: error buffers and the re-layout] A checkpoint is loaded into a fresh engine, whose layout is
+        re-planned at its first backward (arrival order) into the same buckets the saving run had; the buffers
+        are keyed by those buckets, so they are kept aside and handed to each bucket's compressor when it is
+        built, in the compressed phase, after that re-layout."""
+        self.reset()
         for key, t in sd.items():
-            k, _, name = key.partition(".")
-            per_bucket.setdefault(int(k), {})[name] = t
-        for k, part in per_bucket.items():
-            self.compressor(k).load_state_dict(part)
+            k, _, name = key.removeprefix("bucket").partition(".")
+            self._pending.setdefault(int(k), {})[name] = t
 
     def reset(self) -> None:
         for c in self._compressors.values():
             c.reset()
+        self._pending = {}
 
 
-def error_buffer_bytes(layout: ShardLayout, world: int, granularity: int = 8) -> int:
-    """fp32 worker error bytes per rank: every bucket at full size, padded to ``granularity`` × world elements
-    (8 signs per byte on each rank's chunk), as CompressedReduceScatter pads."""
-    unit = granularity * world
-    return sum(4 * (-(-b.numel // unit) * unit) for b in layout.buckets)
+def error_buffer_bytes(layout: ShardLayout) -> int:
+    """fp32 worker error bytes per rank: every bucket at full size, each rank's slice of it padded to whole bytes
+    of signs (a multiple of 8 elements), as CompressedReduceScatter pads."""
+    world = layout.world
+    return sum(4 * world * (-(-(b.numel // world) // 8) * 8) for b in layout.buckets if world > 1)
 
 
 def zero_memory_bytes(psi: int, world: int, stage: int, mixed: bool) -> int:
