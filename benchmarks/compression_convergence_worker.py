@@ -65,7 +65,7 @@ def available(variant: str) -> bool:
     return True
 
 
-def _config(variant: str, compressed: bool, steps: int, freeze: int, micro: int) -> dict[str, Any]:
+def _config(variant: str, compressed: bool, steps: int, freeze: int, micro: int, bucket: int) -> dict[str, Any]:
     spec = VARIANTS[variant]
     params: dict[str, Any] = {"lr": spec["lr"], spec["freeze"]: freeze if compressed else 10 * steps + 10}
     if variant == "zerooneadam" and not compressed:
@@ -77,7 +77,7 @@ def _config(variant: str, compressed: bool, steps: int, freeze: int, micro: int)
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": spec["lr"], "warmup_num_steps": max(1, steps // 10)},
         },
-        "zero_optimization": {"stage": spec["stage"]},
+        "zero_optimization": {"stage": spec["stage"], "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "steps_per_print": 10**9,
     }
 
@@ -114,7 +114,9 @@ def train(args: argparse.Namespace, seed: int, compressed: bool, windows: ByteWi
     torch.manual_seed(seed)
     model = GPT(GPTConfig(context_length=args.seq, n_layer=args.layers, d_model=args.dim, n_head=2))
     freeze = max(1, round(args.freeze_frac * args.steps))
-    engine = _engine(args.variant, model, _config(args.variant, compressed, args.steps, freeze, micro), compressed)
+    engine = _engine(
+        args.variant, model, _config(args.variant, compressed, args.steps, freeze, micro, args.bucket), compressed
+    )
     g = torch.Generator().manual_seed(1000 + seed)  # the same global batches for on and off, any world size
     losses = []
     for _ in range(args.steps):
@@ -141,6 +143,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--freeze-frac", type=float, default=0.15)
+    p.add_argument("--bucket", type=int, default=500_000_000)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

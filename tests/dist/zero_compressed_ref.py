@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.compression.reference import compressed_reduce_scatter
-from shardspeed.zero.compressed_adam import frozen_at, onebit_adam_update
+from shardspeed.zero.compressed_adam import denominator, frozen_at, onebit_adam_update, preconditioned_update
 from shardspeed.zero.layout import ShardLayout
 
 
@@ -33,15 +33,22 @@ class ZeroOneBitAdamReference:
         if not self.compressed_now():
             return _exact_mean(local_grads)
         out = torch.zeros_like(self.flat)
+        d = denominator(self.v, self.eps)
         for k, b in enumerate(self.layout.buckets):
             errors = [e[k] for e in self.errors]  # updated in place
-            slices = compressed_reduce_scatter([g[b.start : b.end] for g in local_grads], errors)
+            inputs = [g[b.start : b.end] * d[b.start : b.end] for g in local_grads]  # preconditioned
+            slices = compressed_reduce_scatter(inputs, errors)
             out[b.start : b.end] = torch.cat(slices)
         return out
 
     def step(self, grad: torch.Tensor) -> None:
         self.step_count += 1
         if self.step_count == 1:
+            return
+        if frozen_at(self.step_count, self.freeze_step):
+            if not frozen_at(self.step_count - 1, self.freeze_step):
+                self.m.mul_(denominator(self.v, self.eps))
+            preconditioned_update(self.flat, grad, self.m, lr=self.lr, beta1=self.betas[0], weight_decay=self.wd)
             return
         onebit_adam_update(self.flat, grad, self.m, self.v, lr=self.lr, betas=self.betas, eps=self.eps,
                            weight_decay=self.wd, frozen=frozen_at(self.step_count, self.freeze_step))  # fmt: skip

@@ -14,10 +14,24 @@ Before ``freeze_step`` every bucket uses the stage's ordinary reduce-scatter (``
 scaling); after it the compressor takes the bucket unscaled and returns the mean directly. The parameter
 all-gather is never compressed (it carries weights, where an error would not be fed back anywhere).
 
-Memory per rank, Ψ elements, N ranks, fp32 Adam (ZeRO paper's formula with K = 12): stage 1 4Ψ + 12Ψ/N (mixed
-precision: 2Ψ + 2Ψ + 12Ψ/N), stage 2 2Ψ + 14Ψ/N; the worker error buffers add 4Ψ bytes per rank (fp32, padded to
-the compressor's granularity): ``error_buffer_bytes``. Traffic per step: the compressed reduce-scatter moves about
-Ψ/8 bytes (sign bits) plus scales, the fp32 all-gather 4Ψ(N-1)/N: about half of plain ZeRO's 8Ψ(N-1)/N.
+[Note: preconditioned compression] What is compressed is the local gradient times the frozen 1 / (√v + ε), not
+the raw gradient. A 1-bit code gives every element of a bucket the same magnitude (the bucket's RMS); Adam then
+divides by √v per element, so an element whose gradient is small next to the bucket's RMS gets its share of the
+sign noise multiplied by RMS / √v. With the raw gradient this diverged at once on the demo GPT (freeze_step 15 of
+100 steps, world 2: loss 3.2 → 8.4 within 3 steps of the switch, NaN by step 27). Since v is frozen and the same on
+every rank, mean(g_r) / (√v + ε) = mean(g_r / (√v + ε)): compressing the preconditioned gradient computes the same
+quantity, with the compression error spread evenly in update space (as 1-bit Adam's compressed momentum, which
+is divided by √v after its all-reduce, also has it). Each bucket's preconditioner is all-gathered once from the
+shards of v at the bucket's first compressed launch (a point every rank reaches in bucket order; again after a
+checkpoint load) and kept at full size: fp32, 4Ψ bytes per rank.
+
+Memory per rank, Ψ elements, N ranks, Adam, mixed precision (ZeRO paper, K = 12): stage 1 4Ψ + 12Ψ/N, stage 2
+2Ψ + 14Ψ/N (fp32 training: the parameters are the masters, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N;
+``zero_memory_bytes``). The compressed phase adds 8Ψ bytes per rank, whatever N: the worker error buffers (4Ψ,
+fp32, every bucket at full size, each rank's slice padded to whole bytes of signs: ``error_buffer_bytes``) and the
+preconditioner (4Ψ). That outweighs what ZeRO-1/2 saves at small N; the point of this path is bandwidth. Traffic
+per step: the compressed reduce-scatter moves Ψ/8 · (N-1)/N bytes of signs plus one fp32 scale per rank and bucket,
+the fp32 all-gather 4Ψ(N-1)/N: about half of plain fp32 ZeRO's 8Ψ(N-1)/N.
 
 ZeRO-3 shards the parameters too and gathers them per unit inside forward and backward; its reduce-scatter runs
 per unit on a schedule the optimizer does not see, and ZeroOneAdam's local steps or OneBitLamb's momentum-based
@@ -116,6 +130,9 @@ class GradCompression:
         self.layout: ShardLayout | None = None
         self._compressors: dict[int, BucketCompressor] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, for compressors not built yet
+        # [Note: preconditioned compression]: bucket k -> this rank's shard of 1 / (sqrt(v) + eps) (the optimizer's)
+        self.denominator: Callable[[int], torch.Tensor] | None = None
+        self._precond: dict[int, torch.Tensor] = {}  # full buckets of it, gathered once per bucket
 
     def bind(self, layout: ShardLayout) -> None:
         """The stage's (new) layout. Compressors exist only in the compressed phase, long after the first
@@ -123,7 +140,28 @@ class GradCompression:
         restart at zero."""
         if self.layout is not None and self.layout.buckets != layout.buckets:
             self._compressors.clear()
+            self._precond.clear()
         self.layout = layout
+
+    def drop_preconditioner(self) -> None:
+        """The optimizer's variance changed (a checkpoint loaded): gather it again at the next compressed launch."""
+        self._precond.clear()
+
+    def preconditioner(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s full 1 / (sqrt(v) + eps), all-gathered from the shards at its first compressed launch (a
+        point every rank reaches in the same bucket order) and kept: the variance is frozen from then on."""
+        d = self._precond.get(k)
+        if d is None:
+            assert self.denominator is not None, "GradCompression: no optimizer gave the variance (denominator)"
+            shard = self.denominator(k).float().contiguous()
+            d = torch.empty(shard.numel() * self.axis.size, dtype=torch.float32, device=shard.device)
+            self.collectives.all_gather(d, shard, self.axis, tag="precond")
+            self._precond[k] = d
+        return d
+
+    @property
+    def preconditioner_bytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d in self._precond.values())
 
     def compressor(self, k: int) -> BucketCompressor:
         c = self._compressors.get(k)
@@ -137,9 +175,10 @@ class GradCompression:
         return c
 
     def launch(self, k: int, full_bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Work]:
-        """Compressed mean of bucket ``k`` over the axis: (the fp32 input kept alive, this rank's fp32 output
-        slice, the pending work). The input is the unscaled local gradient: the compressor averages itself."""
-        src = full_bucket if full_bucket.dtype == torch.float32 else full_bucket.float()
+        """Compressed mean of bucket ``k``'s preconditioned gradient over the axis: (the fp32 input kept alive,
+        this rank's fp32 output slice, the pending work). The input is the unscaled local gradient times the
+        frozen 1 / (sqrt(v) + eps): the compressor averages itself."""
+        src = full_bucket.float() * self.preconditioner(k)
         out = torch.empty(src.numel() // self.axis.size, dtype=torch.float32, device=src.device)
         return src, out, self.compressor(k).launch(out, src)
 
