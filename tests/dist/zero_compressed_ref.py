@@ -1,13 +1,13 @@
 """Single-process reference of 1-bit Adam under ZeRO-1/2: simulated workers over the engine's bucket layout, each
-bucket's compressed mean from compression/reference.py's ``compressed_reduce_scatter`` (the same algorithm as
-``CompressedReduceScatter``, one process)."""
+bucket's compressed mean from ``mean_abs_reduce_scatter_reference`` (the same algorithm as
+``MeanAbsReduceScatter``, one process)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardspeed.compression.reference import compressed_reduce_scatter
 from shardspeed.zero.compressed_adam import denominator, frozen_at, onebit_adam_update, preconditioned_update
+from shardspeed.zero.compressed_scale import mean_abs_reduce_scatter_reference
 from shardspeed.zero.layout import ShardLayout
 
 
@@ -37,7 +37,7 @@ class ZeroOneBitAdamReference:
         for k, b in enumerate(self.layout.buckets):
             errors = [e[k] for e in self.errors]  # updated in place
             inputs = [g[b.start : b.end] * d[b.start : b.end] for g in local_grads]  # preconditioned
-            slices = compressed_reduce_scatter(inputs, errors)
+            slices = mean_abs_reduce_scatter_reference(inputs, errors)
             out[b.start : b.end] = torch.cat(slices)
         return out
 

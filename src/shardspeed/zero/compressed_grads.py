@@ -108,9 +108,9 @@ CompressorFactory = Callable[[int, AxisGroup, Collectives, torch.device], Bucket
 
 
 def default_compressor(numel: int, axis: AxisGroup, collectives: Collectives, device: torch.device) -> BucketCompressor:
-    from shardspeed.compression.collective import CompressedReduceScatter
+    from shardspeed.zero.compressed_scale import MeanAbsReduceScatter  # [Note: mean-abs scale]
 
-    return CompressedReduceScatter(numel, axis, collectives, device=device, tag="grads_1bit")  # type: ignore[return-value]
+    return MeanAbsReduceScatter(numel, axis, collectives, device=device, tag="grads_1bit")  # type: ignore[return-value]
 
 
 class GradCompression:
