@@ -17,8 +17,9 @@ all-gather is never compressed (it carries weights, where an error would not be 
 [Note: preconditioned compression] What is compressed is the local gradient times the frozen 1 / (√v + ε), not
 the raw gradient. A 1-bit code gives every element of a bucket the same magnitude (the bucket's RMS); Adam then
 divides by √v per element, so an element whose gradient is small next to the bucket's RMS gets its share of the
-sign noise multiplied by RMS / √v. With the raw gradient this diverged at once on the demo GPT (freeze_step 15 of
-100 steps, world 2: loss 3.2 → 8.4 within 3 steps of the switch, NaN by step 27). Since v is frozen and the same on
+sign noise multiplied by RMS / √v. (The demo GPT diverged right after the switch with the raw gradient, but
+those runs used β2 = 0.999, with which a variance frozen at 15% of the run diverges even uncompressed, at world
+1: the comparison of raw against preconditioned at a settled β2 has not been made.) Since v is frozen and the same on
 every rank, mean(g_r) / (√v + ε) = mean(g_r / (√v + ε)): compressing the preconditioned gradient computes the same
 quantity, with the compression error spread evenly in update space (as 1-bit Adam's compressed momentum, which
 is divided by √v after its all-reduce, also has it). Each bucket's preconditioner is all-gathered once from the

@@ -5,8 +5,9 @@ pattern the scale minimising the error ‖x − s·sign(x)‖₂ is s = mean |x|
 ‖x − s·sign(x)‖² = ‖x‖² − n·s² ≤ ‖x‖². With RMS the error is 2‖x‖² − 2·RMS·‖x‖₁, up to twice ‖x‖² when a few
 elements dominate (heavy tails), and error feedback then feeds a growing error back in. The preconditioned
 gradients of the ZeRO path ([Note: preconditioned compression]) are heavy-tailed (elements whose variance was
-small in the warm-up): with RMS the demo GPT's loss went 3.2 → 8.8 in the first compressed steps and NaN within
-15; ``CompressedReduceScatter`` (compression/, DeepSpeed's RMS) is kept as is for the stage-0 optimizers, whose
+small in the warm-up). (The divergence first seen with RMS had another cause: β2 = 0.999 frozen at 15% of the run
+diverges uncompressed too; RMS against mean |x| at a settled β2 has not been compared.)
+``CompressedReduceScatter`` (compression/, DeepSpeed's RMS) is kept as is for the stage-0 optimizers, whose
 DeepSpeed parity it serves, and this subclass changes only the scale.
 """
 
