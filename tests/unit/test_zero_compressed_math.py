@@ -106,3 +106,24 @@ def test_loaded_error_buffers_wait_for_their_compressor() -> None:
     assert torch.equal(gc.compressor(0).worker_error, torch.arange(10.0))
     gc.reset()
     assert gc.state_dict()["bucket0.worker_error"].count_nonzero() == 0
+
+
+def test_mean_abs_scale_never_grows_the_error() -> None:
+    """[Note: mean-abs scale]: ‖x − s·sign(x)‖² = ‖x‖² − n·s² with s = mean |x|; RMS doubles it on heavy tails."""
+    from shardspeed.compression.signs import compress_
+    from shardspeed.zero.compressed_scale import compress_mean_abs_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g)
+    x[:4] *= 1000.0  # a few dominant elements
+    for fn, bound in ((compress_mean_abs_, 1.0), (compress_, 2.0)):
+        err = torch.zeros_like(x)
+        fn(x.clone(), err)
+        ratio = (err.norm() / x.norm()).item() ** 2
+        assert ratio <= bound
+    err = torch.zeros_like(x)
+    compress_mean_abs_(x.clone(), err)
+    torch.testing.assert_close(err.norm() ** 2, x.norm() ** 2 - x.numel() * x.abs().mean() ** 2, rtol=1e-4, atol=1e-2)
+    rms_err = torch.zeros_like(x)
+    compress_(x.clone(), rms_err)
+    assert rms_err.norm() > 1.3 * x.norm()  # on heavy tails RMS leaves an error larger than the input
