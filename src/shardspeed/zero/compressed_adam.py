@@ -142,7 +142,7 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
             device = self.param_groups[0]["params"][0].device
         self.grad_compression = GradCompression(axis, collectives, device, factory)
         self.grad_compression.denominator = self._denominator
-        self._sync_phase()
+        self.grad_compression.phase = lambda: self.owns_communication
         return self.grad_compression
 
     def _denominator(self, k: int) -> torch.Tensor:
@@ -165,10 +165,6 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
     def owns_communication(self) -> bool:
         """True in the compressed phase (the stage's reduce-scatter is then the 1-bit one)."""
         return self.steps >= max(2, self.freeze_step)
-
-    def _sync_phase(self) -> None:
-        if self.grad_compression is not None:
-            self.grad_compression.active = self.owns_communication
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -198,14 +194,12 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     frozen=frozen_at(state["step"], self.freeze_step),
                 )  # fmt: skip
-        self._sync_phase()
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         if self.grad_compression is not None:
             self.grad_compression.drop_preconditioner()  # another variance
-        self._sync_phase()
 
     # --- error buffers in checkpoints (B's protocol) ------------------------------------------------------------
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
@@ -217,6 +211,7 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
         always resets)."""
         if self.grad_compression is None:
             return
+        self.grad_compression.drop_preconditioner()  # the variance is being loaded too (maybe piecewise)
         if same_world:
             self.grad_compression.load_state_dict(sd)
         else:

@@ -116,8 +116,8 @@ def default_compressor(numel: int, axis: AxisGroup, collectives: Collectives, de
 
 class GradCompression:
     """The compressed phase of a stage-1/2 gradient reduction: one error-fed compressor per bucket, built on first
-    use (so a re-layout before the first reduction costs nothing). ``active`` is set by the sharded optimizer
-    after ``freeze_step``; every rank sets it at the same step, so every rank issues the same collectives."""
+    use (so a re-layout before the first reduction costs nothing). ``active`` asks the sharded optimizer (its
+    step count against ``freeze_step``: the same on every rank, so every rank issues the same collectives)."""
 
     def __init__(
         self,
@@ -127,13 +127,19 @@ class GradCompression:
         factory: CompressorFactory = default_compressor,
     ) -> None:
         self.axis, self.collectives, self.device, self.factory = axis, collectives, device, factory
-        self.active = False
+        # whether the compressed phase runs: asked at every launch (the optimizer's step count decides; a checkpoint
+        # may load the states piecewise, so nothing is pushed on load)
+        self.phase: Callable[[], bool] = lambda: False
         self.layout: ShardLayout | None = None
         self._compressors: dict[int, BucketCompressor] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, for compressors not built yet
         # [Note: preconditioned compression]: bucket k -> this rank's shard of 1 / (sqrt(v) + eps) (the optimizer's)
         self.denominator: Callable[[int], torch.Tensor] | None = None
         self._precond: dict[int, torch.Tensor] = {}  # full buckets of it, gathered once per bucket
+
+    @property
+    def active(self) -> bool:
+        return self.phase()
 
     def bind(self, layout: ShardLayout) -> None:
         """The stage's (new) layout. Compressors exist only in the compressed phase, long after the first
