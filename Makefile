@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-compressed-collective gpu-check clean
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-compressed-collective gpu-check clean bench-compression-convergence
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-compressed-collective: $(STAMP)
 .PHONY: bench-compression-speed
 bench-compression-speed: $(STAMP)
 	$(PY) benchmarks/bench_compression_speed.py $(ARGS)
+
+# 1-bit optimizers (and ZeRO-2 1-bit Adam) against themselves with compression off: final-loss table + loss curves PNG.
+# E.g. `make bench-compression-convergence ARGS="--optimizers zero2-onebitadam --worlds 2"`.
+bench-compression-convergence: $(STAMP)
+	$(PY) benchmarks/bench_compression_convergence.py $(ARGS)
 
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with

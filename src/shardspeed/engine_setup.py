@@ -23,6 +23,7 @@ from shardspeed.optim.lamb import Lamb
 from shardspeed.params.spec import ParamSpecs
 from shardspeed.precision.norm_weights import counted_weights
 from shardspeed.topology import AxisGroup, Topology
+from shardspeed.zero.compressed_adam import zero_compressed_optimizer
 from shardspeed.zero.sharded_lamb import ShardedLamb, lamb_norm_axes, sum_over
 
 __all__ = [
@@ -179,6 +180,7 @@ def build_engine_optimizer(
     else:
         optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
     stage = config.zero_optimization.stage
+    optimizer = zero_compressed_optimizer(optimizer, states, stage, axis, collectives, device)  # 1-bit Adam, ZeRO-1/2
     sliced = specs is not None and topology.tensor.size > 1 and specs.any_partitioned
     if (stage > 0 or sliced) and type(optimizer) is Lamb:
         # Lamb's trust ratio needs whole-parameter norms: sum them across shards and tensor-parallel slices (one

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from shardspeed.comm.composite import in_slot
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.grad_buffer import FlatGradBuffer
 from shardspeed.zero.layout import ShardLayout
+
+if TYPE_CHECKING:
+    from shardspeed.zero.compressed_grads import GradCompression
 
 
 @dataclass(frozen=True)
@@ -159,11 +163,20 @@ class _ShardReduceScatter:
         self.layout, self.grad_shards, self.ctx = layout, grad_shards, ctx
         self.meter = meter if meter is not None else StagingMeter()
         self._inflight: list[tuple[torch.Tensor, torch.Tensor, bool] | None] = [None] * len(layout.buckets)
+        # [Note: compressed ZeRO gradients] in zero/compressed_grads.py: set by the stage for 1-bit Adam; while
+        # active, a bucket's reduce-scatter is error-fed 1-bit and returns the mean (no pre/post scaling)
+        self.compression: GradCompression | None = None
+        self._compressed: set[int] = set()
 
     def _reduce_scatter(self, k: int, full_bucket: torch.Tensor, into: torch.Tensor | None = None) -> Work:
         """``into``: where the caller keeps the result, used as the output when it is this rank's slot of the input
         (stage 1 in the wire dtype: the all-reduce-then-slice then leaves it in place, no copies; ``Collectives``
         gives a native reduce-scatter a separate output)."""
+        if self.compression is not None and self.compression.active:
+            src, out, work = self.compression.launch(k, full_bucket)
+            self._inflight[k] = (src, out, False)
+            self._compressed.add(k)
+            return work
         staged = self.ctx.staged(full_bucket)
         copied = staged is not full_bucket  # a wire-dtype copy: staging of its own (else counted by the caller)
         if copied:
@@ -185,7 +198,9 @@ class _ShardReduceScatter:
         staged, out, copied = inflight
         if copied:
             self.meter.release(staged)
-        if self.ctx.scaling.post != 1.0:
+        if k in self._compressed:  # already the mean
+            self._compressed.discard(k)
+        elif self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
         return out
 

@@ -36,6 +36,7 @@ from shardspeed.offload.stepped_access import TargetSlices, stand_in
 from shardspeed.precision.grad_norm import sum_of_squares
 from shardspeed.precision.norm_weights import NormScope, counted_views
 from shardspeed.zero.arrival_order import LayoutPlanner
+from shardspeed.zero.compressed_grads import GradCompression
 from shardspeed.zero.grad_buffer import FlatGradBuffer, param_views
 from shardspeed.zero.grad_markers import SteppedGrads
 from shardspeed.zero.grad_sync import CommContext, ReduceScatterGrads, StagedReduceScatter, StagingMeter
@@ -78,6 +79,7 @@ class PartitionedStates(FlatLayoutStates):
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
         self.overlap_param_gather = overlap_param_gather and module is not None
         self.param_gather = ParamGather(module if self.overlap_param_gather else None, packed.params)
+        self.compression: GradCompression | None = None  # 1-bit Adam's compressed phase (set_grad_compression)
         self._build(planner.build())
         self.reducer = GradReducer(packed.params, packed.names, self.layout, self.grad_sync, overlap=overlap)
         self._set_markers()
@@ -153,6 +155,18 @@ class PartitionedStates(FlatLayoutStates):
             self.grad_sync = StagedReduceScatter(
                 packed.params, layout, self.shard_flat, self.grad_shards, self.ctx, self.meter
             )
+        self._bind_compression()
+
+    def set_grad_compression(self, compression: GradCompression) -> None:
+        """[Note: compressed ZeRO gradients]: each bucket's reduce-scatter goes through ``compression`` while it
+        is active (1-bit Adam after ``freeze_step``)."""
+        self.compression = compression
+        self._bind_compression()
+
+    def _bind_compression(self) -> None:
+        self.grad_sync.compression = self.compression
+        if self.compression is not None:
+            self.compression.bind(self.layout)
 
     @torch.no_grad()
     def _relayout(self, layout: ShardLayout, optimizer: torch.optim.Optimizer) -> None:

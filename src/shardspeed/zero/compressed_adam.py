@@ -1,0 +1,232 @@
+"""1-bit Adam under ZeRO-1/2: DeepSpeed's OnebitAdam update on the rank's shard, gradients compressed after the
+warm-up ([Note: compressed ZeRO gradients] in zero/compressed_grads.py).
+
+Per element, as DeepSpeed's OnebitAdam (no bias correction, whatever ``bias_correction`` says; decoupled weight
+decay added to the update; ``eps`` outside the square root, whatever ``eps_inside_sqrt`` says):
+
+  step 1           DeepSpeed's buffer-initialisation call: the step is counted, nothing else changes
+  warm-up          m ← β1 m + (1-β1) g;  v ← β2 v + (1-β2) g²;  p ← p - lr (m / (√v + ε) + wd p)
+  at the switch    m ← m / (√v + ε)       (once: the momentum moves to preconditioned units)
+  compressed       m ← β1 m + (1-β1) û;  v frozen;             p ← p - lr (m + wd p)
+
+where g is the exact mean gradient (the stage's ordinary reduce-scatter) and û the error-fed 1-bit mean of the
+preconditioned local gradients g_r / (√v + ε) (``GradCompression``; [Note: preconditioned compression] in
+zero/compressed_grads.py). Without compression (û = g / (√v + ε)) the two phases are the same update: with v
+frozen, dividing before or after the momentum's average is the same linear map.
+
+The switch follows DeepSpeed's: at the end of step t ≥ 2 with t ≥ ``freeze_step`` the
+variance freezes and the next step's backward reduces compressed, so step t is compressed iff
+t - 1 ≥ max(2, freeze_step). The step count lives in the optimizer state, so a resumed run picks the same phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from shardspeed.comm import Collectives
+from shardspeed.topology import AxisGroup
+from shardspeed.zero.compressed_grads import (
+    CompressorFactory,
+    GradCompression,
+    check_compression_combination,
+    compressed_optimizer_name,
+    default_compressor,
+)
+
+
+def frozen_at(step: int, freeze_step: int) -> bool:
+    """Whether step ``step`` (1-based) runs in the compressed phase (its gradients were reduced compressed)."""
+    return step - 1 >= max(2, freeze_step)
+
+
+@torch.no_grad()
+def preconditioned_update(
+    param: torch.Tensor, u: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float, weight_decay: float
+) -> None:
+    """The compressed phase on preconditioned units: ``m ← β1 m + (1-β1) u; p ← p - lr (m + wd p)``."""
+    exp_avg.mul_(beta1).add_(u, alpha=1 - beta1)
+    update = exp_avg.clone()
+    if weight_decay > 0.0:
+        update.add_(param, alpha=weight_decay)
+    param.add_(update, alpha=-lr)
+
+
+def denominator(exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / (√v + ε), the frozen preconditioner (the same expression the warm-up divides by)."""
+    return 1.0 / (exp_avg_sq.sqrt() + eps)
+
+
+@torch.no_grad()
+def onebit_adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    frozen: bool,
+) -> None:
+    """One OnebitAdam update in place (pure tensor math, no communication)."""
+    beta1, beta2 = betas
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    if not frozen:
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    update = exp_avg / (exp_avg_sq.sqrt() + eps)
+    if weight_decay > 0.0:
+        update.add_(param, alpha=weight_decay)
+    param.add_(update, alpha=-lr)
+
+
+class ZeroOneBitAdam(torch.optim.Optimizer):
+    """OneBitAdam's update on ZeRO shards; DeepSpeed's constructor arguments (``cuda_aware`` and
+    ``comm_backend_name`` accepted and unused: the backend is the process group's). ``bind`` gives it the data
+    axis; the engine hands ``grad_compression`` to the stage."""
+
+    deepspeed_name = "OneBitAdam"  # compressed_optimizer_name: the combination check
+    shardspeed_elementwise = True  # every element's update reads only its own gradient and state
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ) -> None:
+        if amsgrad:
+            raise ValueError("OneBitAdam does not support amsgrad (as in DeepSpeed)")
+        if freeze_step < 0:
+            raise ValueError(f"OneBitAdam freeze_step must be >= 0, got {freeze_step}")
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.freeze_step = int(freeze_step)
+        self.grad_compression: GradCompression | None = None
+        self.bucket_tensor: Callable[[int], torch.Tensor] | None = None  # the stage's stepped tensor of bucket k
+
+    @classmethod
+    def replacing(cls, optimizer: torch.optim.Optimizer) -> ZeroOneBitAdam:
+        """The ZeRO-1/2 form of a (stage-0) OneBitAdam built from the config: same groups and settings."""
+        d = optimizer.defaults
+        freeze = getattr(optimizer, "freeze_step", d.get("freeze_step", 100000))
+        new = cls(
+            [dict(g) for g in optimizer.param_groups], lr=d.get("lr", 1e-3), freeze_step=freeze,
+            betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8), weight_decay=d.get("weight_decay", 0.0),
+        )  # fmt: skip
+        return new
+
+    def bind(
+        self,
+        collectives: Collectives,
+        axis: AxisGroup,
+        device: torch.device | None = None,
+        factory: CompressorFactory = default_compressor,
+    ) -> GradCompression:
+        """Build the gradient compression over the data axis (engine, once, before the first step)."""
+        if device is None:
+            device = self.param_groups[0]["params"][0].device
+        self.grad_compression = GradCompression(axis, collectives, device, factory)
+        self.grad_compression.denominator = self._denominator
+        self.grad_compression.phase = lambda: self.owns_communication
+        return self.grad_compression
+
+    def _denominator(self, k: int) -> torch.Tensor:
+        """This rank's shard of bucket ``k``'s 1 / (√v + ε) ([Note: preconditioned compression])."""
+        assert self.bucket_tensor is not None, "ZeroOneBitAdam: the stage did not say which tensor steps bucket k"
+        tensor = self.bucket_tensor(k)
+        eps = next(g["eps"] for g in self.param_groups if any(p is tensor for p in g["params"]))
+        return denominator(self.state[tensor]["exp_avg_sq"], eps)
+
+    @property
+    def steps(self) -> int:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st:
+                    return int(st["step"])
+        return 0
+
+    @property
+    def owns_communication(self) -> bool:
+        """True in the compressed phase (the stage's reduce-scatter is then the 1-bit one)."""
+        return self.steps >= max(2, self.freeze_step)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                if state["step"] == 1:
+                    continue  # DeepSpeed's initialisation call updates nothing
+                if frozen_at(state["step"], self.freeze_step):
+                    if not frozen_at(state["step"] - 1, self.freeze_step):  # the switch: m to preconditioned units
+                        state["exp_avg"].mul_(denominator(state["exp_avg_sq"], group["eps"]))
+                    preconditioned_update(
+                        p, p.grad, state["exp_avg"], lr=group["lr"], beta1=group["betas"][0],
+                        weight_decay=group["weight_decay"],
+                    )  # fmt: skip
+                    continue
+                onebit_adam_update(
+                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    frozen=frozen_at(state["step"], self.freeze_step),
+                )  # fmt: skip
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.grad_compression is not None:
+            self.grad_compression.drop_preconditioner()  # another variance
+
+    # --- error buffers in checkpoints (B's protocol) ------------------------------------------------------------
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's worker error buffers (one per bucket)."""
+        return {} if self.grad_compression is None else self.grad_compression.state_dict()
+
+    def load_compression_state_dict(self, sd: dict[str, torch.Tensor], same_world: bool) -> None:
+        """Same world size: the saved error buffers; another: reset (the checkpoint reader warns; DeepSpeed
+        always resets)."""
+        if self.grad_compression is None:
+            return
+        self.grad_compression.drop_preconditioner()  # the variance is being loaded too (maybe piecewise)
+        if same_world:
+            self.grad_compression.load_state_dict(sd)
+        else:
+            self.grad_compression.reset()
+
+
+def zero_compressed_optimizer(
+    optimizer: Any, states: Any, stage: int, axis: AxisGroup, collectives: Collectives, device: torch.device
+) -> Any:
+    """engine_setup: refuse a 1-bit optimizer at a stage it cannot run with; at stages 1/2 turn OneBitAdam into
+    its sharded form and give the stage its gradient compression. Anything else is returned unchanged."""
+    check_compression_combination(optimizer, stage)
+    if stage not in (1, 2) or compressed_optimizer_name(optimizer) != "OneBitAdam":
+        return optimizer
+    sharded = optimizer if isinstance(optimizer, ZeroOneBitAdam) else ZeroOneBitAdam.replacing(optimizer)
+    sharded.bucket_tensor = lambda k: states.bucket_tensors[k]
+    states.set_grad_compression(sharded.bind(collectives, axis, device))
+    return sharded

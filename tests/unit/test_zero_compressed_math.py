@@ -1,0 +1,129 @@
+"""1-bit Adam under ZeRO-1/2, the pure parts: which combinations are refused, the phase rule, the update, the error
+buffers' bytes against ZeRO's memory formula, and how loaded error buffers wait for their bucket's compressor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardspeed.config.errors import ConfigError
+from shardspeed.zero.compressed_adam import ZeroOneBitAdam, frozen_at, onebit_adam_update
+from shardspeed.zero.compressed_grads import (
+    GradCompression,
+    check_compression_combination,
+    error_buffer_bytes,
+    zero_memory_bytes,
+)
+from shardspeed.zero.layout import build_shard_layout
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_combinations(name: str, stage: int) -> None:
+    if stage == 0 or (name == "OneBitAdam" and stage in (1, 2)):
+        check_compression_combination(name, stage)
+        return
+    with pytest.raises(ConfigError, match=rf"optimizer {name} with zero_optimization\.stage {stage} is not supported"):
+        check_compression_combination(name, stage)
+
+
+def test_other_optimizers_pass_and_classes_are_named() -> None:
+    check_compression_combination("AdamW", 3)
+    check_compression_combination(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), 3)
+    opt = ZeroOneBitAdam([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ConfigError, match=r"OneBitAdam with zero_optimization\.stage 3"):
+        check_compression_combination(opt, 3)
+
+
+def test_phase_follows_deepspeed() -> None:
+    """DeepSpeed: step 1 initialises; from step 2 on, ``step >= freeze_step`` at the end of a step freezes the
+    variance for the next one (so freeze_step 0, 1 and 2 all compress from step 3)."""
+    assert [k for k in range(1, 8) if frozen_at(k, 4)] == [5, 6, 7]
+    for f in (0, 1, 2):
+        assert [k for k in range(1, 6) if frozen_at(k, f)] == [3, 4, 5]
+
+
+def test_update_matches_deepspeed_formula() -> None:
+    g = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    p, m, v = torch.ones(20), torch.full((20,), 0.1), torch.full((20,), 0.2)
+    p0, m0, v0 = p.clone(), m.clone(), v.clone()
+    onebit_adam_update(p, g, m, v, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, frozen=False)
+    m1, v1 = 0.9 * m0 + 0.1 * g, 0.99 * v0 + 0.01 * g * g
+    torch.testing.assert_close(p, p0 - 0.01 * (m1 / (v1.sqrt() + 1e-8) + 0.1 * p0))
+    onebit_adam_update(p, g, m, v, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, frozen=True)
+    torch.testing.assert_close(v, v1)  # frozen
+    torch.testing.assert_close(m, 0.9 * m1 + 0.1 * g)
+
+
+def test_first_step_only_counts() -> None:
+    p = torch.ones(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    opt = ZeroOneBitAdam([p], lr=0.1, freeze_step=3)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and opt.steps == 1
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_error_buffers_are_4_bytes_per_element_against_the_zero_formula(world: int) -> None:
+    numels = [1000, 37, 4096, 3, 250_000]
+    layout = build_shard_layout(numels, [0] * len(numels), 50_000, world)
+    psi = sum(numels)
+    err = error_buffer_bytes(layout)
+    assert 4 * psi <= err <= 4 * (layout.total + 8 * world * len(layout.buckets))  # padding only
+    # stage 2 with mixed precision: 2Ψ + 14Ψ/N without compression; the error buffers add about 4Ψ
+    base = zero_memory_bytes(psi, world, 2, mixed=True)
+    assert base == 2 * psi + 14 * psi // world
+    assert (base + err) / base == pytest.approx(1 + 4 / (2 + 14 / world), rel=1e-3)
+    assert zero_memory_bytes(psi, world, 1, mixed=True) == 4 * psi + 12 * psi // world
+
+
+class _Fake:
+    def __init__(self, numel: int, *_: object) -> None:
+        self.worker_error = torch.zeros(numel)
+        self.error_bytes = 4 * numel
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"worker_error": self.worker_error}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.worker_error.copy_(sd["worker_error"])
+
+    def reset(self) -> None:
+        self.worker_error.zero_()
+
+
+def test_loaded_error_buffers_wait_for_their_compressor() -> None:
+    """[Note: error buffers and the re-layout]: loaded before the re-layout, used after it."""
+    gc = GradCompression(None, None, torch.device("cpu"), _Fake)  # type: ignore[arg-type]
+    before = build_shard_layout([4, 6], [0, 0], 100, 2)
+    after = build_shard_layout([4, 6], [0, 0], 100, 2, order=[1, 0])
+    gc.bind(before)
+    gc.load_state_dict({"bucket0.worker_error": torch.arange(10.0)})
+    assert gc.error_bytes == 0 and set(gc.state_dict()) == {"bucket0.worker_error"}  # saved again as loaded
+    gc.bind(after)
+    assert torch.equal(gc.compressor(0).worker_error, torch.arange(10.0))
+    gc.reset()
+    assert gc.state_dict()["bucket0.worker_error"].count_nonzero() == 0
+
+
+def test_mean_abs_scale_never_grows_the_error() -> None:
+    """[Note: mean-abs scale]: ‖x − s·sign(x)‖² = ‖x‖² − n·s² with s = mean |x|; RMS doubles it on heavy tails."""
+    from shardspeed.compression.signs import compress_
+    from shardspeed.zero.compressed_scale import compress_mean_abs_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g)
+    x[:4] *= 1000.0  # a few dominant elements
+    for fn, bound in ((compress_mean_abs_, 1.0), (compress_, 2.0)):
+        err = torch.zeros_like(x)
+        fn(x.clone(), err)
+        ratio = (err.norm() / x.norm()).item() ** 2
+        assert ratio <= bound
+    err = torch.zeros_like(x)
+    compress_mean_abs_(x.clone(), err)
+    torch.testing.assert_close(err.norm() ** 2, x.norm() ** 2 - x.numel() * x.abs().mean() ** 2, rtol=1e-4, atol=1e-2)
+    rms_err = torch.zeros_like(x)
+    compress_(x.clone(), rms_err)
+    assert rms_err.norm() > 1.3 * x.norm()  # on heavy tails RMS leaves an error larger than the input
