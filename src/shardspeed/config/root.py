@@ -13,6 +13,7 @@ from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
+from .curriculum import CurriculumLearningConfig
 from .fault_tolerance import FaultToleranceConfig
 from .flops_profiler import FlopsProfilerConfig
 from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
@@ -130,6 +131,10 @@ class ShardSpeedConfig(ConfigModel):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
     preemption, resume. Not a DeepSpeed key (shardspeed's own section)."""
+
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy seqlen curriculum (config/curriculum.py, training/curriculum.py). DeepSpeed default:
+    disabled."""
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
