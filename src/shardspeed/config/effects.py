@@ -116,6 +116,21 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "curriculum_learning.schedule_config.root_degree": _acts("data/curriculum/schedule.py"),
     "curriculum_learning.schedule_config.difficulty": _acts("data/curriculum/schedule.py"),
     "curriculum_learning.schedule_config.max_step": _acts("data/curriculum/schedule.py"),
+    "data_efficiency.enabled": _acts("accepted; the sampler follows data_sampling.curriculum_learning"),
+    "data_efficiency.seed": _acts("data/difficulty_sampler.py: the order of each pass"),
+    "data_efficiency.data_sampling.enabled": _acts("accepted as DeepSpeed does (its engine reads the inner flag)"),
+    "data_efficiency.data_sampling.num_epochs": _acts("data/difficulty_sampler.py: passes per loader iteration"),
+    "data_efficiency.data_sampling.num_workers": _acts("data/engine_loader.py: DataLoader workers"),
+    "data_efficiency.data_sampling.pin_memory": _warns(
+        "the loader pins host memory itself exactly when the device is CUDA (DeepSpeed never reads the key)", True
+    ),
+    "data_efficiency.data_sampling.curriculum_learning.enabled": _acts("data/engine_loader.py: the difficulty sampler"),
+    "data_efficiency.data_sampling.curriculum_learning.data_cluster_path": _acts(
+        "accepted; clusters are recomputed in memory from the metric files, nothing is written there"
+    ),
+    "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics": _acts(
+        "data/difficulty_sampler.py: per metric index files, difficulty type, clustering type and schedule"
+    ),
     "flops_profiler.enabled": _acts("profiling/engine_profiler.py profiles one step"),
     "flops_profiler.recompute_fwd_factor": _acts("profiling/summary.py: the hardware FLOPS lines"),
     "flops_profiler.profile_step": _acts("profiling/engine_profiler.py: which step is profiled"),

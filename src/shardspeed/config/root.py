@@ -14,6 +14,7 @@ from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, P
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
 from .curriculum import CurriculumLearningConfig
+from .data_efficiency import DataEfficiencyConfig
 from .fault_tolerance import FaultToleranceConfig
 from .flops_profiler import FlopsProfilerConfig
 from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
@@ -135,6 +136,10 @@ class ShardSpeedConfig(ConfigModel):
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """DeepSpeed's legacy seqlen curriculum (config/curriculum.py, training/curriculum.py). DeepSpeed default:
     disabled."""
+
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency: the difficulty-aware sampler (config/data_efficiency.py,
+    data/difficulty_sampler.py); routing (random-LTD) refused. DeepSpeed default: disabled."""
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
