@@ -28,7 +28,7 @@ import torch
 from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
-from shardspeed.data import build_dataloader
+from shardspeed.data.engine_loader import build_training_loader
 from shardspeed.distributed import local_rank_device
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import (
@@ -178,20 +178,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             if fp16.enabled
             else None
         )
-        self.training_dataloader = (
-            build_dataloader(
-                training_data,
-                micro_batch_size=config.train_micro_batch_size_per_gpu,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-                dp_rank=topology.dp_rank,
-                dp_world_size=topology.dp_world_size,
-                collate_fn=collate_fn,
-                seed=config.seed if config.seed is not None else 0,
-                device=self.device,
-            )
-            if training_data is not None
-            else None
-        )
+        # Difficulty sampling when data_efficiency enables it (data/engine_loader.py).
+        self.training_dataloader = build_training_loader(training_data, config, topology, collate_fn, self.device)
         self.predicted_memory = model_state_bytes(
             trainable_numel,
             topology.dp_world_size,
