@@ -28,7 +28,7 @@ import torch
 from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
-from shardspeed.data.engine_loader import build_training_loader
+from shardspeed.data.engine_loader import DifficultyLog, build_training_loader
 from shardspeed.distributed import local_rank_device
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import (
@@ -196,6 +196,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
         self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
+        self.events.subscribe(
+            DifficultyLog(self.training_dataloader, self.logger, config.steps_per_print, topology.global_rank)
+        )
         self.events.subscribe(self.comms_log.expect(config, trainable_numel, topology.dp_world_size))  # comm/log.py
         self.preemption = PreemptionWatch(config.fault_tolerance, self.logger)  # handlers: installed by initialize
         self._core = StepCore(

@@ -165,3 +165,51 @@ def test_metrics_from_analyzer_files_via_config(tmp_path: Path) -> None:
     metrics["seqlen"]["index_to_metric_path"] = str(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"'seqlen'.*missing"):
         load_metrics(_config(tmp_path, metrics), N)
+
+
+def test_engine_draws_by_difficulty_and_logs_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``initialize(training_data=...)`` in a world of one: the loader is the difficulty sampler's, each step's
+    samples are eligible, and the difficulty goes to the progress line and the csv monitor's tag."""
+    import torch
+
+    import shardspeed
+    from shardspeed.monitor.tags import DIFFICULTY, difficulty_events
+    from shardspeed.monitor.writers import csv_file_name
+
+    files = analyze([np.ones(int(v)) for v in VALUES], "seqlen", save_path=tmp_path, progress=False).files
+    metric = {
+        "index_to_sample_path": str(files.index_to_sample),
+        "index_to_metric_path": str(files.index_to_metric),
+        "difficulty_type": "value",
+        "min_difficulty": 8,
+        "max_difficulty": 64,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8},
+    }
+    config = {
+        "train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "steps_per_print": 2,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
+        "data_efficiency": {
+            "data_sampling": {"curriculum_learning": {"enabled": True, "curriculum_metrics": {"len": metric}}}
+        },
+    }
+    data = torch.utils.data.TensorDataset(torch.arange(N), torch.randn(N, 4))
+    model = torch.nn.Linear(4, 1)
+    engine, _, loader, _ = shardspeed.initialize(model=model, training_data=data, config=config)
+    assert isinstance(loader.sampler, DifficultySampler) and loader.sampler.seed == 1234  # DeepSpeed's default seed
+    schedule = CurriculumSchedule(8, 64, "fixed_linear", total_curriculum_step=10, difficulty_step=8)
+    it = iter(loader)
+    for step in range(1, 5):
+        for _ in range(2):
+            idx, x = next(it)
+            assert np.all(VALUES[idx.numpy()] <= schedule.difficulty_at(step)), step
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+    assert f"step 4: data sampling difficulty len {schedule.difficulty_at(4)}" in capsys.readouterr().err
+    engine.destroy()
+    rows = (tmp_path / "csv" / "j" / csv_file_name(DIFFICULTY + "len")).read_text().splitlines()
+    assert rows[-1] == f"16,{float(schedule.difficulty_at(4))}"
+    assert difficulty_events(None, 3) == [] and difficulty_events({"b": 2, "a": 1}, 3)[0] == (DIFFICULTY + "a", 1.0, 3)

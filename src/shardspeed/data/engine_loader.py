@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import torch
 from shardspeed.data.difficulty import load_metrics
 from shardspeed.data.difficulty_sampler import DifficultySampler
 from shardspeed.data.loader import ShardSpeedDataLoader, build_dataloader
+from shardspeed.training.events import StepReport
 
 if TYPE_CHECKING:
     from shardspeed.config import ShardSpeedConfig
@@ -83,3 +85,21 @@ def build_difficulty_loader(
         device=device,
         pin_memory=device is not None and device.type == "cuda",
     )
+
+
+class DifficultyLog:
+    """The progress line of the difficulty sampler: every ``steps_per_print`` steps, on global rank 0, the
+    difficulty each metric had for the last global batch (beside ``ProgressLog``'s loss line)."""
+
+    def __init__(self, loader: Any, logger: logging.Logger, steps_per_print: int, global_rank: int) -> None:
+        sampler = getattr(loader, "sampler", None)
+        self._sampler = sampler if isinstance(sampler, DifficultySampler) and global_rank == 0 else None
+        self._logger = logger
+        self._every = steps_per_print
+
+    def on_step(self, report: StepReport) -> None:
+        if self._sampler is None or report.global_step % self._every:
+            return
+        difficulties = self._sampler.current_difficulties or {}
+        shown = ", ".join(f"{name} {value}" for name, value in sorted(difficulties.items()))
+        self._logger.info("step %d: data sampling difficulty %s", report.global_step, shown)
