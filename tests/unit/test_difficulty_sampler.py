@@ -4,6 +4,7 @@ rule, intersections, resumable state, and metrics read from the analyzer's files
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +168,7 @@ def test_metrics_from_analyzer_files_via_config(tmp_path: Path) -> None:
         load_metrics(_config(tmp_path, metrics), N)
 
 
-def test_engine_draws_by_difficulty_and_logs_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_draws_by_difficulty_and_logs_it(tmp_path: Path) -> None:
     """``initialize(training_data=...)`` in a world of one: the loader is the difficulty sampler's, each step's
     samples are eligible, and the difficulty goes to the progress line and the csv monitor's tag."""
     import torch
@@ -199,8 +200,14 @@ def test_engine_draws_by_difficulty_and_logs_it(tmp_path: Path, capsys: pytest.C
     data = torch.utils.data.TensorDataset(torch.arange(N), torch.randn(N, 4))
     model = torch.nn.Linear(4, 1)
     engine, _, loader, _ = shardspeed.initialize(model=model, training_data=data, config=config)
-    assert isinstance(loader.sampler, DifficultySampler) and loader.sampler.seed == 1234  # DeepSpeed's default seed
+    assert isinstance(loader.data_sampler, DifficultySampler) and loader.sampler.seed == 1234  # DeepSpeed's default
+    assert engine.curriculum_learning_enabled() and not engine.data_efficiency_enabled()
+    engine.set_custom_curriculum_learning_schedule({})
     schedule = CurriculumSchedule(8, 64, "fixed_linear", total_curriculum_step=10, difficulty_step=8)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    engine.logger.addHandler(handler)
     it = iter(loader)
     for step in range(1, 5):
         for _ in range(2):
@@ -208,7 +215,8 @@ def test_engine_draws_by_difficulty_and_logs_it(tmp_path: Path, capsys: pytest.C
             assert np.all(VALUES[idx.numpy()] <= schedule.difficulty_at(step)), step
             engine.backward(engine(x).pow(2).mean())
             engine.step()
-    assert f"step 4: data sampling difficulty len {schedule.difficulty_at(4)}" in capsys.readouterr().err
+    engine.logger.removeHandler(handler)
+    assert f"step 4: data sampling difficulty len {schedule.difficulty_at(4)}" in lines
     engine.destroy()
     rows = (tmp_path / "csv" / "j" / csv_file_name(DIFFICULTY + "len")).read_text().splitlines()
     assert rows[-1] == f"16,{float(schedule.difficulty_at(4))}"
