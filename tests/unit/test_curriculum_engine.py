@@ -143,3 +143,16 @@ def test_resume_mid_curriculum_equals_uninterrupted(tmp_path) -> None:
     assert second.curriculum_scheduler_legacy.get_current_difficulty() == 8
     assert _run(second, 3, start=3) == pytest.approx(want[3:], rel=0, abs=0)
     assert [s for _, s in second.module.seen] == [s for _, s in whole.module.seen][6:]
+
+
+def test_bf16_and_tensor_core_warning(caplog) -> None:
+    """bf16 beside the curriculum (truncation cuts the integer token tensors, the model runs in bf16), and DeepSpeed's
+    warning for a difficulty_step that is not a multiple of 8."""
+    config = _config(truncate=True)
+    config["bf16"] = {"enabled": True}
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(config)
+    assert "difficulty_step = 4 is not a multiple of 8" in caplog.text
+    losses = _run(engine, 3)
+    assert [n for n, _ in engine.module.seen] == [8, 8, 12, 12, 16, 16]
+    assert all(loss == loss for loss in losses) and engine.module.emb.weight.dtype == torch.bfloat16
