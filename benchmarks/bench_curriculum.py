@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"throughput: seqlen {tp['short_seqlen']} {median(tp['short_tokens_per_s']):.0f} tokens/s vs "
         f"{args.context} {median(tp['full_tokens_per_s']):.0f} tokens/s (medians of {args.repeats}); per-round ratio "
-        f"short/full median {tp['gain_median']:.3f} (IQR {lo:.3f}-{hi:.3f})"
+        f"short/full median {tp['gain_median']:.3f} (IQR {lo:.3f}-{hi:.3f}); a step at {tp['short_seqlen']} takes "
+        f"{tp['short_seqlen'] / args.context / tp['gain_median']:.2f}x the time of a full-length step"
     )
     print(f"wrote {args.out / 'curriculum.png'} and {args.out / 'curriculum.json'}")
     return results
