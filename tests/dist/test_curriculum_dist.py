@@ -121,7 +121,15 @@ PIPE_CURRICULUM = {
 }
 
 
-def _pipe(rank: int, world: int) -> dict:
+def _cut_by_script(engine: Any, batches: Any) -> Any:
+    """Without ``truncate`` the script's iterator shortens the batches (Megatron-DeepSpeed's way under a pipeline),
+    reading the difficulty ``train_batch`` set before it reads the batch."""
+    for x, y in batches:
+        s = engine.curriculum_scheduler_legacy.get_current_difficulty()
+        yield x[:, :s], y[:, :s]
+
+
+def _pipe(rank: int, world: int, truncate: bool) -> dict:
     from shardspeed.pipe import PipelineModule
     from shardspeed.topology import MeshShape, Topology
 
@@ -133,7 +141,7 @@ def _pipe(rank: int, world: int) -> dict:
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": M,
         "optimizer": optimizer_config("adamw", LR),
-        "curriculum_learning": PIPE_CURRICULUM,
+        "curriculum_learning": {**PIPE_CURRICULUM, "truncate": truncate},
         "steps_per_print": 1000,
     }
     engine, *_ = shardspeed.initialize(model=module, config=config)
@@ -147,12 +155,14 @@ def _pipe(rank: int, world: int) -> dict:
     engine.channel.reset_shapes = counting  # the test's own engine object: counts renegotiations
     batches = make_batches(STEPS, M, MB, 1, vocab=PIPE_MODEL["vocab"], seq=PIPE_MODEL["seq"])
     it = rank_iterator(batches, M, 0, 1)
+    it = it if truncate else _cut_by_script(engine, it)
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
     params = {k: v.float() for k, v in engine.module_state_dict().items()}
     return {"losses": losses, "params": params, "resets": resets}
 
 
-def test_pipeline_renegotiates_when_the_length_changes(dist_run) -> None:
+@pytest.mark.parametrize("truncate", [True, False])
+def test_pipeline_renegotiates_when_the_length_changes(dist_run, truncate: bool) -> None:
     schedule = CurriculumSchedule(4, 8, "fixed_discrete", difficulty=(4, 6, 8), max_step=(2, 3))
     batches = make_batches(STEPS, M, MB, 1, vocab=PIPE_MODEL["vocab"], seq=PIPE_MODEL["seq"])
     cut = []
@@ -162,7 +172,7 @@ def test_pipeline_renegotiates_when_the_length_changes(dist_run) -> None:
     ref = reference_model(**PIPE_MODEL)
     ref_losses = reference_train(ref, cut, torch_optimizer("adamw", ref.parameters(), LR), micro_batches=M)
     want = {n: p.detach() for n, p in ref.named_parameters()}
-    for r in dist_run(_pipe, 2):
+    for r in dist_run(_pipe, 2, truncate):
         assert r["resets"] == [0, 2, 3]  # first batch, 4 -> 6 before step 3, 6 -> 8 before step 4
         assert r["losses"] == pytest.approx(ref_losses, abs=TOL)
         assert max((r["params"][n] - want[n]).abs().max().item() for n in want) <= TOL
