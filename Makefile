@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-analyzer gpu-check clean
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-analyzer bench-curriculum gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-tp: $(STAMP)
 # DS_PYTHON names a venv's python with deepspeed 0.19.8 (see the script's docstring), DeepSpeed's PipelineModule.
 bench-pipe: $(STAMP)
 	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
+
+# The seqlen curriculum on the demo GPT: held-out loss vs tokens with and without it (PNG), short-sequence throughput.
+bench-curriculum: $(STAMP)
+	$(PY) benchmarks/bench_curriculum.py $(ARGS)
 
 # shardspeed data-analyze's throughput on a synthetic 1M-sample token dataset, e.g.
 # `make bench-analyzer ARGS="--map-samples 200000 --workers 1 2 4"`.

@@ -37,6 +37,13 @@ class DeepSpeedCompatMixin:
     def skipped_steps(self) -> int:
         return self.progress.skipped_steps
 
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict[str, Any]:
+        """The ``curriculum_learning`` section as DeepSpeed's dict (``enabled`` and unset keys left out)."""
+        return self.config.curriculum_learning.model_dump(exclude={"enabled"}, exclude_none=True)
+
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu
 

@@ -60,6 +60,7 @@ from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, col
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
+from shardspeed.training.curriculum import attach_curriculum
 from shardspeed.training.nonfinite import NonFiniteGuard
 from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
@@ -223,6 +224,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.flops_profiler = attach_flops_profiler(self)  # DeepSpeed's attribute; inactive unless configured
         self.monitor = attach_monitor(self)  # DeepSpeed's MonitorMaster: monitors written on one rank (monitor/)
+        self.curriculum_scheduler_legacy = attach_curriculum(self)  # DeepSpeed's seqlen curriculum, or None
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
@@ -250,6 +252,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     # --- training loop API ---------------------------------------------------------------------------------------
     @guarded("engine.forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if (curriculum := self.curriculum_scheduler_legacy) is not None:  # curriculum_seqlen, or cut (truncate)
+            args, kwargs = curriculum.before_forward(self.progress.global_steps, self.module.training, args, kwargs)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
         self._first_batch(args, kwargs)  # the first forward only: identical across the tensor axis

@@ -84,8 +84,9 @@ class CurriculumSchedule:
         if custom is None:
             raise CurriculumScheduleError(
                 "schedule_type",
-                '"custom" needs a schedule function: call engine.set_custom_curriculum_learning_schedule(fn) '
-                "(fn: global step -> difficulty) before the first training step",
+                '"custom" needs a schedule function (global step -> difficulty) before the first training step: '
+                "engine.curriculum_scheduler_legacy.set_custom_get_difficulty(fn) for curriculum_learning, "
+                "engine.set_custom_curriculum_learning_schedule({metric: fn}) for data_efficiency",
             )
         value = custom(global_step)
         if isinstance(value, bool) or not isinstance(value, int):
