@@ -100,6 +100,7 @@ def test_cli_writes_files_and_reports_errors(tmp_path: Path, capsys: pytest.Capt
     assert code == 2 and "nope.idx" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # DeepSpeed's import and its multiprocess reduce: ~10 s on 2 idle cores
 def test_same_files_as_deepspeeds_data_analyzer(tmp_path: Path) -> None:
     """DeepSpeed's DataAnalyzer (map + reduce, one worker) and ours, on the same values: same items and dtypes."""
     if not DS_PYTHON.exists():
