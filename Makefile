@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-compressed-collective gpu-check clean bench-compression-convergence
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-compressed-collective gpu-check clean bench-compression-convergence bench-analyzer bench-curriculum
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -60,6 +60,15 @@ bench-compression-speed: $(STAMP)
 # E.g. `make bench-compression-convergence ARGS="--optimizers zero2-onebitadam --worlds 2"`.
 bench-compression-convergence: $(STAMP)
 	$(PY) benchmarks/bench_compression_convergence.py $(ARGS)
+
+# The seqlen curriculum on the demo GPT: held-out loss vs tokens with and without it (PNG), short-sequence throughput.
+bench-curriculum: $(STAMP)
+	$(PY) benchmarks/bench_curriculum.py $(ARGS)
+
+# shardspeed data-analyze's throughput on a synthetic 1M-sample token dataset, e.g.
+# `make bench-analyzer ARGS="--map-samples 200000 --workers 1 2 4"`.
+bench-analyzer: $(STAMP)
+	$(PY) benchmarks/bench_data_analyzer.py $(ARGS)
 
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with

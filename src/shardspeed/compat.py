@@ -37,6 +37,13 @@ class DeepSpeedCompatMixin:
     def skipped_steps(self) -> int:
         return self.progress.skipped_steps
 
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict[str, Any]:
+        """The ``curriculum_learning`` section as DeepSpeed's dict (``enabled`` and unset keys left out)."""
+        return self.config.curriculum_learning.model_dump(exclude={"enabled"}, exclude_none=True)
+
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu
 
@@ -159,3 +166,21 @@ class DeepSpeedCompatMixin:
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.safetensors") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename)  # type: ignore[attr-defined]
+
+    # DeepSpeed's data-efficiency accessors (config/data_efficiency.py; the sampler: data/difficulty_sampler.py).
+    def data_efficiency_enabled(self) -> bool:
+        return self.config.data_efficiency.enabled
+
+    def data_sampling_enabled(self) -> bool:
+        return self.config.data_efficiency.data_sampling.enabled
+
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether the difficulty-aware sampler is on (``data_sampling.curriculum_learning.enabled``, DeepSpeed's)."""
+        return self.config.data_efficiency.data_sampling.curriculum_learning.enabled
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Any]) -> None:
+        """Metric name -> ``fn(global batch) -> difficulty`` for metrics with ``schedule_type: custom`` (DeepSpeed's
+        API; without a training loader drawing by difficulty it does nothing, as DeepSpeed)."""
+        loader = self.training_dataloader  # type: ignore[attr-defined]
+        if loader is not None and self.curriculum_learning_enabled():
+            loader.sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)

@@ -28,7 +28,7 @@ import torch
 from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
-from shardspeed.data import build_dataloader
+from shardspeed.data.engine_loader import DifficultyLog, build_training_loader
 from shardspeed.distributed import local_rank_device
 from shardspeed.engine_module import EngineModule
 from shardspeed.engine_setup import (
@@ -60,6 +60,7 @@ from shardspeed.tensor_parallel.engine_setup import broadcast_initial_state, col
 from shardspeed.timers import PhaseTimers
 from shardspeed.topology import Topology
 from shardspeed.training import EngineEvents, MicroStepDriver, StepCore
+from shardspeed.training.curriculum import attach_curriculum
 from shardspeed.training.nonfinite import NonFiniteGuard
 from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
@@ -178,20 +179,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             if fp16.enabled
             else None
         )
-        self.training_dataloader = (
-            build_dataloader(
-                training_data,
-                micro_batch_size=config.train_micro_batch_size_per_gpu,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-                dp_rank=topology.dp_rank,
-                dp_world_size=topology.dp_world_size,
-                collate_fn=collate_fn,
-                seed=config.seed if config.seed is not None else 0,
-                device=self.device,
-            )
-            if training_data is not None
-            else None
-        )
+        # Difficulty sampling when data_efficiency enables it (data/engine_loader.py).
+        self.training_dataloader = build_training_loader(training_data, config, topology, collate_fn, self.device)
         self.predicted_memory = model_state_bytes(
             trainable_numel,
             topology.dp_world_size,
@@ -208,6 +197,9 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """Listeners of this engine's phases and steps (training/events.py): timers, progress log, monitors."""
         self.events.subscribe(self.timers)
         self.events.subscribe(ProgressLog(self.logger, config.steps_per_print, self.timers, topology.global_rank))
+        self.events.subscribe(
+            DifficultyLog(self.training_dataloader, self.logger, config.steps_per_print, topology.global_rank)
+        )
         self.events.subscribe(self.comms_log.expect(config, trainable_numel, topology.dp_world_size))  # comm/log.py
         self.preemption = PreemptionWatch(config.fault_tolerance, self.logger)  # handlers: installed by initialize
         self._core = StepCore(
@@ -232,6 +224,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.flops_profiler = attach_flops_profiler(self)  # DeepSpeed's attribute; inactive unless configured
         self.monitor = attach_monitor(self)  # DeepSpeed's MonitorMaster: monitors written on one rank (monitor/)
+        self.curriculum_scheduler_legacy = attach_curriculum(self)  # DeepSpeed's seqlen curriculum, or None
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)
         setattr(self, GUARD_ATTR, EngineGuard(board, topology.global_rank, self.progress))  # last: a whole engine
@@ -259,6 +252,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     # --- training loop API ---------------------------------------------------------------------------------------
     @guarded("engine.forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if (curriculum := self.curriculum_scheduler_legacy) is not None:  # curriculum_seqlen, or cut (truncate)
+            args, kwargs = curriculum.before_forward(self.progress.global_steps, self.module.training, args, kwargs)
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
         self._first_batch(args, kwargs)  # the first forward only: identical across the tensor axis

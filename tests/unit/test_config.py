@@ -291,8 +291,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
         ("amp", {"enabled": True, "opt_level": "O1"}),
         ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}),
         ("sparse_attention", {"mode": "fixed"}),
-        ("curriculum_learning", {"enabled": True}),
-        ("data_efficiency", {"enabled": True}),
         ("sparse_gradients", True),
         ("progressive_layer_drop", {"enabled": True}),
         ("eigenvalue", {"enabled": True}),

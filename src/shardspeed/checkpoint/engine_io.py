@@ -216,6 +216,7 @@ def _commit(
         else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "data_loader": _plain(loader.state_dict(), "the data loader's state") if loader is not None else None,
+        "curriculum_legacy": c.state_dict() if (c := getattr(engine, "curriculum_scheduler_legacy", None)) else None,
         "rng": [r["rng"] for r in everything],  # by global rank: gathered over the world
         "client_state": client,
         "tied": merge_rank_maps([r["tied"] for r in everything]) if piped else _aliases(engine.module),
@@ -370,6 +371,8 @@ def _restore_training_state(engine: ShardSpeedEngine, meta: dict[str, Any], load
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if engine.training_dataloader is not None and meta.get("data_loader") is not None:
         engine.training_dataloader.load_state_dict(meta["data_loader"])
+    if (curriculum := getattr(engine, "curriculum_scheduler_legacy", None)) and meta.get("curriculum_legacy"):
+        curriculum.load_state_dict(meta["curriculum_legacy"])  # training/curriculum.py
     rng = meta.get("rng") or []
     if rng:
         mine = rng[engine.topology.global_rank] if engine.topology.global_rank < len(rng) else rng[0]

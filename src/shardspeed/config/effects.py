@@ -105,6 +105,32 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "comms_logger.verbose": _warns("the comms log is a summary only (observability, no effect on training)", True),
     "comms_logger.prof_all": _warns("shardspeed filters by prof_ops whenever it is non-empty (observability)", False),
     "comms_logger.debug": _warns("caller names are not recorded (observability)", True),
+    "curriculum_learning.enabled": _acts("training/curriculum.py: seqlen curriculum in forward / train_batch"),
+    "curriculum_learning.curriculum_type": _acts("config/curriculum.py: only seqlen (others refused)"),
+    "curriculum_learning.truncate": _acts("training/curriculum.py: the engine cuts the batch itself"),
+    "curriculum_learning.min_difficulty": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.max_difficulty": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_type": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_config.total_curriculum_step": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_config.difficulty_step": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_config.root_degree": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_config.difficulty": _acts("data/curriculum/schedule.py"),
+    "curriculum_learning.schedule_config.max_step": _acts("data/curriculum/schedule.py"),
+    "data_efficiency.enabled": _acts("accepted; the sampler follows data_sampling.curriculum_learning"),
+    "data_efficiency.seed": _acts("data/difficulty_sampler.py: the order of each pass"),
+    "data_efficiency.data_sampling.enabled": _acts("accepted as DeepSpeed does (its engine reads the inner flag)"),
+    "data_efficiency.data_sampling.num_epochs": _acts("data/difficulty_sampler.py: passes per loader iteration"),
+    "data_efficiency.data_sampling.num_workers": _acts("data/engine_loader.py: DataLoader workers"),
+    "data_efficiency.data_sampling.pin_memory": _warns(
+        "the loader pins host memory itself exactly when the device is CUDA (DeepSpeed never reads the key)", True
+    ),
+    "data_efficiency.data_sampling.curriculum_learning.enabled": _acts("data/engine_loader.py: the difficulty sampler"),
+    "data_efficiency.data_sampling.curriculum_learning.data_cluster_path": _acts(
+        "accepted; clusters are recomputed in memory from the metric files, nothing is written there"
+    ),
+    "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics": _acts(
+        "data/difficulty_sampler.py: per metric index files, difficulty type, clustering type and schedule"
+    ),
     "flops_profiler.enabled": _acts("profiling/engine_profiler.py profiles one step"),
     "flops_profiler.recompute_fwd_factor": _acts("profiling/summary.py: the hardware FLOPS lines"),
     "flops_profiler.profile_step": _acts("profiling/engine_profiler.py: which step is profiled"),

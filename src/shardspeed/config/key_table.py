@@ -31,6 +31,7 @@ SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
     {"seed", "fault_tolerance", "tensor_parallel.sequence_parallel", "pipeline.schedule", "pipeline.zero_hold"}
     | {"zero_optimization.overlap_param_gather", "communication"}
     | {"zero_optimization.offload_optimizer.offload_gradients"}
+    | {"curriculum_learning.truncate"}
     | {f"communication.{k}" for k in ("collectives", "calibration_cache", "simulated_link")}
     | {f"communication.simulated_link.{k}" for k in ("bandwidth_gbps", "latency_us")}
     | {

@@ -169,8 +169,12 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     # Model / training-loop transformations.
     "sparse_attention": KeyRule("block-sparse attention kernels", _empty, _REMOVE),
     "progressive_layer_drop": KeyRule("progressive layer dropping", _enabled_false, _ENABLED_OFF),
-    "curriculum_learning": KeyRule("curriculum learning (legacy)", _enabled_false, _ENABLED_OFF),
-    "data_efficiency": KeyRule("data sampling / routing (random-LTD)", _enabled_false, _ENABLED_OFF),
+    "data_efficiency.data_routing": KeyRule(
+        "data routing (random-LTD token dropping)", _nothing_enabled, 'remove it or set every "enabled": false'
+    ),
+    "data_efficiency.data_sampling.dynamic_batching": KeyRule(
+        "dynamic batching (variable batch size and LR by token count)", _enabled_false, _ENABLED_OFF
+    ),
     "dataloader_drop_last": KeyRule("dropping the last incomplete batch", _false, _SET_FALSE),
     "hybrid_engine": KeyRule("the RLHF hybrid (train + inference) engine", _enabled_false, _ENABLED_OFF),
     "compile": KeyRule("DeepCompile", _compile_off, 'remove it or set "deepcompile": false'),

@@ -13,6 +13,8 @@ from .aio import AioConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
+from .curriculum import CurriculumLearningConfig
+from .data_efficiency import DataEfficiencyConfig
 from .fault_tolerance import FaultToleranceConfig
 from .flops_profiler import FlopsProfilerConfig
 from .monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
@@ -130,6 +132,14 @@ class ShardSpeedConfig(ConfigModel):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """What happens when something goes wrong: failure propagation, collective-order checks, non-finite steps,
     preemption, resume. Not a DeepSpeed key (shardspeed's own section)."""
+
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy seqlen curriculum (config/curriculum.py, training/curriculum.py). DeepSpeed default:
+    disabled."""
+
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency: the difficulty-aware sampler (config/data_efficiency.py,
+    data/difficulty_sampler.py); routing (random-LTD) refused. DeepSpeed default: disabled."""
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""

@@ -53,6 +53,11 @@ class ShardSpeedDataLoader:
     def __len__(self) -> int:
         return len(self.sampler)
 
+    @property
+    def data_sampler(self) -> Any:
+        """DeepSpeed's name for the loader's batch sampler (its engine reaches the difficulty sampler through it)."""
+        return self.sampler
+
     def __iter__(self) -> Iterator[Any]:
         if self._live is not None:
             self._live.close()

@@ -91,3 +91,6 @@ register_subcommand(
     "zero-to-fp32", "shardspeed.checkpoint.consolidate:main", "write a checkpoint's fp32 weights as safetensors"
 )
 register_subcommand("report", "shardspeed.report:main", "plot a run's monitor logs into an HTML page (RUN_DIR)")
+register_subcommand(
+    "data-analyze", "shardspeed.data.analyzer.cli:main", "per-sample difficulty metric -> DeepSpeed's index files"
+)

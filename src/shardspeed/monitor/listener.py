@@ -43,7 +43,7 @@ from shardspeed.training.events import StepReport
 from .base import Event
 from .master import MonitorMaster
 from .memory import device_peak_bytes, host_peak_bytes, model_state_total
-from .tags import RankMemory, step_events
+from .tags import RankMemory, difficulty_events, step_events
 
 __all__ = ["MonitorListener", "attach_monitor", "tokens_per_sample_of"]
 
@@ -136,6 +136,8 @@ class MonitorListener:
                 phase_seconds=engine.timers.last_step if engine.timers.enabled else None,
                 mfu=_mfu(engine, rate),
             )
+            sampler = getattr(engine.training_dataloader, "sampler", None)  # data/difficulty_sampler.py
+            events += difficulty_events(getattr(sampler, "current_difficulties", None), report.global_samples)
             self.master.write_events(events + memory)
             self.steps_written += 1
         self.seconds_inside += time.perf_counter() - began

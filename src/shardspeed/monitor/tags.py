@@ -13,9 +13,17 @@ from shardspeed.training.events import StepReport
 
 from .base import Event
 
-__all__ = ["TRAIN", "RankMemory", "step_events"]
+__all__ = ["DIFFICULTY", "TRAIN", "RankMemory", "difficulty_events", "step_events"]
 
 TRAIN = "Train/Samples/"
+DIFFICULTY = TRAIN + "data_sampling_difficulty/"
+"""Per-metric difficulty of the difficulty-aware sampler (data_efficiency; shardspeed's tag, DeepSpeed logs none)."""
+
+
+def difficulty_events(difficulties: Mapping[str, int] | None, x: int) -> list[Event]:
+    """``Train/Samples/data_sampling_difficulty/<metric>``: the difficulty each metric had for the last global
+    batch (nothing without the difficulty sampler)."""
+    return [(DIFFICULTY + name, float(value), x) for name, value in sorted((difficulties or {}).items())]
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,12 @@ class PipelineEngine(ShardSpeedEngine):
         """Renegotiate activation shapes on the next message of every link (sequence length changed, say)."""
         self.channel.reset_shapes()
 
+    def _curriculum_batch(self) -> Any:
+        """The data iterator of this ``train_batch`` ([Note: curriculum renegotiation] in training/curriculum.py)."""
+        if (curriculum := self.curriculum_scheduler_legacy) is None:
+            return self.data_iterator
+        return curriculum.pipeline_batch(self.progress.global_steps, self.data_iterator, self.reset_activation_shape)
+
     def _stage_data(self, iterator: Any) -> StageData:
         if iterator is not None and not hasattr(iterator, "__next__"):
             iterator = iter(iterator)
@@ -298,7 +304,7 @@ class PipelineEngine(ShardSpeedEngine):
         require_optimizer(self.optimizer, "train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        data = self._stage_data(self.data_iterator)
+        data = self._stage_data(self._curriculum_batch())  # seqlen curriculum: renegotiate shapes, cut batches
         if data.needed and data.iterator is None:
             raise ValueError(
                 "train_batch() has no data: pass data_iter, call set_dataiterator(), or give initialize() training_data"
@@ -352,6 +358,8 @@ class PipelineEngine(ShardSpeedEngine):
         m = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
         schedule = build_schedule(self.pipeline.schedule, m, self.num_stages, self.stage_id, self._chunks, train=False)
         self.module.eval()
+        if self.curriculum_scheduler_legacy is not None:  # eval runs at its data's length: renegotiate
+            self.curriculum_scheduler_legacy.pipeline_eval(self.reset_activation_shape)
         data = self._stage_data(data_iter)
         with torch.no_grad():
             result = self._executor.run(
