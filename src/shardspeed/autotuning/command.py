@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,10 @@ def strip_autotuning_flags(launcher_words: list[str]) -> list[str]:
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(143)
+
+
 def autotune(options: argparse.Namespace, launcher_words: list[str], launch: Callable[[list[str]], int]) -> int:
     """Entry from the launcher (cli.py) once the command line parsed; returns the exit status."""
     mode = options.autotuning
@@ -80,11 +85,15 @@ def autotune(options: argparse.Namespace, launcher_words: list[str], launch: Cal
     optimal = Path(section.results_dir) / OPTIMAL_CONFIG
     best_point: Point | None = None
     if mode == "tune" or section.overwrite or not optimal.exists():
+        # SIGTERM must unwind (the runner's finally stops the trial in flight: it runs in a session of its own)
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             report = tune(request)
         except TuneError as error:
             print(f"shardspeed: error: --autotuning: {error}", file=sys.stderr)
             return 1
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         print(describe(report), file=sys.stderr)
         if report.best is None:
             return 1

@@ -95,6 +95,7 @@ def write_results(
     *,
     command: Sequence[str],
     notes: Sequence[str] = (),
+    plot: bool = True,
 ) -> TrialRow | None:
     """Write every file; returns the best row (None when no trial ran: then no optimal config is written)."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +116,8 @@ def write_results(
     best = ranked[0]
     (results_dir / OPTIMAL_CONFIG).write_text(json.dumps(best.config, indent=2) + "\n")
     (results_dir / OPTIMAL_CMD).write_text(shlex.join(command) + "\n")
-    plot_metric_vs_micro_batch(rows, metric_name, results_dir / PLOT)
+    if plot:  # matplotlib's import alone takes seconds: tests without processes skip it
+        plot_metric_vs_micro_batch(rows, metric_name, results_dir / PLOT)
     return best
 
 

@@ -56,6 +56,8 @@ class TuneRequest:
     host_memory_gb: float | None = None
     launcher_args: list[str] = field(default_factory=list)
     seed: int = 0
+    plot: bool = True
+    """Write metric_vs_micro_batch.png (needs matplotlib)."""
 
 
 @dataclass
@@ -286,7 +288,7 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
         ),
         f"stopped: {tuner.stop_reason}",
     ]
-    best = write_results(results_dir, all_rows, tuning.metric, command=command, notes=notes)
+    best = write_results(results_dir, all_rows, tuning.metric, command=command, notes=notes, plot=request.plot)
     return TuneReport(
         all_rows,
         best,
