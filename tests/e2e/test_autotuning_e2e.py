@@ -16,6 +16,7 @@ SCRIPT = REPO_SRC / "shardspeed" / "autotuning" / "trial_script.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_autotuning_run_tunes_prunes_and_trains_with_the_best_config(tmp_path: Path) -> None:
     config = {
         "train_micro_batch_size_per_gpu": "auto",
