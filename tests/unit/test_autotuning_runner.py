@@ -43,3 +43,12 @@ def test_progress_is_read_line_by_line_leaving_a_half_written_line(tmp_path: Pat
         out.write('ss": 3.5}\n')
     records, offset = read_new_records(path, offset)
     assert records == [{"step": 2, "loss": 3.5}] and offset == path.stat().st_size
+
+
+def test_the_final_launch_drops_the_autotuners_own_flags() -> None:
+    from shardspeed.autotuning.command import config_path_of, strip_autotuning_flags
+
+    words = ["--autotuning", "run", "--num_procs", "2", "--device_memory_gb=0.5", "--host_memory_gb", "8"]
+    assert strip_autotuning_flags(words) == ["--num_procs", "2"]
+    assert config_path_of(["--x", "--deepspeed_config", "c.json"]) == "c.json"
+    assert config_path_of(["--deepspeed_config=d.json"]) == "d.json" and config_path_of(["--x"]) is None
