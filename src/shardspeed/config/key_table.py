@@ -34,6 +34,7 @@ SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
     | {"curriculum_learning.truncate"}
     | {f"communication.{k}" for k in ("collectives", "calibration_cache", "simulated_link")}
     | {f"communication.simulated_link.{k}" for k in ("bandwidth_gbps", "latency_us")}
+    | {f"autotuning.{k}" for k in ("device_memory_gb", "host_memory_gb", "progress_path", "trial_timeout_s")}
     | {
         f"fault_tolerance.{k}"
         for k in (
