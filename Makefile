@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,hf,monitor]' -c constraints.txt
+	$(PY) -m pip install -e '.[dev,hf,monitor,hpo]' -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
