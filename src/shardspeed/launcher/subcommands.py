@@ -91,3 +91,4 @@ register_subcommand(
     "zero-to-fp32", "shardspeed.checkpoint.consolidate:main", "write a checkpoint's fp32 weights as safetensors"
 )
 register_subcommand("report", "shardspeed.report:main", "plot a run's monitor logs into an HTML page (RUN_DIR)")
+register_subcommand("hpo", "shardspeed.autotuning.hpo.cli:main", "hyper-parameter search with Optuna (--space FILE)")
