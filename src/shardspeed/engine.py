@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.autotuning.probe import attach_autotuning_probe
 from shardspeed.comm import CommsLog
 from shardspeed.compat import DeepSpeedCompatMixin
 from shardspeed.config import ShardSpeedConfig
@@ -231,6 +232,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
         self.progress = self._driver.progress
         """The loop's counters (``global_steps``, ``micro_steps``, …; DeepSpeed's engine attributes below)."""
         self.flops_profiler = attach_flops_profiler(self)  # DeepSpeed's attribute; inactive unless configured
+        attach_autotuning_probe(self)  # autotuning trials: metric JSON + exit after the window (autotuning/probe.py)
         self.monitor = attach_monitor(self)  # DeepSpeed's MonitorMaster: monitors written on one rank (monitor/)
         self.last_load_stats: dict[str, int] = {}  # files/chunks the last load_checkpoint read on this rank
         register_engine_parameters(self)  # deepspeed.utils.safe_get_full_*(param) find their engine (weakly)

@@ -298,7 +298,6 @@ def test_nested_ignored_key_warns_with_path() -> None:
         ("eigenvalue", {"enabled": True}),
         ("quantize_training", {"enabled": True}),
         ("hybrid_engine", {"enabled": True}),
-        ("autotuning", {"enabled": True}),
         ("checkpoint", {"load_universal": True}),
         ("elasticity", {"enabled": True}),
         ("gradient_allreduce_op", "sum"),

@@ -32,6 +32,7 @@ SHARDSPEED_ONLY_KEYS: frozenset[str] = frozenset(
     | {"zero_optimization.overlap_param_gather", "communication"}
     | {"zero_optimization.offload_optimizer.offload_gradients"}
     | {f"communication.{k}" for k in ("collectives", "calibration_cache")}
+    | {f"autotuning.{k}" for k in ("device_memory_gb", "host_memory_gb", "progress_path", "trial_timeout_s")}
     | {
         f"fault_tolerance.{k}"
         for k in (

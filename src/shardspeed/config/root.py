@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from .activation import ActivationCheckpointingConfig
 from .aio import AioConfig
+from .autotuning import AutotuningConfig
 from .base import ConfigModel, InvalidValue, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .batch import BATCH_KEYS
 from .communication import CommunicationConfig
@@ -133,6 +134,10 @@ class ShardSpeedConfig(ConfigModel):
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler (config/flops_profiler.py; shardspeed/profiling/). DeepSpeed default: disabled."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner (config/autotuning.py; shardspeed/autotuning/): the tuner's keys, and in a trial's config
+    the engine's measurement window. DeepSpeed default: disabled."""
+
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     """TensorBoard monitor (config/monitor.py, shardspeed/monitor/). DeepSpeed default: disabled."""
 

@@ -1,0 +1,156 @@
+"""The engine side of an autotuning trial: an ``EngineListener`` (training/events.py) that measures the profile
+window, appends per-step progress records, writes the metric JSON and ends the process.
+
+Active only when the trial's config says ``autotuning.enabled`` (the tuner writes it into each trial's config,
+with ``metric_path`` and ``progress_path``; DeepSpeed's engine does the same with its config's section).
+
+[Note: the trial's exit] DeepSpeed's engine calls ``exit()`` on every rank once ``global_steps`` passes
+``end_profile_step``. Here every rank hears ``on_step`` for the same step (steps are agreed world-wide), gathers the
+ranks' peak memory (one ``all_gather_object`` over the world, through ``Collectives``: every rank calls it at the
+same step, so it cannot hang), rank 0 writes the metric JSON (atomically: write, then rename, so the runner never
+reads half a file), and every rank raises ``AutotuningExit`` — a ``SystemExit`` with status 0, marked *agreed* so
+the failure guard neither publishes it nor fails the engine. An unmodified training script therefore ends with
+status 0 and no traceback right after the measured window, on every rank.
+
+Measured window: from the end of step ``start_profile_step`` to the end of step ``end_profile_step``; latency is
+seconds per optimizer step, throughput samples per second (the whole data-parallel group's), flops the model FLOPs
+per second per rank from the flops profiler (the trial's config enables it on an earlier step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from shardspeed.config.autotuning import AutotuningConfig
+from shardspeed.faults.errors import mark_agreed
+from shardspeed.monitor.memory import device_peak_bytes, host_peak_bytes
+from shardspeed.training.events import StepReport
+
+__all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "metric_record"]
+
+DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default name, in the working directory
+PROGRESS_FILE = "progress.jsonl"
+
+
+class AutotuningExit(SystemExit):
+    """Raised on every rank after the measured window ([Note: the trial's exit]); status 0."""
+
+
+def metric_record(
+    *,
+    latency_s: float,
+    samples_per_s: float,
+    world_size: int,
+    flops_per_sample: float | None,
+    memory: list[dict[str, int | None]],
+    predicted_memory: dict[str, int],
+    window_steps: int,
+) -> dict[str, Any]:
+    """The metric JSON (pure): DeepSpeed's ``latency`` / ``throughput`` / ``FLOPS_per_gpu`` plus the memory each rank
+    peaked at (``host_peak_bytes``: VmHWM; ``device_peak_bytes``: CUDA max allocated or None) and the engine's own
+    model-state prediction."""
+    flops = flops_per_sample * samples_per_s / world_size if flops_per_sample else None
+    return {
+        "latency": latency_s,
+        "throughput": samples_per_s,
+        "flops": flops,
+        "FLOPS_per_gpu": flops,
+        "window_steps": window_steps,
+        "world_size": world_size,
+        "memory": memory,
+        "max_host_peak_bytes": max(int(m["host_peak_bytes"] or 0) for m in memory),
+        "max_device_peak_bytes": max((int(m["device_peak_bytes"] or 0) for m in memory), default=0) or None,
+        "predicted_model_states": predicted_memory,
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class AutotuningProbe:
+    """Inactive unless ``autotuning.enabled``. See the module docstring."""
+
+    def __init__(self, config: AutotuningConfig, engine: Any) -> None:
+        self.config = config
+        self.enabled = config.enabled
+        self._owner = weakref.ref(engine)  # no cycle through the listener: dropping the engine frees it
+        metric = Path(config.metric_path or DEFAULT_METRIC_FILE)
+        self.metric_path = metric
+        self.progress_path = Path(config.progress_path) if config.progress_path else metric.with_name(PROGRESS_FILE)
+        self._last = (time.perf_counter(), 0)
+        self._window_start: tuple[float, int] | None = None
+
+    def on_step(self, report: StepReport) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        engine = self._owner()
+        assert engine is not None
+        rank = engine.topology.global_rank
+        then, samples_then = self._last
+        self._last = (now, report.global_samples)
+        if rank == 0:
+            rate = (report.global_samples - samples_then) / max(now - then, 1e-9)
+            record = {"step": report.global_step, "loss": _float(report.loss), "samples_per_s": rate}
+            self.progress_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.progress_path.open("a") as out:  # one line per step, flushed: the runner tails it
+                out.write(json.dumps(record) + "\n")
+        if report.global_step == self.config.start_profile_step:
+            self._window_start = (now, report.global_samples)
+        if report.global_step >= self.config.end_profile_step and self._window_start is not None:
+            self._finish(engine, now, report.global_samples)
+
+    def _finish(self, engine: Any, now: float, samples: int) -> None:
+        assert self._window_start is not None
+        t0, s0 = self._window_start
+        steps = self.config.end_profile_step - self.config.start_profile_step
+        mine = {
+            "rank": engine.topology.global_rank,
+            "host_peak_bytes": host_peak_bytes(),
+            "device_peak_bytes": device_peak_bytes(engine.device),
+        }
+        memory = engine.collectives.all_gather_object(mine, engine.topology.world)  # every rank, same step
+        profiler = getattr(engine, "flops_profiler", None)
+        predicted = engine.predicted_memory
+        record = metric_record(
+            latency_s=(now - t0) / steps,
+            samples_per_s=(samples - s0) / max(now - t0, 1e-9),
+            world_size=engine.topology.world.size,
+            flops_per_sample=getattr(profiler, "model_flops_per_sample", None),
+            memory=list(memory),  # type: ignore[arg-type]
+            predicted_memory={
+                "params": predicted.params,
+                "grads": predicted.grads,
+                "optimizer": predicted.optimizer,
+                "cpu": predicted.cpu,
+            },
+            window_steps=steps,
+        )
+        if engine.topology.global_rank == 0:
+            _write_atomic(self.metric_path, json.dumps(record, indent=2))
+            engine.logger.info("autotuning: wrote %s; exiting after step %d", self.metric_path, engine.global_steps)
+        self.enabled = False
+        raise mark_agreed(AutotuningExit(0))
+
+
+def _float(loss: Any) -> float | None:
+    if loss is None:
+        return None
+    value = float(loss)
+    return value if value == value else None  # NaN is not JSON
+
+
+def attach_autotuning_probe(engine: Any) -> AutotuningProbe:
+    """Build the probe and subscribe it to ``engine.events`` (call once ``engine.progress`` exists)."""
+    probe = AutotuningProbe(engine.config.autotuning, engine)
+    engine.events.subscribe(probe)
+    return probe
