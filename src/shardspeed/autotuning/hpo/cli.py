@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage",
         default=None,
         help="Optuna storage: sqlite:///PATH, postgresql://..., mysql://..., or journal:PATH "
-        "(default: sqlite:///RESULTS_DIR/study.db); several workers on one storage share the study",
+        "(default: journal:RESULTS_DIR/study.journal); several workers on one storage share the study",
     )
     parser.add_argument("--study_name", default="hpo", help="the study's name in the storage (default hpo)")
     parser.add_argument("--n_trials", type=int, default=None, help="override study.n_trials (the study's total)")

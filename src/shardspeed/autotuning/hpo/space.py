@@ -120,7 +120,8 @@ class StudySettings(_Strict):
     pruner: Literal["median", "percentile", "hyperband", "none"] = "median"
     n_warmup_steps: int = Field(5, ge=0)
     """A trial is never pruned before it reported this many steps."""
-    steps_per_trial: int = Field(50, ge=1)
+    steps_per_trial: int = Field(50, ge=2)
+    """Optimizer steps per trial (the engine stops the script after this many: ``autotuning.end_profile_step``)."""
     trial_timeout_s: float = Field(600.0, gt=0)
     lr_range_test: LRRangeTestSettings = LRRangeTestSettings()
 

@@ -54,8 +54,9 @@ def trial_config(job: HpoJob, params: dict[str, Any]) -> dict[str, Any]:
     config = apply_to_config(job.ds_config, params)
     autotuning = dict(config.get("autotuning") or {})
     steps = job.space.study.steps_per_trial
-    autotuning.update(enabled=True, start_profile_step=min(autotuning.get("start_profile_step", 1), steps))
-    autotuning["end_profile_step"] = steps
+    # The engine measures from the end of start_profile_step (< end) and exits after end_profile_step.
+    start = max(1, min(int(autotuning.get("start_profile_step", 1)), steps - 1))
+    autotuning.update(enabled=True, start_profile_step=start, end_profile_step=steps)
     config["autotuning"] = autotuning
     return config
 
@@ -96,6 +97,7 @@ def run_trial(job: HpoJob, trial: optuna.Trial, run_fn: RunFn, lr_bounds: tuple[
     launch = _launch(job, f"trial_{trial.number:04d}", params)
     launch.exp_dir.mkdir(parents=True, exist_ok=True)
     trial.set_user_attr("exp_dir", str(launch.exp_dir))
+    trial.set_user_attr("worker", job.worker)
     tracker = ProgressTracker(trial, settings.metric, prune=settings.pruner != "none")
     start = time.perf_counter()
     result = None
@@ -127,6 +129,7 @@ class TrialFailed(RuntimeError):
 
 def create_study(job: HpoJob) -> optuna.Study:
     job.results_dir.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own per-trial lines replace Optuna's
     with quiet_optuna():
         storage = optuna_parts.open_storage(job.storage or optuna_parts.default_storage(job.results_dir))
     settings = job.space.study
@@ -158,7 +161,6 @@ def run_study(
     settings = job.space.study
     study = create_study(job)
     lr_bounds = _lr_bounds(job, study, run_fn, lr_range_fn)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     remaining = None if settings.n_trials is None else settings.n_trials - count_finished(study)
     if remaining is not None and remaining <= 0:
         return study
