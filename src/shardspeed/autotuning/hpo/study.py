@@ -22,8 +22,9 @@ from typing import Any
 
 import optuna
 
+from shardspeed.autotuning.hpo import launch as launch_module
 from shardspeed.autotuning.hpo import optuna_parts
-from shardspeed.autotuning.hpo.launch import RunFn, StopTrial, TrialLaunch, run_with_runner
+from shardspeed.autotuning.hpo.launch import RunFn, StopTrial, TrialLaunch
 from shardspeed.autotuning.hpo.progress import ProgressTracker, objective_value
 from shardspeed.autotuning.hpo.space import SearchSpace
 from shardspeed.autotuning.hpo.substitute import apply_to_args, apply_to_config
@@ -150,7 +151,7 @@ def create_study(job: HpoJob) -> optuna.Study:
 
 def run_study(
     job: HpoJob,
-    run_fn: RunFn = run_with_runner,
+    run_fn: RunFn | None = None,
     on_trial: Callable[[optuna.trial.FrozenTrial, int], None] | None = None,
     lr_range_fn: Callable[[HpoJob, RunFn], tuple[float, float]] | None = None,
 ) -> optuna.Study:
@@ -159,6 +160,7 @@ def run_study(
     Re-running continues the stored study; ``on_trial(frozen_trial, finished_count)`` is called after each trial.
     """
     settings = job.space.study
+    run_fn = run_fn or launch_module.run_with_runner  # read at call time: tests swap the real launch out
     study = create_study(job)
     lr_bounds = _lr_bounds(job, study, run_fn, lr_range_fn)
     remaining = None if settings.n_trials is None else settings.n_trials - count_finished(study)
