@@ -37,7 +37,7 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         return SimpleNamespace(status="ok", metric=None, metrics={}, wall_s=0.0, error=None)
 
     monkeypatch.setattr(launch_module, "run_with_runner", run)
-    monkeypatch.setattr(HpoFiles, "launches", launches)
+    monkeypatch.setattr(HpoFiles, "launches", launches, raising=False)
     return tmp_path
 
 

@@ -27,7 +27,7 @@ def test_narrowing_takes_the_lowest_loss_before_divergence() -> None:
     settings = LRRangeTestSettings(enabled=True, span=10.0, diverge_factor=4.0)
     points = [(0.1, 5.0), (0.5, 3.0), (1.0, 1.0), (2.0, 0.8), (3.0, 4.0), (4.0, 0.1)]  # diverged at 3.0 (> 4 x 0.8)
     assert narrow_lr_range(points, settings, 1e-3, 10.0) == pytest.approx((0.2, 2.0))
-    assert narrow_lr_range(points[:4] + [(3.0, float("nan")), (4.0, 0.1)], settings, 1e-3, 10.0) == pytest.approx(
+    assert narrow_lr_range([*points[:4], (3.0, float("nan")), (4.0, 0.1)], settings, 1e-3, 10.0) == pytest.approx(
         (0.2, 2.0)
     )
     assert narrow_lr_range(points, settings, 0.5, 1.5) == pytest.approx((0.5, 1.5))  # clipped to the original
