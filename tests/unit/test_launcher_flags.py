@@ -119,8 +119,6 @@ def test_each_rank_log_dir_is_absolute_with_one_timestamp_prefix(in_tmp: Path) -
 @pytest.mark.parametrize(
     ("argv", "reason"),
     [
-        (["--autotuning", "tune"], "autotuning is not implemented yet"),
-        (["--autotuning", "run"], "autotuning is not implemented yet"),
         (["--elastic_training"], "elastic training is not implemented yet"),
         (["--min_elastic_nodes", "1"], "elastic training is not implemented yet"),
         (["--max_elastic_nodes", "4"], "elastic training is not implemented yet"),
@@ -142,8 +140,15 @@ def test_refused_flags_name_the_reason(in_tmp: Path, argv: list[str], reason: st
 def test_refusal_is_reported_by_the_cli_before_anything_starts(
     in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    assert cli.main(["--elastic_training", "train.py"]) == 2
+    assert "elastic training is not implemented yet" in capsys.readouterr().err
+
+
+def test_autotuning_without_a_config_is_a_clear_error(in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--autotuning", "tune", "train.py"]) == 2
-    assert "autotuning is not implemented yet" in capsys.readouterr().err
+    assert "--autotuning needs the script's --deepspeed_config FILE" in capsys.readouterr().err
+    assert cli.main(["--autotuning", "fast", "train.py", "--deepspeed_config", "c.json"]) == 2
+    assert "expected tune or run" in capsys.readouterr().err
 
 
 def test_no_ssh_with_node_rank_starts_this_node(in_tmp: Path) -> None:

@@ -12,6 +12,10 @@ reads half a file), and every rank raises ``AutotuningExit`` — a ``SystemExit`
 the failure guard neither publishes it nor fails the engine. An unmodified training script therefore ends with
 status 0 and no traceback right after the measured window, on every rank.
 
+Model-info profile (DeepSpeed's ``model_info.profile``): the first training forward runs under a
+``SavedTensorCounter`` (activation.py); after the first step rank 0 writes ``model_info_path`` (parameter counts, saved
+activation bytes of one micro-batch, peak memory) and every rank exits the same way.
+
 Measured window: from the end of step ``start_profile_step`` to the end of step ``end_profile_step``; latency is
 seconds per optimizer step, throughput samples per second (the whole data-parallel group's), flops the model FLOPs
 per second per rank from the flops profiler (the trial's config enables it on an earlier step).
@@ -19,6 +23,7 @@ per second per rank from the flops profiler (the trial's config enables it on an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -26,6 +31,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from shardspeed.autotuning.activation import SavedTensorCounter
 from shardspeed.config.autotuning import AutotuningConfig
 from shardspeed.faults.errors import mark_agreed
 from shardspeed.monitor.memory import device_peak_bytes, host_peak_bytes
@@ -33,7 +41,8 @@ from shardspeed.training.events import StepReport
 
 __all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "metric_record"]
 
-DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default name, in the working directory
+DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default names, in the working directory
+DEFAULT_MODEL_INFO_FILE = "autotuning_model_info.json"
 PROGRESS_FILE = "progress.jsonl"
 
 
@@ -88,6 +97,40 @@ class AutotuningProbe:
         self.progress_path = Path(config.progress_path) if config.progress_path else metric.with_name(PROGRESS_FILE)
         self._last = (time.perf_counter(), 0)
         self._window_start: tuple[float, int] | None = None
+        self.profiling = bool(config.enabled and config.model_info and config.model_info.get("profile"))
+        self.model_info_path = Path(config.model_info_path or DEFAULT_MODEL_INFO_FILE)
+        self._counter: SavedTensorCounter | None = None
+        self._counting = contextlib.ExitStack()
+
+    # --- the model-info profile: saved tensors of the first training forward ---------------------------------------
+    def on_phase_start(self, phase: str) -> None:
+        engine = self._owner()
+        if not (self.profiling and phase == "forward" and self._counter is None and engine is not None):
+            return
+        if engine.module.training and torch.is_grad_enabled():
+            self._counter = SavedTensorCounter(engine.module.parameters())
+            self._counting.enter_context(self._counter.counting())
+
+    def on_phase_end(self, phase: str) -> None:
+        if phase == "forward":
+            self._counting.close()
+
+    def _write_model_info(self, engine: Any) -> None:
+        params = list(engine.module.parameters())
+        counter = self._counter
+        info = {
+            "num_params": sum(p.numel() for p in params),
+            "trainable_num_params": sum(p.numel() for p in params if p.requires_grad),
+            "activation_bytes": counter.bytes if counter else 0,
+            "saved_tensors": counter.tensors if counter else 0,
+            "micro_batch": engine.config.train_micro_batch_size_per_gpu,
+            "host_peak_bytes": host_peak_bytes(),
+            "device_peak_bytes": device_peak_bytes(engine.device),
+        }
+        if engine.topology.global_rank == 0:
+            _write_atomic(self.model_info_path, json.dumps(info, indent=2))
+        self.enabled = False
+        raise mark_agreed(AutotuningExit(0))
 
     def on_step(self, report: StepReport) -> None:
         if not self.enabled:
@@ -104,6 +147,8 @@ class AutotuningProbe:
             self.progress_path.parent.mkdir(parents=True, exist_ok=True)
             with self.progress_path.open("a") as out:  # one line per step, flushed: the runner tails it
                 out.write(json.dumps(record) + "\n")
+        if self.profiling:
+            self._write_model_info(engine)
         if report.global_step == self.config.start_profile_step:
             self._window_start = (now, report.global_samples)
         if report.global_step >= self.config.end_profile_step and self._window_start is not None:

@@ -47,6 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--checkpoint_activations", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--micro_batch", type=int, help="checked against the config (an arg_mappings target)")
     parser.add_argument("--local_rank", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, _, _, _ = shardspeed.initialize(model=model, model_parameters=parameters, config=args.deepspeed_config)
     generator = torch.Generator().manual_seed(args.seed + 1000 * engine.topology.dp_rank)
     batch = engine.train_micro_batch_size_per_gpu()
+    if args.micro_batch is not None and args.micro_batch != batch:
+        raise SystemExit(f"--micro_batch {args.micro_batch} but the config's micro-batch is {batch}")
     for _ in range(args.steps * engine.gradient_accumulation_steps()):
         tokens = torch.randint(0, 256, (batch, args.context + 1), generator=generator)
         x, y = tokens[:, :-1].to(engine.device), tokens[:, 1:].to(engine.device)

@@ -93,7 +93,12 @@ _VALUE_OPTIONS: dict[tuple[str, ...], dict[str, object]] = {
     ("--bind_core_list",): {
         "help": "cores to divide among a node's ranks, e.g. 0-15,32-47 (with --bind_cores_to_rank)"
     },
-    ("--autotuning",): {"help": "refused: autotuning is not implemented yet"},
+    ("--autotuning",): {
+        "help": "tune: find the fastest config (its autotuning section; results in results_dir); run: tune, then "
+        "train with ds_config_optimal.json"
+    },
+    ("--device_memory_gb",): {"type": float, "help": "autotuning: device memory budget per rank (CPU: simulated)"},
+    ("--host_memory_gb",): {"type": float, "help": "autotuning: host memory budget per node (default: the machine's)"},
     ("--min_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
     ("--max_elastic_nodes",): {"type": int, "help": "refused: elastic training is not implemented yet"},
     ("--comment",): {"help": "refused: only meaningful for DeepSpeed's SLURM launcher"},
@@ -203,6 +208,10 @@ def help_command(argv: list[str]) -> int:
 
 def _launch(argv: list[str]) -> int:
     options = parse_launch_args(argv)
+    if options.autotuning:  # tune (trials are launches of their own), then maybe launch with the best config
+        from shardspeed.autotuning.command import autotune
+
+        return autotune(options, split_script_args(argv)[0], _launch)
     if options.dry_run:
         return _plan_and_run(options, failure_dir=None)
     with failure_report.failure_dir() as directory:

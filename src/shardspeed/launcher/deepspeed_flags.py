@@ -5,8 +5,8 @@ Implemented (per rank, through ``rank_exec.py``): ``--module``, ``--no_python``,
 ``--save_pid`` (``cli.py``), ``--launcher_args``, ``--ssh_port``, ``--venv_script`` (multi-node commands,
 ``multinode.py``), ``--no_ssh`` (= ``--node_rank`` mode; it requires ``--node_rank`` as in DeepSpeed),
 ``--no_ssh_check`` (accepted: we run no ssh pre-check; ``BatchMode=yes`` makes an unreachable host fail at once),
-``--force_multi``. Refused before anything starts, each with its reason (``REFUSED``): autotuning, elastic
-training, and the SLURM-only ``--comment`` / ``--account``.
+``--force_multi``, ``--autotuning`` (autotuning/command.py). Refused before anything starts, each with its
+reason (``REFUSED``): elastic training, and the SLURM-only ``--comment`` / ``--account``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ RANK_EXEC_SCRIPT = str(Path(__file__).resolve().with_name("rank_exec.py"))
 OTHER_LAUNCHERS = ("openmpi", "mvapich", "slurm", "mpich", "impi", "jsrun")
 
 REFUSED: dict[str, str] = {
-    "autotuning": "autotuning is not implemented yet (DeepSpeed's --autotuning tune|run); run the script with a "
-    "fixed config",
     "elastic_training": "elastic training is not implemented yet: the world size is fixed for the whole job "
     "(a failed rank can restart the worker group at the same size: --max_restarts N)",
     "min_elastic_nodes": "elastic training is not implemented yet, so --min_elastic_nodes has no meaning",
