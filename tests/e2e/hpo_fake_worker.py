@@ -1,5 +1,5 @@
 """A ``run_study`` worker process whose trials are stand-ins (a short sleep, a value from the lr): the resume and
-shared-study tests kill and run it. ``python hpo_fake_worker.py RESULTS_DIR N_TRIALS WORKER SLEEP_S``."""
+shared-study tests kill and run it. ``python hpo_fake_worker.py RESULTS_DIR N_TRIALS WORKER SLEEP_S [STORAGE]``."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> int:
         ds_config={"optimizer": {"type": "SGD", "params": {}}},
         results_dir=results_dir,
         worker=worker,
+        storage=sys.argv[5] if len(sys.argv) > 5 else None,
     )
     run_study(job, run_fn=fake_run(sleep_s))
     return 0

@@ -21,9 +21,12 @@ WORKER = Path(__file__).with_name("hpo_fake_worker.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def start(results_dir: Path, n_trials: int, worker: int, sleep_s: float) -> subprocess.Popen[bytes]:
+def start(
+    results_dir: Path, n_trials: int, worker: int, sleep_s: float, storage: str | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     argv = [sys.executable, str(WORKER), str(results_dir), str(n_trials), str(worker), str(sleep_s)]
+    argv += [storage] if storage else []
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -80,3 +83,15 @@ def test_two_workers_share_one_study(tmp_path: Path) -> None:
     assert by_worker == {0, 1}
     lrs = [t.params["lr"] for t in done]
     assert len(set(lrs)) == len(lrs)  # differently seeded: no point drawn twice
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_sqlite_study(tmp_path: Path) -> None:
+    """The RDB path (what PostgreSQL / MySQL use across machines), on a local SQLite file: ~2 s per trial here."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    workers = [start(tmp_path / f"results{index}", 4, index, 0.2, url) for index in (0, 1)]
+    for process in workers:
+        wait(process, timeout_s=300)
+    study = optuna.load_study(study_name="hpo", storage=url)
+    done = [t for t in study.trials if t.state.is_finished()]
+    assert 4 <= len(done) <= 5 and {t.user_attrs["worker"] for t in done} == {0, 1}

@@ -16,6 +16,7 @@ pytest.importorskip("optuna")
 import optuna
 
 from shardspeed.autotuning.hpo import HpoJob, StopTrial, parse_space, run_study
+from shardspeed.autotuning.hpo.optuna_parts import make_pruner, make_sampler, open_storage, session_seed
 from shardspeed.autotuning.hpo.results import write_results
 from shardspeed.autotuning.hpo.space import SpaceError
 
@@ -120,3 +121,40 @@ def test_a_missing_config_section_fails_the_trial_before_any_launch(tmp_path: Pa
     job.ds_config = {"train_batch_size": 8}
     with pytest.raises(SpaceError, match="no 'optimizer' section"):
         run_study(job, run_fn=quadratic_run)
+
+
+def test_grid_sampler_walks_the_grid_and_refuses_floats(tmp_path: Path) -> None:
+    space = parse_space(
+        {
+            "study": {"n_trials": 4, "steps_per_trial": 6, "sampler": "grid", "pruner": "none", "seed": 0},
+            "params": {
+                "lr": {"type": "categorical", "choices": [0.1, 0.5]},
+                "--layers": {"type": "int", "low": 1, "high": 3, "step": 2},
+            },
+        }
+    )
+    job = HpoJob(space=space, script="t.py", script_args=[], ds_config=BASE_CONFIG, results_dir=tmp_path / "g")
+    job.storage = f"journal:{tmp_path / 'g.journal'}"
+    study = run_study(job, run_fn=quadratic_run)
+    assert sorted((t.params["lr"], t.params["--layers"]) for t in study.trials) == [
+        (0.1, 1),
+        (0.1, 3),
+        (0.5, 1),
+        (0.5, 3),
+    ]
+    floats = parse_space({"study": {"sampler": "grid"}, "params": {"x": {"type": "float", "low": 0, "high": 1}}})
+    with pytest.raises(SpaceError, match=r"params\['x'\]: the grid sampler needs categorical or int"):
+        make_sampler(floats, 0)
+
+
+@pytest.mark.parametrize("pruner", ["median", "percentile", "hyperband", "none"])
+def test_every_pruner_builds(pruner: str) -> None:
+    settings = parse_space({"study": {"pruner": pruner}, "params": {"lr": {"type": "float", "low": 0, "high": 1}}})
+    assert isinstance(make_pruner(settings.study), optuna.pruners.BasePruner)
+
+
+def test_storage_urls() -> None:
+    with pytest.raises(SpaceError, match="expected a database URL"):
+        open_storage("study.db")
+    assert session_seed(0, 0, 0) != session_seed(0, 3, 0) != session_seed(0, 3, 1)
+    assert session_seed(None, 3, 1) is None and session_seed(5, 2, 1) == session_seed(5, 2, 1)

@@ -18,6 +18,7 @@ second worker draw new points, and the same command on the same stored study dra
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import optuna
 from shardspeed.autotuning.hpo.space import ParamSpace, SearchSpace, SpaceError, StudySettings
 
 HEARTBEAT_S = 5
+RDB_OPEN_ATTEMPTS = 4
 GRACE_S = 20
 
 
@@ -49,9 +51,18 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     if url.startswith("sqlite"):
         # Two workers on one SQLite file take turns on its lock; wait for it rather than fail.
         engine_kwargs["connect_args"] = {"timeout": 60}
-    return optuna.storages.RDBStorage(
-        url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
-    )
+    # Two workers opening a new database at once race to create Optuna's tables (one gets an IntegrityError on
+    # alembic's version row); the loser retries and finds them made.
+    for attempt in range(RDB_OPEN_ATTEMPTS):
+        try:
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
+            )
+        except Exception as error:  # sqlalchemy's errors; sqlalchemy is optuna's dependency, not ours
+            if attempt + 1 == RDB_OPEN_ATTEMPTS or type(error).__module__.split(".")[0] != "sqlalchemy":
+                raise
+            time.sleep(0.5 + attempt)
+    raise AssertionError("unreachable")
 
 
 def session_seed(seed: int | None, trials_in_study: int, worker: int) -> int | None:
