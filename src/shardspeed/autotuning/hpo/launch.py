@@ -35,6 +35,8 @@ class TrialLaunch:
     exp_dir: Path
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
+    launcher_args: list[str] = field(default_factory=list)
+    """Launcher flags before the script (e.g. ``--module``)."""
 
 
 class RunResult(Protocol):
@@ -68,5 +70,6 @@ def run_with_runner(launch: TrialLaunch, on_progress: ProgressFn | None = None) 
         exp_dir=launch.exp_dir,
         timeout_s=launch.timeout_s,
         env=dict(launch.env),
+        launcher_args=list(launch.launcher_args),
     )
     return run_experiment(experiment, on_progress)

@@ -14,6 +14,7 @@ pass locates the upper end (where training breaks down) well and the lower end n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -76,6 +77,7 @@ class _Collect:
         self.schedule, self.metric, self.settings = schedule, metric, settings
         self.points: list[tuple[float, float]] = []
         self.best = math.inf
+        self.diverged_at: int | None = None
         self._steps: set[int] = set()
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -87,6 +89,7 @@ class _Collect:
         lr = float(lr) if isinstance(lr, (int, float)) else lr_of_step(step, self.schedule)
         self.points.append((lr, float(loss)))
         if not math.isfinite(loss) or loss > self.settings.diverge_factor * self.best:
+            self.diverged_at = step
             raise StopTrial(f"diverged at step {step} (lr {lr:.4g})")
         self.best = min(self.best, float(loss))
 
@@ -111,14 +114,14 @@ def run_range_test(job: HpoJob, run_fn: RunFn) -> tuple[float, float]:
         exp_dir=exp_dir,
         timeout_s=job.space.study.trial_timeout_s,
         env=dict(job.env),
+        launcher_args=list(job.launcher_args),
     )
     collect = _Collect(schedule, job.space.study.metric, settings)
     status = "ok"
-    try:
-        result = run_fn(launch, collect)
-        status = result.status
-    except StopTrial:
-        status = "stopped"
+    with contextlib.suppress(StopTrial):  # a runner that lets the callback's exception through
+        status = run_fn(launch, collect).status
+    if collect.diverged_at is not None:  # we stopped it (the runner may call that "failed"): the expected end
+        status = f"stopped: diverged at step {collect.diverged_at}"
     new_low, new_high = narrow_lr_range(collect.points, settings, low, high)
     record = {"status": status, "original": [low, high], "narrowed": [new_low, new_high], "points": collect.points}
     job.results_dir.mkdir(parents=True, exist_ok=True)

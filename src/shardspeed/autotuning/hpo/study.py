@@ -85,6 +85,7 @@ def _launch(job: HpoJob, name: str, params: dict[str, Any]) -> TrialLaunch:
         exp_dir=(job.results_dir / "trials" / name).resolve(),
         timeout_s=job.space.study.trial_timeout_s,
         env=dict(job.env),
+        launcher_args=list(job.launcher_args),
     )
 
 
