@@ -47,6 +47,12 @@ bench-tp: $(STAMP)
 bench-pipe: $(STAMP)
 	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
 
+# Hyper-parameter search on the toy task with a measured good lr range (real 2-rank trials; ~1 min per trial on
+# 2 busy cores). ARGS: --trials N, --lr-range-test, --results-dir DIR.
+.PHONY: bench-hpo
+bench-hpo: $(STAMP)
+	$(PY) benchmarks/bench_hpo.py $(ARGS)
+
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with
 # its reason, exit status 0. ARGS: --quick, --json OUT.
