@@ -86,6 +86,7 @@ def test_two_workers_share_one_study(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_two_workers_share_one_sqlite_study(tmp_path: Path) -> None:
     """The RDB path (what PostgreSQL / MySQL use across machines), on a local SQLite file: ~2 s per trial here."""
     url = f"sqlite:///{tmp_path / 'study.db'}"

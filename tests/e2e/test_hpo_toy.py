@@ -22,6 +22,7 @@ STEPS = 30
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 5 real 2-rank trials: ~1 min each on 2 busy cores
 def test_hpo_finds_an_lr_inside_the_toy_tasks_good_range(tmp_path: Path) -> None:
     lo, hi = toy.good_range(STEPS)
     assert 0.5 < lo < hi < 2 / toy.H_MAX  # the window the task's spectrum predicts
