@@ -109,13 +109,13 @@ def run_trial(job: HpoJob, trial: optuna.Trial, run_fn: RunFn, lr_bounds: tuple[
     if tracker.stop_reason is not None or (result is not None and result.status == "pruned"):
         trial.set_user_attr("stopped", tracker.stop_reason or "pruned")
         raise optuna.TrialPruned(f"{tracker.stop_reason or 'pruned'} at step {tracker.stop_step}")
-    assert result is not None
+    if result is None:  # the run function raised StopTrial although the tracker never asked
+        trial.set_user_attr("error", "the run function raised StopTrial itself")
+        raise TrialFailed(f"trial {trial.number}: the run function raised StopTrial itself")
     if result.status != "ok":
         trial.set_user_attr("error", f"{result.status}: {result.error or ''}"[:2000])
         raise TrialFailed(f"trial {trial.number} {result.status}: {result.error}")
     value = objective_value(result.metrics, tracker.records, settings.metric, settings.metric_window)
-    if value is None and result.metric is not None and settings.metric in ("loss", "metric"):
-        value = float(result.metric)
     if value is None:
         trial.set_user_attr("error", f"no {settings.metric!r} in the metric JSON or the progress records")
         raise TrialFailed(f"trial {trial.number}: no value for metric {settings.metric!r}")
