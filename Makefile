@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardspeed-installed
 ARGS ?=
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all lint demo bench bench-tp bench-pipe gpu-check clean
+.PHONY: setup test test-all lint demo bench bench-tp bench-pipe bench-autotune gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,11 @@ demo: $(STAMP)
 # `make bench ARGS="--model all"`.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
+
+# The autotuner on the demo model (issue 19): tuner vs default config vs an exhaustive grid, points pruned by the
+# memory model, predicted vs measured memory. Real trials: tens of minutes on 2 cores (ARGS to reduce the space).
+bench-autotune: $(STAMP)
+	$(PY) benchmarks/bench_autotune.py $(ARGS)
 
 # Tensor parallelism (TP=2, 2 gloo ranks) against torch DTensor parallelize_module on the same GPT.
 bench-tp: $(STAMP)

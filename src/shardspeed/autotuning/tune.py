@@ -234,7 +234,11 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
         prediction = predictions([point])[0]
         config = materialize(user, point, dp)
         if tuning.metric == "flops":
-            config["flops_profiler"] = {"enabled": True, "profile_step": max(tuning.start_profile_step - 1, 1)}
+            config["flops_profiler"] = {  # the step before the window: profiling overhead stays out of it
+                "enabled": True,
+                "profile_step": max(tuning.start_profile_step - 1, 1),
+                "detailed": False,
+            }
         exp_dir = exps / point.name
         result = _cached(exp_dir) if not tuning.overwrite else None
         if result is None:
@@ -303,7 +307,7 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
 
 
 def _gb(value: int | None) -> str:
-    return "unlimited" if value is None else f"{value / GB:.2f} GB"
+    return "unlimited" if value is None else f"{value / GB:.3g} GB"
 
 
 def _row(point: Point, status: str, prediction: Prediction, error: str | None) -> TrialRow:

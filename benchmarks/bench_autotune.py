@@ -1,0 +1,174 @@
+"""The autotuner on the demo model (issue 19's must-show): with a device budget that makes the memory model prune,
+the tuner's best config against the default config (3 repeats each, median and spread), against an exhaustive
+grid's best (metric ratio and wall-clock ratio), the number of points pruned without running, and predicted vs
+measured memory for every trial that ran.
+
+    make bench-autotune ARGS="--stages 0,1,2,3 --max-mb 64 --num-mb 4"
+    python benchmarks/bench_autotune.py --stages 1,2 --max-mb 16 --num-mb 3 --repeats 3   # reduced
+
+Trials are real launches through the launcher at ``--nproc`` ranks (trial_script.py: the demo GPT on random tokens).
+The default config is the demo's (ZeRO 0, micro-batch 8, GAS 1). Prints one figure per line and writes
+``<out>/bench_autotune.json`` plus both tunes' results directories (summary.txt, trials.csv, the plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shardspeed.autotuning.runner import Experiment, run_experiment
+from shardspeed.autotuning.space import Point, materialize
+from shardspeed.autotuning.tune import TuneReport, TuneRequest, tune
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "src" / "shardspeed" / "autotuning" / "trial_script.py")
+
+
+def user_config(args: argparse.Namespace, out: Path, tuner: str) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
+        "zero_optimization": {"stage": [int(s) for s in args.stages.split(",")]},
+        "autotuning": {
+            "enabled": True,
+            "results_dir": str(out / f"results_{tuner}"),
+            "exps_dir": str(out / f"exps_{tuner}"),
+            "start_profile_step": args.start,
+            "end_profile_step": args.end,
+            "max_train_micro_batch_size_per_gpu": args.max_mb,
+            "num_tuning_micro_batch_sizes": args.num_mb,
+            "tuner_type": tuner,
+            "tuner_early_stopping": args.early if tuner != "gridsearch" else 1000,
+            "tuner_num_trials": 1000,
+            "arg_mappings": {"train_micro_batch_size_per_gpu": "--micro_batch"},
+        },
+    }
+
+
+def repeat(args: argparse.Namespace, config: dict[str, Any], name: str, out: Path) -> list[float]:
+    values = []
+    config = {**config, "autotuning": {"start_profile_step": args.start, "end_profile_step": args.end}}
+    for i in range(args.repeats):
+        exp = Experiment(
+            f"{name}_{i}", SCRIPT, model_args(args), config, args.nproc, out / "repeats" / f"{name}_{i}", 900
+        )
+        result = run_experiment(exp)
+        if result.metric is None:
+            print(f"  {name} repeat {i}: {result.status}: {result.error}", file=sys.stderr)
+        else:
+            values.append(result.metric)
+    return values
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return ["--layers", str(args.layers), "--d_model", str(args.d_model), "--context", str(args.context)]
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "no successful repeat"
+    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--max-mb", type=int, default=64)
+    parser.add_argument("--num-mb", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--device-memory-gb", type=float, default=0.15, help="simulated device budget per rank")
+    parser.add_argument("--tuner", default="model_based")
+    parser.add_argument("--early", type=int, default=3, help="the tuner's tuner_early_stopping")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--start", type=int, default=3)
+    parser.add_argument("--end", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d_model", type=int, default=128)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--skip-grid", action="store_true", help="only the tuner (no exhaustive grid)")
+    parser.add_argument("--out", default="runs/bench_autotune")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def run_tune(kind: str) -> TuneReport:
+        request = TuneRequest(user_config(args, out, kind), SCRIPT, model_args(args), args.nproc, args.device_memory_gb)
+        started = time.perf_counter()
+        report = tune(request)
+        print(
+            f"{kind}: {report.trials_run} trials, {time.perf_counter() - started:.0f} s, best "
+            f"{report.best.name if report.best else None} ({report.best.metric if report.best else None})"
+        )
+        return report
+
+    tuned = run_tune(args.tuner)
+    grid = None if args.skip_grid else run_tune("gridsearch")
+    assert tuned.best is not None
+    user = user_config(args, out, "default")
+    default_config = materialize(user, Point(0, 8, 1), args.nproc)
+    best_config = tuned.best.config
+    default_values = repeat(args, default_config, "default", out)
+    best_values = repeat(args, best_config, "best", out)
+    ran = [r for r in tuned.rows + (grid.rows if grid else []) if r.status == "ok"]
+    errors = [r.prediction_error() for r in ran if r.prediction_error() is not None]
+    fitted = [r.prediction_error(True) for r in ran if r.prediction_error(True) is not None]
+    net = [
+        (r.predicted_bytes - r.measured_bytes) / (r.measured_bytes - tuned.correction.offset)
+        for r in ran
+        if r.predicted_bytes and r.measured_bytes and r.measured_bytes > tuned.correction.offset
+    ]
+    figures: dict[str, Any] = {
+        "tuner": args.tuner,
+        "tuner_best": tuned.best.name,
+        "tuner_trials": tuned.trials_run,
+        "tuner_wall_s": tuned.wall_s,
+        "points_pruned_without_running": tuned.pruned,
+        "default_throughput": default_values,
+        "best_throughput": best_values,
+        "memory_error_before_running_max_abs": max((abs(e) for e in errors), default=None),
+        "memory_error_fitted_max_abs": max((abs(e) for e in fitted), default=None),
+        "memory_error_net_of_runtime_offset_max_abs": max((abs(e) for e in net), default=None),
+        "correction": tuned.correction.__dict__,
+    }
+    print(f"points pruned without running (memory model): {tuned.pruned}")
+    print(f"default config (z0 mb8): {spread(default_values)} samples/s")
+    print(f"tuner's best ({tuned.best.name}): {spread(best_values)} samples/s")
+    if default_values and best_values:
+        ratio = statistics.median(best_values) / statistics.median(default_values)
+        beats = min(best_values) > max(default_values)
+        figures["best_over_default"] = ratio
+        figures["beats_beyond_spread"] = beats
+        print(f"best / default: {ratio:.2f}x; beyond the spread of {args.repeats} repeats: {beats}")
+    if grid is not None and grid.best is not None:
+        figures.update(
+            grid_best=grid.best.name,
+            grid_trials=grid.trials_run,
+            grid_wall_s=grid.wall_s,
+            tuner_over_grid_metric=(tuned.best.metric or 0) / (grid.best.metric or 1),
+            tuner_over_grid_wall=tuned.wall_s / grid.wall_s,
+        )
+        print(
+            f"tuner vs exhaustive grid: metric {figures['tuner_over_grid_metric']:.1%} of the grid's best "
+            f"({grid.best.name}), wall clock {figures['tuner_over_grid_wall']:.1%} "
+            f"({tuned.wall_s:.0f} s vs {grid.wall_s:.0f} s; {tuned.trials_run} vs {grid.trials_run} trials)"
+        )
+    print(
+        "predicted vs measured peak memory, every trial that ran: max |error| "
+        f"{_pct(figures['memory_error_before_running_max_abs'])} predicted before the trial, "
+        f"{_pct(figures['memory_error_fitted_max_abs'])} with the final fit, "
+        f"{_pct(figures['memory_error_net_of_runtime_offset_max_abs'])} of the memory above the runtime's offset"
+    )
+    (out / "bench_autotune.json").write_text(json.dumps(figures, indent=2, default=str))
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
