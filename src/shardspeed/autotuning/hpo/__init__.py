@@ -9,20 +9,27 @@ Needs the ``hpo`` extra (``pip install 'shardspeed[hpo]'``: optuna).
 
 from __future__ import annotations
 
-from shardspeed.autotuning.hpo.launch import StopTrial, TrialLaunch
-from shardspeed.autotuning.hpo.space import SearchSpace, SpaceError, load_space, parse_space
-from shardspeed.autotuning.hpo.study import HpoJob, run_study
-from shardspeed.autotuning.hpo.substitute import apply_to_args, apply_to_config
+import importlib
+from typing import Any
 
-__all__ = [
-    "HpoJob",
-    "SearchSpace",
-    "SpaceError",
-    "StopTrial",
-    "TrialLaunch",
-    "apply_to_args",
-    "apply_to_config",
-    "load_space",
-    "parse_space",
-    "run_study",
-]
+# Exported lazily: ``shardspeed hpo`` without optuna installed must reach its own "install the hpo extra" message
+# (space / substitute / launch need no optuna; study and results do).
+_EXPORTS = {
+    "HpoJob": "study",
+    "run_study": "study",
+    "SearchSpace": "space",
+    "SpaceError": "space",
+    "load_space": "space",
+    "parse_space": "space",
+    "StopTrial": "launch",
+    "TrialLaunch": "launch",
+    "apply_to_args": "substitute",
+    "apply_to_config": "substitute",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
-
-import optuna
+from typing import TYPE_CHECKING
 
 from shardspeed.autotuning.hpo.space import SpaceError, load_space
-from shardspeed.autotuning.hpo.study import HpoJob, load_config, run_study
 from shardspeed.autotuning.hpo.substitute import split_config_arg
+
+if TYPE_CHECKING:
+    import optuna
+
+    from shardspeed.autotuning.hpo.study import HpoJob
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def job_from_args(args: argparse.Namespace) -> HpoJob:
+    from shardspeed.autotuning.hpo.study import HpoJob, load_config
+
     space = load_space(args.space)
     study_updates: dict[str, object] = {}
     if args.n_trials is not None:
@@ -75,7 +81,11 @@ def _print_trial(trial: optuna.trial.FrozenTrial, finished: int, total: int | No
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("optuna") is None:
+        print("shardspeed hpo: error: needs optuna: pip install 'shardspeed[hpo]'", file=sys.stderr)
+        return 2
     from shardspeed.autotuning.hpo.results import write_results
+    from shardspeed.autotuning.hpo.study import run_study
 
     try:
         job = job_from_args(args)
