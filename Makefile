@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,hf,monitor]' -c constraints.txt
+	$(PY) -m pip install -e '.[dev,hf,monitor,hpo]' -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -52,12 +52,12 @@ bench-tp: $(STAMP)
 bench-pipe: $(STAMP)
 	$(PY) benchmarks/bench_pipe.py $(if $(DS_PYTHON),--deepspeed-python $(DS_PYTHON)) $(ARGS)
 
+.PHONY: bench-compression-speed bench-hpo
 # 1-bit compressed all-reduce / reduce-scatter against fp32 (bytes, time), real gloo and a SIMULATED 10 / 1 Gbit/s link.
 bench-compressed-collective: $(STAMP)
 	$(PY) benchmarks/bench_compressed_collective.py $(ARGS)
 
 # 1-bit Adam (compressed phase) vs Adam, stage 0, on a SIMULATED link of 0.1 / 1 / 10 Gbit/s (comm-bound MLP).
-.PHONY: bench-compression-speed
 bench-compression-speed: $(STAMP)
 	$(PY) benchmarks/bench_compression_speed.py $(ARGS)
 
@@ -74,6 +74,10 @@ bench-curriculum: $(STAMP)
 # `make bench-analyzer ARGS="--map-samples 200000 --workers 1 2 4"`.
 bench-analyzer: $(STAMP)
 	$(PY) benchmarks/bench_data_analyzer.py $(ARGS)
+# Hyper-parameter search on the toy task with a measured good lr range (real 2-rank trials; ~1 min per trial on
+# 2 busy cores). ARGS: --trials N, --lr-range-test, --results-dir DIR.
+bench-hpo: $(STAMP)
+	$(PY) benchmarks/bench_hpo.py $(ARGS)
 
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with

@@ -94,3 +94,4 @@ register_subcommand("report", "shardspeed.report:main", "plot a run's monitor lo
 register_subcommand(
     "data-analyze", "shardspeed.data.analyzer.cli:main", "per-sample difficulty metric -> DeepSpeed's index files"
 )
+register_subcommand("hpo", "shardspeed.autotuning.hpo.cli:main", "hyper-parameter search with Optuna (--space FILE)")
