@@ -64,7 +64,11 @@ def test_metric_json_and_the_same_clean_exit_on_every_rank(dist_run, tmp_path: P
 
 
 def test_model_info_profile_counts_saved_activations_and_exits_after_one_step(dist_run, tmp_path: Path) -> None:
-    section = {"model_info": {"profile": True}, "model_info_path": str(tmp_path / "info.json")}
+    section = {
+        "model_info": {"profile": True},
+        "model_info_path": str(tmp_path / "info.json"),
+        "progress_path": str(tmp_path / "progress.jsonl"),
+    }
     results = dist_run(_trial, 2, str(tmp_path), section, {})
     assert [(r["code"], r["steps"]) for r in results] == [(0, 1), (0, 1)]
     info = json.loads((tmp_path / "info.json").read_text())

@@ -5,5 +5,6 @@
 - ``space.py``: the tuning space (stage, micro-batch/GAS, buckets, overlap, activation checkpointing, offload).
 - ``activation.py`` / ``memory.py``: one profiled micro-batch + the model-state model → predicted bytes; pruning.
 - ``tuners.py``: gridsearch / random / model_based (numpy ridge regression) with early stopping.
-- ``results.py``: DeepSpeed's output files, the per-trial table, the plot. ``tune.py``: the whole flow.
+- ``results.py``: DeepSpeed's output files, the per-trial table, the plot.
+- ``tune.py``: the whole flow (``args.py``: arg_mappings); ``command.py``: ``--autotuning tune|run``.
 """

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from shardspeed.autotuning.args import script_args_for
 from shardspeed.autotuning.memory import Budgets, Correction, ModelProfile, Prediction, fit_correction, predict, prune
 from shardspeed.autotuning.results import ProgressBar, TrialRow, rank_rows, write_results
 from shardspeed.autotuning.runner import Experiment, ExperimentResult, run_experiment, with_config_arg
@@ -91,31 +92,6 @@ def _budgets(request: TuneRequest, tuning: AutotuningConfig) -> Budgets:
     host_gb = request.host_memory_gb or tuning.host_memory_gb
     host = int(host_gb * GB) if host_gb else int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return Budgets(device, host, ranks_per_node=request.num_procs, on_cpu=on_cpu)
-
-
-def script_args_for(
-    base: Sequence[str], config: dict[str, Any], point: Point, arg_mappings: dict[str, str] | None
-) -> list[str]:
-    """DeepSpeed's ``arg_mappings``: each mapped config key's value goes to the script as ``FLAG VALUE`` (replacing
-    the flag where the script arguments have it); ``activation_checkpointing`` maps to a bare flag (pure)."""
-    args = list(base)
-    for key, flag in (arg_mappings or {}).items():
-        key = key.strip()
-        if key == AC_ARG:
-            if point.checkpoint_activations and flag not in args:
-                args.append(flag)
-            continue
-        value: Any = config
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if value is None:
-            continue
-        if flag in args:
-            index = args.index(flag)
-            args[index : index + 2] = [flag, str(value)]
-        else:
-            args += [flag, str(value)]
-    return args
 
 
 def _profile(
