@@ -32,6 +32,14 @@ memory as ``acc``) and compress ``w - w_s``: equal to DeepSpeed's to rounding (t
 1e-6), and every rank rebuilds the identical ``w_s + c / d`` after each sync. Between syncs the ranks'
 parameters differ by design (local steps).
 
+[Note: 0/1 Adam between syncs in checkpoints] A checkpoint's model and optimizer states are written by data rank
+0 only, but between syncs every rank's parameter and ``exp_avg`` are its own. So in the local phase both are
+also saved as per-rank rows of the compression state ([Note: error buffers in checkpoints]): a load at the same
+data-parallel world size gives every rank its own values back (bit-exact resume). At another world size the
+rows mean nothing: every rank restarts from the last synchronized parameter ``synced_param`` (the same on every
+rank) with rank 0's momentum and ``lrs = 0``, i.e. the local updates since the last sync are dropped (one
+warning, with the error-buffer reset). ``lrs``, ``synced_param`` and ``exp_avg_sq`` are the same on every rank.
+
 Communication is owned by the optimizer from the first step ([Note: optimizer-owned means] in
 ``owned_comm.py``): the engine hands over local gradients and the optimizer takes the exact mean itself on
 variance steps (one flat all-reduce), which is what DeepSpeed's engine toggle ``enable_backward_allreduce``
@@ -49,6 +57,7 @@ import torch
 from shardspeed.compression.onebit_adam import check_comm_backend_name
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
+_LOCAL = "local/"  # compression-state keys of the local phase's per-rank parameter and momentum rows
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
 
 
@@ -252,6 +261,35 @@ class ZeroOneAdam(MeanCommOptimizer):
 
     def _args(self) -> tuple[int, int, int, int]:
         return self.var_freeze_step, self.var_update_scaler, self.local_step_scaler, self.local_step_clipper
+
+    # -- checkpoints ([Note: 0/1 Adam between syncs in checkpoints]) ---------------------------------------------
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """The error buffers, plus in the local phase this rank's own parameter and momentum (``local/<key>/...``)."""
+        out = super().compression_state_dict()
+        for _, key, p in self._params():
+            state = self.state.get(p) or {}
+            if "synced_param" in state:
+                out[f"{_LOCAL}{key}/param"] = p.detach().reshape(-1)
+                out[f"{_LOCAL}{key}/exp_avg"] = state["exp_avg"].detach().reshape(-1)
+        return out
+
+    def load_compression_state_dict(self, state: dict[str, torch.Tensor], same_world: bool) -> None:
+        """Same world: each rank's own local-phase parameter and momentum back. Another world (or rows missing):
+        every rank restarts from the last synchronized parameter (``synced_param``, the same on every rank), with
+        the saving rank 0's momentum and no accumulated update (``lrs = 0``)."""
+        local = {k: v for k, v in state.items() if k.startswith(_LOCAL)}
+        super().load_compression_state_dict({k: v for k, v in state.items() if k not in local}, same_world)
+        for _, key, p in self._params():
+            st = self.state.get(p) or {}
+            if "synced_param" not in st:
+                continue
+            param, exp_avg = local.get(f"{_LOCAL}{key}/param"), local.get(f"{_LOCAL}{key}/exp_avg")
+            if same_world and param is not None and exp_avg is not None:
+                p.data.view(-1).copy_(param.reshape(-1))
+                st["exp_avg"].view(-1).copy_(exp_avg.reshape(-1))
+            else:
+                p.data.copy_(st["synced_param"])
+                st["lrs"] = 0.0
 
     # -- step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
