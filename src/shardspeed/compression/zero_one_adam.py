@@ -23,7 +23,10 @@ that step as it is (as ``OneBitAdam`` does), so a run matches DeepSpeed's step f
 on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps (its ``size > 1`` guard); we
 take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
 size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
-compressed on its own (its own scale), as DeepSpeed does.
+compressed on its own (its own scale), as DeepSpeed does. A parameter without ``.grad`` (but with states,
+i.e. after the first step) counts as a zero gradient, as in ``OneBitLamb``: it still takes part in every mean
+(so ranks that differ in which parameters got a gradient still make the same calls), its momentum decays and
+weight decay applies (DeepSpeed skips such a parameter).
 
 [Note: 0/1 Adam's accumulator] DeepSpeed sums the local updates into an accumulator ``acc`` and at a sync
 undoes them (``w -= acc``) before adding the mean; in floating point ``(w - lr*u) - (-lr*u)`` is not ``w``, so
@@ -74,7 +77,9 @@ class ZeroOneSchedule:
 
 def is_frozen(schedule: ZeroOneSchedule, var_freeze_step: int) -> bool:
     """Whether the *next* step runs in the local phase (DeepSpeed freezes once its counter passed var_freeze_step)."""
-    return schedule.step > var_freeze_step
+    # DeepSpeed's first real step (counter 2) always runs before its freeze check: at var_freeze_step 0 or 1
+    # the local phase starts with counter 3, as there.
+    return schedule.step > max(var_freeze_step, 1)
 
 
 def step_kind(schedule: ZeroOneSchedule, var_freeze_step: int) -> str:
@@ -298,7 +303,9 @@ class ZeroOneAdam(MeanCommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        members = [(g, key, p) for g, key, p in self._params() if p.grad is not None]
+        # A parameter with states but no gradient counts as a zero gradient (as in OneBitLamb): every rank then
+        # averages the same tensors under the same keys, and the parameter keeps re-syncing.
+        members = [(g, key, p) for g, key, p in self._params() if p.grad is not None or self.state.get(p)]
         if not members:
             return loss
         schedule = self.schedule()
@@ -307,7 +314,10 @@ class ZeroOneAdam(MeanCommOptimizer):
                 self._state(p)["step"] = 1
             return loss
         kind = step_kind(schedule, self.var_freeze_step)
-        grads = [p.grad.detach().to(torch.float32, copy=True) for *_, p in members]  # local; the means go in place
+        grads = [  # local; the means go in place
+            torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.detach().to(torch.float32, copy=True)
+            for *_, p in members
+        ]
         if kind == "variance":
             self.comm.exact_mean(grads)
         for (group, key, p), grad in zip(members, grads, strict=True):
