@@ -22,7 +22,9 @@ that step as it is (as ``OneBitAdam`` does), so a run matches DeepSpeed's step f
 ``var_freeze_step`` / the interval policies select the same steps. Differences from DeepSpeed, each deliberate:
 on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps (its ``size > 1`` guard); we
 take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
-size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
+size; DeepSpeed always resets them). AMSGrad is not supported. A param group's ``exp_avg_mask`` multiplies the
+compressed means (of gradients in the variance phase, of the accumulated update at a sync) on more than one
+rank, as in DeepSpeed. Each parameter is
 compressed on its own (its own scale), as DeepSpeed does. A parameter without ``.grad`` (but with states,
 i.e. after the first step) counts as a zero gradient, as in ``OneBitLamb``: it still takes part in every mean
 (so ranks that differ in which parameters got a gradient still make the same calls), its momentum decays and
@@ -58,6 +60,7 @@ from typing import Any
 import torch
 
 from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.optim_base import mask_exp_avg_
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 _LOCAL = "local/"  # compression-state keys of the local phase's per-rank parameter and momentum rows
@@ -326,6 +329,8 @@ class ZeroOneAdam(MeanCommOptimizer):
             if kind in ("variance", "compressed"):
                 if kind == "compressed":
                     self.comm.compressed_mean(key, grad)
+                    if self.comm.world > 1:  # DeepSpeed masks the 1-bit mean (on more than one rank only)
+                        mask_exp_avg_(group, grad)
                 variance_phase_update(
                     p, grad, state["exp_avg"], state["exp_avg_sq"], update_variance=kind == "variance",
                     weight_decay=group["weight_decay"], **hyper,
@@ -341,6 +346,8 @@ class ZeroOneAdam(MeanCommOptimizer):
                 synced = state["synced_param"]
                 payload = sync_payload(p, synced, state["exp_avg_sq"], group["eps"])
                 self.comm.compressed_mean(key, payload)
+                if self.comm.world > 1:
+                    mask_exp_avg_(group, payload)
                 sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
                 state["lrs"] = 0.0
         after = advance(schedule, *self._args())
