@@ -131,7 +131,9 @@ class CompressedAllReduce(_ErrorFed):
         self.launch(tensor).wait()
 
     def launch(self, tensor: Tensor) -> Work:
-        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited."""
+        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. The Work's
+        ``done()`` stays False until ``wait()`` (phase two is issued there, [Note: compressed work]): never poll
+        it, wait it, in the same program order on every rank."""
         _check_input("CompressedAllReduce", tensor, self.numel)
         n, c = self.axis.size, self.collectives
         if n == 1:
@@ -185,7 +187,8 @@ class CompressedReduceScatter(_ErrorFed):
         self.launch(shard, unsharded).wait()
 
     def launch(self, shard: Tensor, unsharded: Tensor) -> Work:
-        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited."""
+        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited. The
+        Work's ``done()`` stays False until ``wait()`` ([Note: compressed work]): never poll it, wait it."""
         _check_input("CompressedReduceScatter (shard)", shard, self.slice)
         _check_input("CompressedReduceScatter (unsharded)", unsharded, self.numel)
         n, c = self.axis.size, self.collectives
