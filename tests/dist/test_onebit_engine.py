@@ -134,8 +134,9 @@ def test_engine_matches_simulated_workers(dist_run, name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,save_at", [("ZeroOneAdam", 7), pytest.param("OneBitLamb", 6, marks=pytest.mark.slow)]
-)  # OneBitLamb's optimizer-level resume (test_onebit_optimizers.py) stays in the default suite
+    "name,save_at", [("ZeroOneAdam", 7), ("ZeroOneAdam", 9), pytest.param("OneBitLamb", 6, marks=pytest.mark.slow)]
+)  # 7: after a sync step; 9: after a local step (ranks differ). OneBitLamb's optimizer-level resume
+# (test_onebit_optimizers.py) stays in the default suite
 def test_engine_resume_is_bit_exact(dist_run, tmp_path, name: str, save_at: int) -> None:
     full = dist_run(_run, WORLD, name, str(tmp_path), save_at)
     resumed = dist_run(_run, WORLD, name, str(tmp_path), save_at, True)

@@ -138,3 +138,16 @@ def test_owned_grads_skip_communication_only_while_the_optimizer_owns_it() -> No
     sync.zero()  # everything else is the wrapped sync's
     assert calls == ["launch0", "complete0", "zero"]
     assert not owns_communication(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_load_state_dict_keeps_the_current_exp_avg_mask() -> None:
+    """DeepSpeed's rule: the mask may change between training stages, so a saved one is never restored."""
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    old, new = torch.ones(2, 3), torch.zeros(2, 3)
+    saved = OneBitAdam([{"params": [p], "exp_avg_mask": old}]).state_dict()
+    with_new = OneBitAdam([{"params": [p], "exp_avg_mask": new}])
+    with_new.load_state_dict(saved)
+    assert torch.equal(with_new.param_groups[0]["exp_avg_mask"], new)
+    without = OneBitAdam([p])
+    without.load_state_dict(saved)
+    assert "exp_avg_mask" not in without.param_groups[0]

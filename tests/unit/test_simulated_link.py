@@ -1,5 +1,5 @@
-"""[Note: simulated link]: a Work completes only at launch + latency + bytes / bandwidth, waits block until then
-(never at launch), and the link is off by default."""
+"""[Note: simulated link]: a Work completes only at start + bytes / bandwidth + latency (start: when the rank's one
+link is free), waits block until then (never at launch), and the link is off by default."""
 
 from __future__ import annotations
 
@@ -93,3 +93,25 @@ def test_off_by_default() -> None:
         load_config(
             {"train_batch_size": 2, "communication": {"simulated_link": {"bandwidth_gbps": -1.0}}}, dp_world_size=1
         )
+
+
+def test_concurrent_calls_share_the_one_link() -> None:
+    """Review A #3: calls in flight together queue on the rank's one link; latencies overlap."""
+    clock = FakeClock()
+    link = _link(clock, 8.0, 1000.0)  # 1 GB/s, 1 ms
+    first, second = link.hold(1e8), link.hold(1e8)  # two 0.1 s transfers launched at once
+    assert first.at == pytest.approx(100.101)
+    assert second.at == pytest.approx(100.201)
+    shared = _link(clock, 8.0, 0.0)
+    ends = [shared.hold(1.25e8).at - clock.now for _ in range(8)]  # eight 0.125 s transfers
+    assert ends == [pytest.approx(0.125 * (k + 1)) for k in range(8)]  # a serial link: the last at 1.0 s
+    clock.now += 5.0  # the link idles: a later call starts at its own launch
+    assert shared.hold(1.25e8).at == pytest.approx(clock.now + 0.125)
+
+
+def test_a_call_launched_mid_transfer_waits_only_the_remainder() -> None:
+    clock = FakeClock()
+    link = _link(clock, 8.0, 0.0)
+    link.hold(1e9)  # busy for 1 s
+    clock.now += 0.4
+    assert link.hold(1e9).at == pytest.approx(102.0)  # starts at 101.0, not at 100.4

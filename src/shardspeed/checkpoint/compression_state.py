@@ -5,7 +5,8 @@ so they are not boxes of a global tensor like everything else here: each buffer 
 ``compression/<key>`` of shape (N, n), data rank r writing row r (N: the saving data-parallel world size). A load
 at the same N gives each rank its own row back, so a resumed run equals an uninterrupted one bit for bit; at
 another N the rows mean nothing (chunks follow the world size) and the buffers restart at zero with one warning,
-as DeepSpeed does on every load. The frozen-phase flags are not stored: they follow from the per-parameter
+as DeepSpeed does on every load. 0/1 Adam adds its local-phase rows here ([Note: 0/1 Adam between syncs in
+checkpoints] in compression/zero_one_adam.py). The frozen-phase flags are not stored: they follow from the per-parameter
 ``step`` counts, which are saved with the optimizer's other states.
 """
 
@@ -50,7 +51,8 @@ def read_compression_state(engine: Any, reader: CheckpointReader, meta: dict[str
         if engine.topology.global_rank == 0:
             logger.warning(
                 "checkpoint saved at data-parallel world size %d, loading at %d: %s's compression error buffers are "
-                "reset (they follow the world size; DeepSpeed resets them on every load)",
+                "reset (they follow the world size; DeepSpeed resets them on every load); 0/1 Adam saved between syncs "
+                "restarts from the last synchronized parameters",
                 saved_world,
                 world,
                 type(optimizer).__name__,

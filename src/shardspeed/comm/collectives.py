@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from shardspeed.comm import groups
 from shardspeed.comm.algorithms import NATIVE, CollectiveChoice
+from shardspeed.comm.arg_checks import check_all_to_all
 from shardspeed.comm.blocked import BlockedTime, timed_wait
 from shardspeed.comm.composite import (
     ALL_GATHER_SINGLE,
@@ -293,17 +294,13 @@ class Collectives:
         self, output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, async_op: bool = False, tag: str = ""
     ) -> Work:
         """Split ``tensor`` into ``axis.size`` equal blocks (along dim 0 when it divides evenly, else flat) and send
-        block j to member j; ``output`` receives member i's block for this rank in block i. Equal splits only."""
+        block j to member j; ``output`` receives member i's block for this rank in block i. Equal splits only;
+        ``output`` contiguous, not aliasing ``tensor`` (checked first: [Note: symmetric argument checks])."""
+        check_all_to_all(output, tensor, axis)
         if self.order is not None:
             self.order.check("all_to_all", axis, (tensor, output), tag)
-        if output.numel() != tensor.numel() or tensor.numel() % axis.size:
-            raise ValueError(
-                f"all_to_all_single: {tensor.numel()} elements in, {output.numel()} out: equal "
-                f"sizes divisible by the {axis.name} axis' {axis.size} ranks are required"
-            )
         if axis.size == 1:
-            if output.data_ptr() != tensor.data_ptr():
-                output.copy_(tensor)
+            output.copy_(tensor.reshape(output.shape))
             return Work(None)
         timer, hold = self._record("all_to_all", tensor, axis, tag)
         out, src = output.view(axis.size, -1), tensor.reshape(axis.size, -1)  # dim 0 = destination member

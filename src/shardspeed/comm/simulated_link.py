@@ -3,14 +3,18 @@ link of the given bandwidth and latency.
 
 [Note: simulated link] Communication compression pays off where the network, not compute, is the bottleneck —
 which a CPU host with gloo over shared memory is not. To measure an end-to-end effect honestly on such a host,
-``Collectives`` can model a slower link: a call launched at time t with algorithmic traffic b bytes per rank (the
-comms log's figure: ring factors, [Note: comms-log latency] in comm/log.py) is complete at
-``max(real completion, t + latency + b / bandwidth)``. The deadline is fixed at *launch*, and only the wait
-blocks until it: the caller is never slept at launch, so compute issued between launch and wait overlaps the
-simulated transfer exactly as it would overlap a real one, and ``Work.done()`` reads False until the deadline.
-Synchronous calls are a launch plus a wait, so they take at least the simulated time too. Concurrent calls do not
-share the link's bandwidth (each is timed as if alone): an optimistic model for overlapped buckets, adequate
-for comparing traffic volumes. Point-to-point messages and ``all_gather_object`` are not delayed.
+``Collectives`` can model a slower link. The link is ONE per rank (one per ``Collectives``, the rank's NIC) and
+serves calls in launch order: a call launched at time t with algorithmic traffic b bytes per rank (the comms
+log's figure: ring factors, [Note: comms-log latency] in comm/log.py) starts on the link at
+``start = max(t, busy_until)``, is complete at ``max(real completion, start + b / bandwidth + latency)``, and
+leaves the link busy until ``start + b / bandwidth``. So calls in flight together (stage 0/2 buckets launched
+during backward) share the bandwidth: K concurrent transfers of T seconds each end at T, 2T, ..., KT, as on one
+real link; latencies overlap (a pipelined link). The deadline is fixed at *launch*, and only the wait blocks
+until it: the caller is never slept at launch, so compute issued between launch and wait overlaps the simulated
+transfer exactly as it would overlap a real one, and ``Work.done()`` reads False until the deadline. Synchronous
+calls are a launch plus a wait, so they take at least the simulated time too. The model counts from this rank's
+own launch, not from the last peer's join (a rank that launches early is not charged for waiting on a late one
+beyond the real collective's own wait). Point-to-point messages and ``all_gather_object`` are not delayed.
 
 This is a SIMULATION, off by default: ``communication.simulated_link`` in the config (shardspeed's own key) or
 ``Collectives(link=...)``. Figures measured under it must be labelled as such.
@@ -59,14 +63,19 @@ class SimulatedLink:
         self.latency_us = latency_us
         self.clock = clock
         self.sleep = sleep
+        self.busy_until = float("-inf")
+        """When the link finishes serialising the calls already launched (their bytes; latencies overlap)."""
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds a call moving ``nbytes`` (algorithmic, per rank) takes on this link."""
         return self.latency_us * 1e-6 + nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
     def hold(self, nbytes: float) -> Hold:
-        """The deadline of a call launched now that moves ``nbytes``."""
-        return Hold(self, self.clock() + self.transfer_s(nbytes))
+        """The deadline of a call launched now that moves ``nbytes``: it queues behind the calls in flight on this
+        link ([Note: simulated link])."""
+        start = max(self.clock(), self.busy_until)
+        self.busy_until = start + nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return Hold(self, self.busy_until + self.latency_us * 1e-6)
 
     def __repr__(self) -> str:
         return f"SimulatedLink({self.bandwidth_gbps} Gbit/s, {self.latency_us} µs)"

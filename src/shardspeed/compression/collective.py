@@ -66,22 +66,38 @@ def _check_input(what: str, tensor: Tensor, numel: int) -> None:
 
 
 class _ErrorFed:
-    """Error buffers (named) with state_dict / load_state_dict / reset / error_bytes."""
+    """Error buffers (named) with state_dict / load_state_dict / reset / error_bytes. The state also carries
+    ``meta`` = [numel, axis size]: buffer shapes alone do not identify the layout (a reduce-scatter's worker error
+    is often the same size at every world size while its chunks differ)."""
 
     _errors: dict[str, Tensor]
+    numel: int
+    axis: AxisGroup
 
     @property
     def error_bytes(self) -> int:
         """Bytes held by the error buffers (0 on an axis of size 1)."""
         return sum(e.numel() * e.element_size() for e in self._errors.values())
 
+    def _meta(self) -> Tensor:
+        return torch.tensor([self.numel, self.axis.size], dtype=torch.int64)
+
     def state_dict(self) -> dict[str, Tensor]:
-        return {name: e.clone() for name, e in self._errors.items()}
+        return {"meta": self._meta(), **{name: e.clone() for name, e in self._errors.items()}}
 
     def load_state_dict(self, sd: dict[str, Tensor]) -> None:
-        """Restore error buffers saved by a collective of the same size and axis size; a mismatch names the key."""
-        if set(sd) != set(self._errors):
-            raise ValueError(f"{type(self).__name__}: state keys {sorted(sd)} != expected {sorted(self._errors)}")
+        """Restore error buffers saved by a collective of the same size and axis size; a mismatch (``meta``, then
+        the key set and shapes) raises and names it: at another world size, reset() instead."""
+        if set(sd) != {"meta", *self._errors}:
+            raise ValueError(
+                f"{type(self).__name__}: state keys {sorted(sd)} != expected {sorted({'meta', *self._errors})}"
+            )
+        saved = [int(v) for v in sd["meta"].reshape(-1).tolist()]
+        if saved != [self.numel, self.axis.size]:
+            raise ValueError(
+                f"{type(self).__name__}: error buffers saved for [numel, axis size] = {saved}, this one is "
+                f"{[self.numel, self.axis.size]} (saved at another size or axis size: reset() the buffers instead)"
+            )
         for name, error in self._errors.items():
             if sd[name].shape != error.shape:
                 raise ValueError(
@@ -115,7 +131,9 @@ class CompressedAllReduce(_ErrorFed):
         self.launch(tensor).wait()
 
     def launch(self, tensor: Tensor) -> Work:
-        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited."""
+        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. The Work's
+        ``done()`` stays False until ``wait()`` (phase two is issued there, [Note: compressed work]): never poll
+        it, wait it, in the same program order on every rank."""
         _check_input("CompressedAllReduce", tensor, self.numel)
         n, c = self.axis.size, self.collectives
         if n == 1:
@@ -169,7 +187,8 @@ class CompressedReduceScatter(_ErrorFed):
         self.launch(shard, unsharded).wait()
 
     def launch(self, shard: Tensor, unsharded: Tensor) -> Work:
-        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited."""
+        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited. The
+        Work's ``done()`` stays False until ``wait()`` ([Note: compressed work]): never poll it, wait it."""
         _check_input("CompressedReduceScatter (shard)", shard, self.slice)
         _check_input("CompressedReduceScatter (unsharded)", unsharded, self.numel)
         n, c = self.axis.size, self.collectives

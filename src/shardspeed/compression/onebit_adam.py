@@ -16,7 +16,8 @@ DeepSpeed compresses each parameter's momentum apart (each padded); we compress 
 (one collective per group, padding once). DeepSpeed's
 ``bias_correction``, ``eps_inside_sqrt``, ``cuda_aware`` are accepted and have no effect there either;
 ``comm_backend_name`` is checked against DeepSpeed's values and otherwise unused: the backend is the process
-group's (gloo, NCCL, …).
+group's (gloo, NCCL, …). A param group's ``exp_avg_mask`` (a tensor) multiplies each parameter's momentum after
+every compressed mean over more than one rank, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from shardspeed.compression.optim_base import CompressedOptimizer
+from shardspeed.compression.optim_base import CompressedOptimizer, mask_exp_avg_
 
 COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed")
 """DeepSpeed's ``comm_backend_name`` values (any of them runs on the process group's own backend here)."""
@@ -132,6 +133,8 @@ class OneBitAdam(CompressedOptimizer):
                         continue
                     adam_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
+                if compressed and self._axis is not None and self._axis.size > 1:  # DeepSpeed: after the mean
+                    mask_exp_avg_(group, m)
                 apply_update_(p, m, v, group["lr"], group["eps"], group["weight_decay"])
         return loss
 

@@ -23,8 +23,8 @@ so one sign scale fits them all. The first step only creates the states ([Note: 
 in ``zero_one_adam.py``), so the warm-up has ``freeze_step - 1`` updates, as in DeepSpeed. Deliberate
 differences: the error buffers, ``lamb_coeff_freeze``, ``last_factor`` and ``scaling_coeff`` survive a
 checkpoint (DeepSpeed resets the errors, and in the warm-up the coefficient EMA, on load); a tensor whose
-momentum is exactly zero at the freeze gets ``k_p = 1`` (DeepSpeed divides by zero); ``exp_avg_mask`` and
-AMSGrad are not supported.
+momentum is exactly zero at the freeze gets ``k_p = 1`` (DeepSpeed divides by zero); AMSGrad is not supported.
+A param group's ``exp_avg_mask`` multiplies the averaged momentum in the compression stage, as in DeepSpeed.
 
 Communication ([Note: optimizer-owned means] in ``owned_comm.py``): the engine all-reduces gradients in the
 warm-up (``owns_communication`` is False) and hands local gradients over once the compression starts.
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.optim_base import mask_exp_avg_
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 
@@ -249,6 +250,7 @@ class OneBitLamb(MeanCommOptimizer):
         beta1, beta2 = group["betas"]
         exp_avg, exp_avg_sq, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
         exp_avg.div_(state["scaling_coeff"])
+        mask_exp_avg_(group, exp_avg)  # DeepSpeed: after the compressed mean, on any number of ranks
         reconstructed = (exp_avg - previous * beta1) / (1 - beta1)
         fresh.mul_(beta2).addcmul_(reconstructed, reconstructed, value=1 - beta2)
         denom = exp_avg_sq.sqrt() + group["eps"]

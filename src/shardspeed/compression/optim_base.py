@@ -40,6 +40,19 @@ from shardspeed.topology import AxisGroup
 logger = logging.getLogger("shardspeed")
 
 
+def mask_exp_avg_(group: dict[str, Any], tensor: Tensor) -> None:
+    """DeepSpeed's ``exp_avg_mask`` param-group key: multiply the averaged momentum (or what becomes it) by the
+    group's mask after a compressed mean. 1-bit compression cannot send an exact zero, so momentum that should
+    stay zero (BERT's unused position-embedding rows) would otherwise accumulate compression error. The mask
+    broadcasts against each parameter of its group (DeepSpeed's rule), and moves to the tensor's device once."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    if mask.device != tensor.device:
+        group["exp_avg_mask"] = mask = mask.to(tensor.device)
+    tensor.mul_(mask)
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     """Base class of optimizers that own communication after a warm-up ([Note: optimizer-owned communication]).
 
@@ -107,6 +120,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return sum(int(c.error_bytes) for c in self._compressors.values())
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping each group's current ``exp_avg_mask`` (DeepSpeed's
+        rule: the mask may change between training stages, so a saved one is never restored)."""
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for group, saved in zip(self.param_groups, groups):
+            saved.pop("exp_avg_mask", None)
+            if "exp_avg_mask" in group:
+                saved["exp_avg_mask"] = group["exp_avg_mask"]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
     def compression_state_dict(self) -> dict[str, Tensor]:
         """This rank's error-feedback state, flat tensors keyed ``"<buffer key>/<name>"`` (empty in warm-up)."""
         out: dict[str, Tensor] = {}

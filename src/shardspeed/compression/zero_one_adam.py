@@ -22,8 +22,13 @@ that step as it is (as ``OneBitAdam`` does), so a run matches DeepSpeed's step f
 ``var_freeze_step`` / the interval policies select the same steps. Differences from DeepSpeed, each deliberate:
 on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps (its ``size > 1`` guard); we
 take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
-size; DeepSpeed always resets them). ``exp_avg_mask`` and AMSGrad are not supported. Each parameter is
-compressed on its own (its own scale), as DeepSpeed does.
+size; DeepSpeed always resets them). AMSGrad is not supported. A param group's ``exp_avg_mask`` multiplies the
+compressed means (of gradients in the variance phase, of the accumulated update at a sync) on more than one
+rank, as in DeepSpeed. Each parameter is
+compressed on its own (its own scale), as DeepSpeed does. A parameter without ``.grad`` (but with states,
+i.e. after the first step) counts as a zero gradient, as in ``OneBitLamb``: it still takes part in every mean
+(so ranks that differ in which parameters got a gradient still make the same calls), its momentum decays and
+weight decay applies (DeepSpeed skips such a parameter).
 
 [Note: 0/1 Adam's accumulator] DeepSpeed sums the local updates into an accumulator ``acc`` and at a sync
 undoes them (``w -= acc``) before adding the mean; in floating point ``(w - lr*u) - (-lr*u)`` is not ``w``, so
@@ -31,6 +36,14 @@ its ranks drift apart by rounding and never re-agree. We keep ``w_s`` (the param
 memory as ``acc``) and compress ``w - w_s``: equal to DeepSpeed's to rounding (the world-1 parity holds to
 1e-6), and every rank rebuilds the identical ``w_s + c / d`` after each sync. Between syncs the ranks'
 parameters differ by design (local steps).
+
+[Note: 0/1 Adam between syncs in checkpoints] A checkpoint's model and optimizer states are written by data rank
+0 only, but between syncs every rank's parameter and ``exp_avg`` are its own. So in the local phase both are
+also saved as per-rank rows of the compression state ([Note: error buffers in checkpoints]): a load at the same
+data-parallel world size gives every rank its own values back (bit-exact resume). At another world size the
+rows mean nothing: every rank restarts from the last synchronized parameter ``synced_param`` (the same on every
+rank) with rank 0's momentum and ``lrs = 0``, i.e. the local updates since the last sync are dropped (one
+warning, with the error-buffer reset). ``lrs``, ``synced_param`` and ``exp_avg_sq`` are the same on every rank.
 
 Communication is owned by the optimizer from the first step ([Note: optimizer-owned means] in
 ``owned_comm.py``): the engine hands over local gradients and the optimizer takes the exact mean itself on
@@ -47,8 +60,10 @@ from typing import Any
 import torch
 
 from shardspeed.compression.onebit_adam import check_comm_backend_name
+from shardspeed.compression.optim_base import mask_exp_avg_
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
+_LOCAL = "local/"  # compression-state keys of the local phase's per-rank parameter and momentum rows
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
 
 
@@ -65,7 +80,9 @@ class ZeroOneSchedule:
 
 def is_frozen(schedule: ZeroOneSchedule, var_freeze_step: int) -> bool:
     """Whether the *next* step runs in the local phase (DeepSpeed freezes once its counter passed var_freeze_step)."""
-    return schedule.step > var_freeze_step
+    # DeepSpeed's first real step (counter 2) always runs before its freeze check: at var_freeze_step 0 or 1
+    # the local phase starts with counter 3, as there.
+    return schedule.step > max(var_freeze_step, 1)
 
 
 def step_kind(schedule: ZeroOneSchedule, var_freeze_step: int) -> str:
@@ -253,6 +270,35 @@ class ZeroOneAdam(MeanCommOptimizer):
     def _args(self) -> tuple[int, int, int, int]:
         return self.var_freeze_step, self.var_update_scaler, self.local_step_scaler, self.local_step_clipper
 
+    # -- checkpoints ([Note: 0/1 Adam between syncs in checkpoints]) ---------------------------------------------
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """The error buffers, plus in the local phase this rank's own parameter and momentum (``local/<key>/...``)."""
+        out = super().compression_state_dict()
+        for _, key, p in self._params():
+            state = self.state.get(p) or {}
+            if "synced_param" in state:
+                out[f"{_LOCAL}{key}/param"] = p.detach().reshape(-1)
+                out[f"{_LOCAL}{key}/exp_avg"] = state["exp_avg"].detach().reshape(-1)
+        return out
+
+    def load_compression_state_dict(self, state: dict[str, torch.Tensor], same_world: bool) -> None:
+        """Same world: each rank's own local-phase parameter and momentum back. Another world (or rows missing):
+        every rank restarts from the last synchronized parameter (``synced_param``, the same on every rank), with
+        the saving rank 0's momentum and no accumulated update (``lrs = 0``)."""
+        local = {k: v for k, v in state.items() if k.startswith(_LOCAL)}
+        super().load_compression_state_dict({k: v for k, v in state.items() if k not in local}, same_world)
+        for _, key, p in self._params():
+            st = self.state.get(p) or {}
+            if "synced_param" not in st:
+                continue
+            param, exp_avg = local.get(f"{_LOCAL}{key}/param"), local.get(f"{_LOCAL}{key}/exp_avg")
+            if same_world and param is not None and exp_avg is not None:
+                p.data.view(-1).copy_(param.reshape(-1))
+                st["exp_avg"].view(-1).copy_(exp_avg.reshape(-1))
+            else:
+                p.data.copy_(st["synced_param"])
+                st["lrs"] = 0.0
+
     # -- step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -260,7 +306,9 @@ class ZeroOneAdam(MeanCommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        members = [(g, key, p) for g, key, p in self._params() if p.grad is not None]
+        # A parameter with states but no gradient counts as a zero gradient (as in OneBitLamb): every rank then
+        # averages the same tensors under the same keys, and the parameter keeps re-syncing.
+        members = [(g, key, p) for g, key, p in self._params() if p.grad is not None or self.state.get(p)]
         if not members:
             return loss
         schedule = self.schedule()
@@ -269,7 +317,10 @@ class ZeroOneAdam(MeanCommOptimizer):
                 self._state(p)["step"] = 1
             return loss
         kind = step_kind(schedule, self.var_freeze_step)
-        grads = [p.grad.detach().to(torch.float32, copy=True) for *_, p in members]  # local; the means go in place
+        grads = [  # local; the means go in place
+            torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.detach().to(torch.float32, copy=True)
+            for *_, p in members
+        ]
         if kind == "variance":
             self.comm.exact_mean(grads)
         for (group, key, p), grad in zip(members, grads, strict=True):
@@ -278,6 +329,8 @@ class ZeroOneAdam(MeanCommOptimizer):
             if kind in ("variance", "compressed"):
                 if kind == "compressed":
                     self.comm.compressed_mean(key, grad)
+                    if self.comm.world > 1:  # DeepSpeed masks the 1-bit mean (on more than one rank only)
+                        mask_exp_avg_(group, grad)
                 variance_phase_update(
                     p, grad, state["exp_avg"], state["exp_avg_sq"], update_variance=kind == "variance",
                     weight_decay=group["weight_decay"], **hyper,
@@ -293,6 +346,8 @@ class ZeroOneAdam(MeanCommOptimizer):
                 synced = state["synced_param"]
                 payload = sync_payload(p, synced, state["exp_avg_sq"], group["eps"])
                 self.comm.compressed_mean(key, payload)
+                if self.comm.world > 1:
+                    mask_exp_avg_(group, payload)
                 sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
                 state["lrs"] = 0.0
         after = advance(schedule, *self._args())

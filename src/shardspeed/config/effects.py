@@ -174,7 +174,6 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     # --- communication (shardspeed's own section) ------------------------------------------------------------------
     "communication.collectives": _acts("comm/algorithms.py: the call behind each collective"),
     "communication.calibration_cache": _acts("comm/calibrate.py: where calibrations are cached"),
-    "communication.simulated_link": _acts("comm/simulated_link.py: a SIMULATED slow link (benchmarks)"),
     "communication.simulated_link.bandwidth_gbps": _acts("comm/simulated_link.py: simulated bandwidth"),
     "communication.simulated_link.latency_us": _acts("comm/simulated_link.py: simulated latency per call"),
     # --- fault_tolerance (shardspeed's own section) --------------------------------------------------------------
