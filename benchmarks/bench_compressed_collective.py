@@ -10,7 +10,8 @@ each; rank 0's wall time). Printed per row: the algorithmic bytes per rank the c
 fp32 (scales and padding included), and the per-repeat time ratio compressed / fp32 as median [IQR]
 (``stats.py``). ``real`` is the host's gloo (shared memory: compute-bound, so compression does not pay);
 ``10`` / ``1`` are SIMULATED links of 10 and 1 Gbit/s ([Note: simulated link] in comm/simulated_link.py: each
-call completes at launch + latency + bytes / bandwidth), rows labelled ``SIMULATED``. Nothing is asserted: timings
+call completes at its start on the rank's one link + bytes / bandwidth + latency, calls in flight sharing the
+link), rows labelled ``SIMULATED``. Nothing is asserted: timings
 on a shared machine are not test material; tests/dist/test_compressed_collectives.py checks the byte ratios.
 """
 

@@ -4,10 +4,11 @@
                                                  [--model mlp] [--latency-us 50]
 
 SIMULATION: a CPU host's gloo over shared memory is not a network, so every collective is made to complete only
-after its algorithmic bytes would have crossed a link of the given bandwidth plus a latency
-(``communication.simulated_link``, [Note: simulated link] in comm/simulated_link.py; compute between launch and
-wait overlaps the simulated transfer as it would a real one). The figures say what the traffic reduction buys
-where bandwidth is the bottleneck, not what a real cluster measures.
+after its algorithmic bytes would have crossed the rank's one link of the given bandwidth (calls in flight,
+e.g. Adam's gradient buckets, share it) plus a latency (``communication.simulated_link``, [Note: simulated
+link] in comm/simulated_link.py; compute between launch and wait overlaps the simulated transfer as it would a
+real one). The figures say what the traffic reduction buys where bandwidth is the bottleneck, not what a real
+cluster measures.
 
 Rows, per bandwidth: ``adam`` (config "Adam", stage 0: bucketed fp32 gradient all-reduce overlapping backward) and
 ``onebit`` (config "OneBitAdam", ``freeze_step`` 3, timed in its compressed phase: no gradient all-reduce, one

@@ -70,7 +70,13 @@ def _reduce_scatter(rank: int, world: int, numel: int, steps: int) -> float:
     for step in range(steps):
         xs = _inputs(step, world, numel)
         shard = torch.empty(numel // world)
-        op(shard, xs[rank].clone())
+        if step % 2:  # the async form on odd steps (review A #10): done() only after wait()
+            work = op.launch(shard, xs[rank].clone())
+            assert not work.done()
+            work.wait()
+            assert work.done()
+        else:
+            op(shard, xs[rank].clone())
         expected = reference.compressed_reduce_scatter(xs, we)[rank]
         worst = max(worst, (shard - expected).abs().max().item())
     return worst
@@ -125,6 +131,9 @@ def test_traffic_is_one_thirty_second_of_fp32_at_any_world_size(tmp_path: Any) -
         )
         assert r["fp32_ar"] == pytest.approx(1.0)
         assert r["ar"] <= 1.1 / 32 and r["rs"] <= 1.1 / 32
+        # exact (README): packed signs n/8 + N fp32 scales per phase, against fp32's 4n; no padding at 2^20
+        assert r["ar"] == pytest.approx(1 / 32 + world / numel, rel=1e-12)
+        assert r["rs"] == pytest.approx(1 / 32 + world / numel, rel=1e-12)
     for op in ("ar", "rs"):
         assert abs(ratios[4][op] / ratios[2][op] - 1) <= 0.05
 

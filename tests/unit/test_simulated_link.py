@@ -4,7 +4,9 @@ link is free), waits block until then (never at launch), and the link is off by 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import shardspeed
 from shardspeed.comm import Collectives, CommsLog
 from shardspeed.comm.composite import Launched
 from shardspeed.comm.simulated_link import SimulatedLink
@@ -115,3 +117,14 @@ def test_a_call_launched_mid_transfer_waits_only_the_remainder() -> None:
     link.hold(1e9)  # busy for 1 s
     clock.now += 0.4
     assert link.hold(1e9).at == pytest.approx(102.0)  # starts at 101.0, not at 100.4
+
+
+def test_an_engine_built_with_the_key_gets_the_link() -> None:
+    """Review A #10: engine_setup wires ``communication.simulated_link`` into the engine's Collectives."""
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    plain, *_ = shardspeed.initialize(model=torch.nn.Linear(4, 4), config=base)
+    assert plain.collectives.link is None
+    sim = {"simulated_link": {"bandwidth_gbps": 2.5, "latency_us": 7.0}}
+    engine, *_ = shardspeed.initialize(model=torch.nn.Linear(4, 4), config={**base, "communication": sim})
+    link = engine.collectives.link
+    assert isinstance(link, SimulatedLink) and (link.bandwidth_gbps, link.latency_us) == (2.5, 7.0)
