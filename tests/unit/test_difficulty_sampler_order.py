@@ -109,3 +109,58 @@ def test_resume_mid_ramp_at_another_world_size_and_refuse_changed_files() -> Non
     other = MetricCurriculum("m", metric.schedule, "value", _index(edited), "files/m_index_to_sample")
     with pytest.raises(ValueError, match=r"'m'.*files/m_index_to_sample.*fingerprint"):
         _sampler((other,), n, mbs=24).load_state_dict(state)
+
+
+def test_data_post_process_func_gets_the_delivered_batchs_difficulties(tmp_path) -> None:
+    """DeepSpeed's ``engine.set_data_post_process_func``: a single_cluster ``seqlen_truncate`` metric cut by the hook
+    to the difficulty of the very batch being delivered (also the first)."""
+    import torch
+
+    import shardspeed
+    from shardspeed.data.analyzer import write_metric_files
+
+    n, width = 64, 16
+    files = write_metric_files(np.arange(n) % 8, tmp_path, "m")
+    ramp = {"schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 2}}
+    metrics = {
+        "m": {
+            "index_to_sample_path": str(files.index_to_sample),
+            "index_to_metric_path": str(files.index_to_metric),
+            "difficulty_type": "value",
+            **{"min_difficulty": 7, "max_difficulty": 7, "schedule_type": "fixed_linear"},
+            "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1},
+        },
+        "seqlen_truncate": {
+            "clustering_type": "single_cluster",
+            "difficulty_type": "value",
+            "min_difficulty": 4,
+            "max_difficulty": width,
+            **ramp,
+        },
+    }
+    config = {
+        "train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True, "curriculum_metrics": metrics}}},
+    }
+    data = torch.utils.data.TensorDataset(torch.randn(n, width))
+    model = torch.nn.Linear(1, 1)
+    engine, _, loader, _ = shardspeed.initialize(model=model, training_data=data, config=config)
+    seen: list[int] = []
+
+    def cut(batch, state):
+        seen.append(state["current_difficulties"]["seqlen_truncate"])
+        return [batch[0][:, : state["current_difficulties"]["seqlen_truncate"]]]
+
+    engine.set_data_post_process_func(cut)
+    it = iter(loader)
+    schedule = CurriculumSchedule(4, width, "fixed_linear", total_curriculum_step=6, difficulty_step=2)
+    for step in range(1, 9):
+        for _ in range(2):
+            (x,) = next(it)
+            assert x.shape[1] == schedule.difficulty_at(step), step
+            engine.backward(engine(x.reshape(-1, 1)).pow(2).mean())
+            engine.step()
+    assert seen == [schedule.difficulty_at(s) for s in range(1, 9) for _ in range(2)]
+    engine.destroy()

@@ -232,15 +232,23 @@ class DifficultySampler:
         """A crc32 of each filtering metric's rows (a resumed run must read the same files)."""
         return {m.name: m.index.fingerprint() for m in self.metrics if m.index is not None}
 
-    def state_dict(self) -> dict[str, Any]:
+    def delivery_state(self) -> dict[str, Any]:
+        """What ``set_data_post_process_func``'s hook receives: the position without the drawn set, and
+        ``current_difficulties`` of the global batch being delivered (DeepSpeed's key)."""
+        return self.state_dict(with_consumed=False)
+
+    def state_dict(self, with_consumed: bool = True) -> dict[str, Any]:
         c = self._cursor
-        consumed = np.zeros(self.num_samples, dtype=bool)
-        consumed[self._permutation(c.round)[c.consumed_positions()]] = True
+        packed = ""
+        if with_consumed:
+            consumed = np.zeros(self.num_samples, dtype=bool)
+            consumed[self._permutation(c.round)[c.consumed_positions()]] = True
+            packed = base64.b64encode(zlib.compress(np.packbits(consumed).tobytes())).decode("ascii")
         return {
             "kind": KIND,
             "global_batches": c.batch,
             "round": c.round,
-            "consumed": base64.b64encode(zlib.compress(np.packbits(consumed).tobytes())).decode("ascii"),
+            "consumed": packed,
             "difficulties": dict(c.difficulties) if c.difficulties is not None else None,
             "reached_difficulties": dict(c.reached) if c.reached is not None else None,
             "current_difficulties": self.delivered_difficulties(),
