@@ -164,3 +164,21 @@ def test_data_post_process_func_gets_the_delivered_batchs_difficulties(tmp_path)
             engine.step()
     assert seen == [schedule.difficulty_at(s) for s in range(1, 9) for _ in range(2)]
     engine.destroy()
+
+
+def test_config_checks_only_what_deepspeed_reads() -> None:
+    from shardspeed.config import ConfigError, load_config
+
+    def load(data_efficiency: dict):
+        return load_config({"train_batch_size": 4, "data_efficiency": data_efficiency}, dp_world_size=1)
+
+    partial = {"m": {"difficulty_type": "value"}}  # incomplete, but the section is off: DeepSpeed reads none of it
+    assert load({"data_sampling": {"curriculum_learning": {"curriculum_metrics": partial}}}).data_efficiency
+    on = {"data_sampling": {"curriculum_learning": {"enabled": True, "curriculum_metrics": partial}}}
+    with pytest.raises(ConfigError, match=r"curriculum_metrics\.m\.index_to_sample_path"):
+        load(on)
+    assert load({"data_routing": {"enabled": True, "random_ltd": {"enabled": False}}}).data_efficiency
+    with pytest.raises(ConfigError, match=r"data_routing.*random-LTD"):
+        load({"data_routing": {"random_ltd": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"data_sampling\.pin_memory.*dynamic-batching"):
+        load({"data_sampling": {"pin_memory": True}})

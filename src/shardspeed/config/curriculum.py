@@ -64,8 +64,12 @@ class CurriculumScheduleConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _schedule_is_usable(self) -> CurriculumScheduleConfig:
-        if not self.schedule_in_use():
-            return self
+        if self.schedule_in_use():
+            self.check_schedule()
+        return self
+
+    def check_schedule(self) -> None:
+        """Raise ``InvalidValue`` naming the first missing or inconsistent schedule key."""
         for key in ("min_difficulty", "max_difficulty", "schedule_type"):
             if getattr(self, key) is None:
                 raise InvalidValue(key, "required when curriculum learning is enabled")
@@ -84,7 +88,6 @@ class CurriculumScheduleConfig(ConfigModel):
             object.__setattr__(probe, name, value)
         for key, problem in schedule_problems(probe):
             raise InvalidValue(key, problem)
-        return self
 
 
 class CurriculumLearningConfig(CurriculumScheduleConfig):
