@@ -137,9 +137,11 @@ class DifficultySampler:
         self._draws.clear()
 
     def _permutation(self, round_: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != round_:
-            self._perm = (round_, np.random.default_rng([self.seed, round_]).permutation(self.num_samples))
-        return self._perm[1]
+        cached = self._perm  # one read: the prefetch thread and the consumer both draw
+        if cached is None or cached[0] != round_:
+            cached = (round_, np.random.default_rng([self.seed, round_]).permutation(self.num_samples))
+            self._perm = cached
+        return cached[1]
 
     def _filtering(self, reached: Mapping[str, int]) -> Levels:
         """The part of the running maxima that decides eligibility (``single_cluster`` metrics filter nothing)."""
@@ -148,15 +150,17 @@ class DifficultySampler:
     def _eligible_in_order(self, round_: int, reached: Mapping[str, int]) -> np.ndarray:
         """Per position of round ``round_``'s permutation: whether that sample is eligible at ``reached``."""
         key = (round_, self._filtering(reached))
-        if self._eligible is None or self._eligible[0] != key:
+        cached = self._eligible
+        if cached is None or cached[0] != key:
             mask = eligible_mask(self.metrics, reached, self.num_samples)
             if not mask.any():
                 raise ValueError(
                     f"no sample is eligible at the curriculum difficulties {dict(reached)}: lower min_difficulty "
                     "or check the metric files (shardspeed data-analyze prints each metric's range)"
                 )
-            self._eligible = (key, mask[self._permutation(round_)])
-        return self._eligible[1]
+            cached = (key, mask[self._permutation(round_)])
+            self._eligible = cached
+        return cached[1]
 
     def draw(self, cursor: Cursor) -> tuple[np.ndarray, Cursor]:
         """Global batch ``cursor.batch`` and the cursor after it."""
