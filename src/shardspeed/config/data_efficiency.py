@@ -92,7 +92,7 @@ class DataSamplingConfig(ConfigModel):
     """DeepSpeed default: false (its engine decides by ``curriculum_learning.enabled``; so does shardspeed)."""
 
     num_epochs: PositiveInt = 1000
-    """Passes over the data one iteration of the loader makes (its length: ``num_epochs × len(dataset)`` samples).
+    """Epochs of the data one iteration of the loader makes (its length: ``num_epochs × len(dataset)`` samples).
     DeepSpeed default: 1000."""
 
     num_workers: NonNegativeInt = 0
