@@ -184,3 +184,11 @@ class DeepSpeedCompatMixin:
         loader = self.training_dataloader  # type: ignore[attr-defined]
         if loader is not None and self.curriculum_learning_enabled():
             loader.sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """DeepSpeed's hook: the training loader calls ``post_process_func(batch, sampler_state)`` on each batch it
+        delivers; with difficulty sampling ``sampler_state["current_difficulties"]`` are that batch's (e.g. a
+        ``single_cluster`` ``seqlen_truncate`` metric the hook cuts to). Without a training loader: nothing."""
+        loader = self.training_dataloader  # type: ignore[attr-defined]
+        if loader is not None:
+            loader.post_process_func = post_process_func

@@ -140,6 +140,7 @@ def test_ignored_keys_warn_once_naming_the_feature(path: str) -> None:
 
 _ON_VALUES: dict[str, Any] = {
     # A value that turns each feature on, where {"enabled": true} does not.
+    "data_efficiency.data_routing": {"random_ltd": {"enabled": True}},  # DeepSpeed reads random_ltd.enabled alone
     "memory_breakdown": True,
     "dump_state": True,
     "disable_python_gc": True,

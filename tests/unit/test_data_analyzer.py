@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardspeed.data.analyzer import analyze, load_metric_index, metric_files, write_metric_files
+from shardspeed.data.analyzer.analyze import _indexed_builtin
 from shardspeed.data.analyzer.cli import main as cli_main
 from shardspeed.data.indexed import IndexedDataset, write_indexed_dataset
 from shardspeed.launcher.subcommands import get_subcommand
@@ -59,6 +60,8 @@ def test_seqlen_and_rarity_match_by_hand_and_across_paths(tmp_path: Path) -> Non
         by_sample = analyze(many, metric, progress=False, chunk_size=37).values
         indexed = analyze(str(tmp_path / "tok"), metric, progress=False).values
         assert np.array_equal(by_sample, indexed), metric
+        chunked = _indexed_builtin(IndexedDataset(tmp_path / "tok"), metric, chunk_tokens=50)  # many memmap chunks
+        assert np.array_equal(by_sample, chunked), metric
 
 
 def test_workers_do_not_change_values_and_user_functions_work(tmp_path: Path) -> None:
@@ -105,7 +108,8 @@ def test_same_files_as_deepspeeds_data_analyzer(tmp_path: Path) -> None:
     """DeepSpeed's DataAnalyzer (map + reduce, one worker) and ours, on the same values: same items and dtypes."""
     if not DS_PYTHON.exists():
         pytest.skip(f"DeepSpeed's venv ({DS_PYTHON}) is absent; set SHARDSPEED_DS_PYTHON to run the cross-check")
-    values = np.random.default_rng(5).integers(0, 40, size=300)
+    rng = np.random.default_rng(5)  # 260 distinct values: percentile_merged merges rows 2 at a time
+    values = rng.permutation(np.concatenate((np.arange(260), rng.integers(0, 260, size=140))))
     np.save(tmp_path / "values.npy", values)
     script = (
         "import json, numpy as np\n"
@@ -123,6 +127,7 @@ def test_same_files_as_deepspeeds_data_analyzer(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     ours = write_metric_files(values, tmp_path / "ours", "m")
     theirs = metric_files(tmp_path / "ds", "m")
+    assert len(IndexedDataset(ours.index_to_sample_percentile_merged)) == 130
     for kind in ("sample_to_metric", "index_to_sample", "index_to_metric", "index_to_sample_percentile_merged"):
         a, b = IndexedDataset(getattr(ours, kind)), IndexedDataset(getattr(theirs, kind))
         assert a.dtype == b.dtype, kind

@@ -14,7 +14,7 @@ from shardspeed.config import load_config
 from shardspeed.data.analyzer import analyze
 from shardspeed.data.analyzer.files import MetricIndex
 from shardspeed.data.curriculum import CurriculumSchedule
-from shardspeed.data.difficulty import MetricCurriculum, eligible_samples, load_metrics
+from shardspeed.data.difficulty import MetricCurriculum, eligible_mask, eligible_samples, load_metrics
 from shardspeed.data.difficulty_sampler import DifficultySampler
 
 N = 240
@@ -88,6 +88,8 @@ def test_percentile_follows_deepspeeds_rule_and_metrics_intersect() -> None:
     other = _metric(other_values, name="mod", schedule=_linear(2, 9, 10))
     both = eligible_samples((_metric(), other), {"len": 30, "mod": 4}, N)
     assert both.tolist() == [i for i in range(N) if VALUES[i] <= 30 and other_values[i] <= 4]
+    assert np.flatnonzero(eligible_mask((_metric(), other), {"len": 30, "mod": 4}, N)).tolist() == both.tolist()
+    assert np.array_equal(np.flatnonzero(eligible_mask((pct,), {"len": 30}, N)), at_30)
     single = MetricCurriculum("all", _linear(1, 2, 3), "value", None)
     assert len(single.eligible(1, N)) == N
 

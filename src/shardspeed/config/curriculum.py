@@ -52,8 +52,9 @@ class CurriculumScheduleConfig(ConfigModel):
     """Difficulty at the end of the curriculum. DeepSpeed: required."""
 
     schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
-    """How difficulty grows with the global step; ``custom``: a function given to
-    ``engine.set_custom_curriculum_learning_schedule``. DeepSpeed: required."""
+    """How difficulty grows with the global step; ``custom``: a function of the step, given to
+    ``engine.curriculum_scheduler_legacy.set_custom_get_difficulty`` (the legacy ``curriculum_learning`` section) or
+    ``engine.set_custom_curriculum_learning_schedule`` (``data_efficiency`` metrics). DeepSpeed: required."""
 
     schedule_config: ScheduleParamsConfig = Field(default_factory=ScheduleParamsConfig)
     """The schedule's parameters. DeepSpeed: required except for ``custom``."""
@@ -63,8 +64,12 @@ class CurriculumScheduleConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _schedule_is_usable(self) -> CurriculumScheduleConfig:
-        if not self.schedule_in_use():
-            return self
+        if self.schedule_in_use():
+            self.check_schedule()
+        return self
+
+    def check_schedule(self) -> None:
+        """Raise ``InvalidValue`` naming the first missing or inconsistent schedule key."""
         for key in ("min_difficulty", "max_difficulty", "schedule_type"):
             if getattr(self, key) is None:
                 raise InvalidValue(key, "required when curriculum learning is enabled")
@@ -83,7 +88,6 @@ class CurriculumScheduleConfig(ConfigModel):
             object.__setattr__(probe, name, value)
         for key, problem in schedule_problems(probe):
             raise InvalidValue(key, problem)
-        return self
 
 
 class CurriculumLearningConfig(CurriculumScheduleConfig):
@@ -101,15 +105,21 @@ class CurriculumLearningConfig(CurriculumScheduleConfig):
 
     truncate: bool = False
     """Not a DeepSpeed key. False (DeepSpeed's behaviour): the model's forward receives ``curriculum_seqlen`` and
-    truncates itself. True: the engine cuts every batch tensor of dim >= 2 whose dim 1 equals ``max_difficulty`` (the
-    full sequence length) to its first ``difficulty`` positions before the forward (under a pipeline: the first
-    stage's inputs and the last stage's labels), and passes no ``curriculum_seqlen``."""
+    truncates itself. True: the engine cuts every dim >= 1 equal to ``max_difficulty`` (the full sequence length) of
+    every batch tensor of dim >= 2 to its first ``difficulty`` positions (contiguous; ``[b, s, s]`` masks become
+    ``[b, d, d]``) before the forward (under a pipeline: the first stage's inputs and the last stage's labels), and
+    passes no ``curriculum_seqlen``; a batch with no such dim while the difficulty is below the maximum is an error."""
 
     def schedule_in_use(self) -> bool:
         return self.enabled
 
     @model_validator(mode="after")
     def _seqlen_only(self) -> CurriculumLearningConfig:
+        if self.enabled and self.min_difficulty is not None and self.min_difficulty < 1:
+            raise InvalidValue(
+                "min_difficulty",
+                f'"{{path}}" = {self.min_difficulty} would feed empty sequences: a sequence length must be at least 1',
+            )
         if self.enabled and self.curriculum_type != "seqlen":
             raise InvalidValue(
                 "curriculum_type",

@@ -3,9 +3,10 @@
 
 ``data_sampling.curriculum_learning`` draws each global batch from the samples eligible at the current difficulty of
 each metric (``data/difficulty_sampler.py``); the metric files come from ``shardspeed data-analyze`` or DeepSpeed's
-DataAnalyzer. ``data_routing`` (random-LTD) and ``data_sampling.dynamic_batching`` are refused naming the feature
-(keys.py). As in DeepSpeed, the sampler is used when ``data_sampling.curriculum_learning.enabled`` is true (DeepSpeed's
-engine reads only that flag); the outer ``enabled`` flags are accepted as they are.
+DataAnalyzer. ``data_routing.random_ltd`` (enabled) and ``data_sampling.dynamic_batching`` are refused naming the
+feature (keys.py); ``data_routing.enabled`` alone does nothing in DeepSpeed and is accepted. As in DeepSpeed, the
+sampler is used when ``data_sampling.curriculum_learning.enabled`` is true (DeepSpeed's engine reads only that flag);
+the outer ``enabled`` flags are accepted as they are, and a disabled section's metrics are not checked.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ class CurriculumMetricConfig(CurriculumScheduleConfig):
     """One entry of ``curriculum_metrics``: a metric's index files, how its difficulty reads, and its schedule
     (``min_difficulty`` … ``schedule_config``, shared with the legacy curriculum: config/curriculum.py)."""
 
-    SCHEDULE_REQUIRED: ClassVar[bool] = True
+    SCHEDULE_REQUIRED: ClassVar[bool] = False
+    """Checked by ``DataSamplingCurriculumConfig`` only when curriculum learning is enabled (DeepSpeed reads nothing
+    of a disabled section)."""
 
     index_to_sample_path: str | None = None
     """Prefix of the metric's ``index_to_sample`` files (rows of samples, ascending metric). Required unless
@@ -40,8 +43,8 @@ class CurriculumMetricConfig(CurriculumScheduleConfig):
     """``single_cluster``: the metric filters nothing (every sample eligible). DeepSpeed: required; shardspeed
     defaults to ``schedule_based``."""
 
-    @model_validator(mode="after")
-    def _files_for_the_type(self) -> CurriculumMetricConfig:
+    def check_files(self) -> None:
+        """Raise ``InvalidValue`` naming the first missing file key for the metric's type."""
         if self.difficulty_type is None:
             raise InvalidValue("difficulty_type", '"{path}" is required: "value" or "percentile"')
         if self.clustering_type == "schedule_based":
@@ -51,7 +54,6 @@ class CurriculumMetricConfig(CurriculumScheduleConfig):
                 raise InvalidValue("index_to_metric_path", 'required with difficulty_type "value"')
         if self.difficulty_type == "percentile" and self.max_difficulty is not None and self.max_difficulty < 1:
             raise InvalidValue("max_difficulty", "a percentile schedule needs max_difficulty >= 1 (usually 100)")
-        return self
 
 
 class DataSamplingCurriculumConfig(ConfigModel):
@@ -70,8 +72,16 @@ class DataSamplingCurriculumConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _metrics_when_enabled(self) -> DataSamplingCurriculumConfig:
-        if self.enabled and not self.curriculum_metrics:
+        if not self.enabled:
+            return self
+        if not self.curriculum_metrics:
             raise InvalidValue("curriculum_metrics", "needs at least one metric when curriculum learning is enabled")
+        for name, metric in self.curriculum_metrics.items():
+            try:
+                metric.check_files()
+                metric.check_schedule()
+            except InvalidValue as error:
+                raise InvalidValue(f"curriculum_metrics.{name}.{error.key}", error.problem) from None
         return self
 
 
@@ -82,15 +92,16 @@ class DataSamplingConfig(ConfigModel):
     """DeepSpeed default: false (its engine decides by ``curriculum_learning.enabled``; so does shardspeed)."""
 
     num_epochs: PositiveInt = 1000
-    """Passes over the data one iteration of the loader makes (its length: ``num_epochs × len(dataset)`` samples).
+    """Epochs of the data one iteration of the loader makes (its length: ``num_epochs × len(dataset)`` samples).
     DeepSpeed default: 1000."""
 
     num_workers: NonNegativeInt = 0
     """DataLoader worker processes reading samples. DeepSpeed default: 0."""
 
     pin_memory: bool = False
-    """Pinned host batches. shardspeed's loader pins by itself exactly when the engine's device is CUDA (and
-    DeepSpeed 0.19.8 never reads this key). DeepSpeed default: false."""
+    """Pinned host batches of DeepSpeed's dynamic-batching loader, its only reader in 0.19.8 (dynamic batching is
+    refused), so ``true`` is refused; shardspeed's loader pins by itself exactly when the engine's device is CUDA.
+    DeepSpeed default: false."""
 
     curriculum_learning: DataSamplingCurriculumConfig = Field(default_factory=DataSamplingCurriculumConfig)
 

@@ -117,12 +117,14 @@ FIELD_EFFECTS: Mapping[str, Effect] = {
     "curriculum_learning.schedule_config.difficulty": _acts("data/curriculum/schedule.py"),
     "curriculum_learning.schedule_config.max_step": _acts("data/curriculum/schedule.py"),
     "data_efficiency.enabled": _acts("accepted; the sampler follows data_sampling.curriculum_learning"),
-    "data_efficiency.seed": _acts("data/difficulty_sampler.py: the order of each pass"),
+    "data_efficiency.seed": _acts("data/difficulty_sampler.py: the permutation of each round"),
     "data_efficiency.data_sampling.enabled": _acts("accepted as DeepSpeed does (its engine reads the inner flag)"),
-    "data_efficiency.data_sampling.num_epochs": _acts("data/difficulty_sampler.py: passes per loader iteration"),
+    "data_efficiency.data_sampling.num_epochs": _acts("data/difficulty_sampler.py: epochs per loader iteration"),
     "data_efficiency.data_sampling.num_workers": _acts("data/engine_loader.py: DataLoader workers"),
-    "data_efficiency.data_sampling.pin_memory": _warns(
-        "the loader pins host memory itself exactly when the device is CUDA (DeepSpeed never reads the key)", True
+    "data_efficiency.data_sampling.pin_memory": _refused(
+        "pinned memory of DeepSpeed's dynamic-batching loader (the only reader of the key in DeepSpeed 0.19.8; "
+        "dynamic batching is refused; shardspeed's loader pins host memory itself exactly on CUDA)",
+        True,
     ),
     "data_efficiency.data_sampling.curriculum_learning.enabled": _acts("data/engine_loader.py: the difficulty sampler"),
     "data_efficiency.data_sampling.curriculum_learning.data_cluster_path": _acts(

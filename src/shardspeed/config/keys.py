@@ -88,6 +88,13 @@ def _nothing_enabled(value: Any) -> bool:
     return True
 
 
+def _random_ltd_off(value: Any) -> bool:
+    """DeepSpeed's engine acts on ``data_routing.random_ltd.enabled`` alone (``data_routing.enabled`` is never read)."""
+    if not isinstance(value, Mapping):
+        return value is None or value is False
+    return _enabled_false(value.get("random_ltd"))
+
+
 def _equals(*off_values: Any) -> Callable[[Any], bool]:
     """The value is one of DeepSpeed's defaults (strings compared case-insensitively)."""
 
@@ -170,7 +177,7 @@ UNSUPPORTED_KEYS: Mapping[str, KeyRule] = {
     "sparse_attention": KeyRule("block-sparse attention kernels", _empty, _REMOVE),
     "progressive_layer_drop": KeyRule("progressive layer dropping", _enabled_false, _ENABLED_OFF),
     "data_efficiency.data_routing": KeyRule(
-        "data routing (random-LTD token dropping)", _nothing_enabled, 'remove it or set every "enabled": false'
+        "data routing (random-LTD token dropping)", _random_ltd_off, 'remove it or set "random_ltd.enabled": false'
     ),
     "data_efficiency.data_sampling.dynamic_batching": KeyRule(
         "dynamic batching (variable batch size and LR by token count)", _enabled_false, _ENABLED_OFF

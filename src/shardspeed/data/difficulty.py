@@ -33,6 +33,8 @@ class MetricCurriculum:
     """``value`` or ``percentile``."""
     index: MetricIndex | None
     """None: ``single_cluster`` (every sample eligible)."""
+    source: str = ""
+    """The ``index_to_sample_path`` the rows were read from (named in errors)."""
 
     def eligible(self, difficulty: int, num_samples: int) -> np.ndarray:
         """The eligible sample indices, sorted."""
@@ -48,13 +50,33 @@ class MetricCurriculum:
         return np.sort(samples[:count])
 
 
+def eligible_mask(
+    metrics: tuple[MetricCurriculum, ...], difficulties: Mapping[str, int], num_samples: int
+) -> np.ndarray:
+    """Per sample: eligible under every metric at ``difficulties`` (the set of :func:`eligible_samples`, no sort)."""
+    mask = np.ones(num_samples, dtype=bool)
+    for metric in metrics:
+        if metric.index is None:
+            continue
+        mine = np.zeros(num_samples, dtype=bool)
+        samples, difficulty = metric.index.samples, difficulties[metric.name]
+        if metric.difficulty_type == "value":
+            assert metric.index.row_values is not None  # checked when loaded
+            mine[samples[np.repeat(metric.index.row_values <= difficulty, metric.index.row_sizes)]] = True
+        else:
+            top = metric.schedule.max_difficulty
+            mine[samples[: len(samples) if difficulty >= top else (len(samples) // top) * max(0, difficulty)]] = True
+        mask &= mine
+    return mask
+
+
 def eligible_samples(
     metrics: tuple[MetricCurriculum, ...], difficulties: Mapping[str, int], num_samples: int
 ) -> np.ndarray:
     """Samples eligible under every metric at ``difficulties`` (sorted)."""
     result: np.ndarray | None = None
     for metric in metrics:
-        mine = metric.eligible(difficulties[metric.name], num_samples)
+        mine = metric.eligible(difficulties.get(metric.name, 0), num_samples)
         result = mine if result is None else np.intersect1d(result, mine, assume_unique=True)
     assert result is not None
     return result
@@ -88,7 +110,8 @@ def load_metrics(section: object, num_samples: int) -> tuple[MetricCurriculum, .
             except (OSError, ValueError) as error:
                 raise ValueError(f"curriculum metric {name!r}: {error}") from error
             _check_covers(name, cfg.index_to_sample_path, index.samples, num_samples)
-        metrics.append(MetricCurriculum(name, schedule_from_config(cfg), cfg.difficulty_type, index))
+        source = str(cfg.index_to_sample_path) if index is not None else ""
+        metrics.append(MetricCurriculum(name, schedule_from_config(cfg), cfg.difficulty_type, index, source))
     return tuple(metrics)
 
 

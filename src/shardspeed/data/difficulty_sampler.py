@@ -4,14 +4,25 @@ from the samples eligible at the current difficulty of every metric (data/diffic
 [Note: difficulty sampler order] Everything is a pure function of (seed, metric files, train_batch_size) and the
 global batch index, so every rank computes the same global batches with no communication and no rank-0 file writes
 (DeepSpeed: rank 0 draws, writes cluster files and broadcasts each batch). Global batch ``g`` (curriculum step
-``g + 1``, DeepSpeed's count) first updates each metric's difficulty (``next_difficulties``). Samples are taken in
-*passes*: a pass is a permutation of the eligible set, seeded by ``(seed, pass id)``. A change of difficulty starts
-a new pass over the new eligible set; otherwise the batch continues the current pass, and a pass that runs out
-mid-batch is followed by the next pass over the same set. So at a fixed difficulty every eligible sample is drawn
-exactly once per pass (at full difficulty: once per epoch of the dataset), and samples repeat only when the
-eligible set is smaller than what training consumes — as in DeepSpeed, whose clusters are reshuffled when used up.
-The position (global batch index, pass id, position in the pass, difficulties, samples consumed in the current
-global batch) is the checkpointed state; it means the same at every world size.
+``g + 1``, DeepSpeed's count) first updates each metric's difficulty (``next_difficulties``, DeepSpeed's sticky
+rule); eligibility is evaluated at each metric's *running maximum* difficulty, so the eligible set never shrinks
+(DeepSpeed's clusters only accumulate), and ``single_cluster`` metrics filter nothing.
+
+Samples are taken in *rounds*. Round ``r`` fixes a permutation of all N samples, seeded by ``(seed, r)``, and a
+*consumed* set (empty when the round starts). A global batch is the first ``train_batch_size`` samples, in the
+round's permutation order, that are eligible now and not yet consumed; they become consumed. So
+- no sample repeats while an eligible sample not yet drawn in the round remains; a difficulty change that adds no
+  sample (a ``single_cluster`` metric, an empty value step) changes nothing;
+- at full difficulty — reached directly or after a ramp — every sample is drawn exactly once per round, and a round
+  is an epoch of the dataset (the samples drawn during the ramp count towards it);
+- when the eligible samples not yet consumed run out (fewer left than the batch needs), the batch takes them all,
+  the round ends, and the rest of the batch comes from the next round (new permutation, nothing consumed): as
+  DeepSpeed reshuffles a cluster it has used up. Only there can a sample repeat, and inside one global batch only
+  when fewer samples are eligible than two batches hold.
+Cost: O(N) per change of the eligible set or per round, O(train_batch_size) per batch otherwise.
+The position (global batch index, round, difficulties, running maxima, consumed set as a packed bitmap, samples
+consumed in the current global batch) is the checkpointed state with a fingerprint of each metric's files; it
+means the same at every world size.
 
 A global batch is laid out as ``GlobalIndexSampler`` lays it out (data/sampler.py): micro-step by micro-step,
 rank by rank inside a micro-step. One iteration of the loader is ``num_epochs × (len(dataset) //
@@ -21,31 +32,49 @@ again continues the curriculum where it stopped.
 
 from __future__ import annotations
 
+import base64
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shardspeed.data.difficulty import MetricCurriculum, eligible_samples, next_difficulties
+from shardspeed.data.difficulty import MetricCurriculum, eligible_mask, next_difficulties
 
 KIND = "difficulty"
+Levels = tuple[tuple[str, int], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Cursor:
-    """Where the draw stands before global batch ``batch``."""
+    """Where the draw stands before global batch ``batch``. The consumed set of round ``round`` is ``consumed``
+    (by position in the round's permutation) plus the positions ``candidates[:taken]``; ``candidates`` are the
+    positions eligible and unconsumed when the eligible set last changed, in order. Arrays are shared, never
+    written."""
 
     batch: int
-    pass_id: int
-    position: int
-    difficulties: tuple[tuple[str, int], ...] | None
+    round: int
+    difficulties: Levels | None
+    reached: Levels | None
+    consumed: np.ndarray
+    candidates: np.ndarray
+    taken: int
+
+    def consumed_positions(self) -> np.ndarray:
+        out = self.consumed.copy()
+        out[self.candidates[: self.taken]] = True
+        return out
 
 
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _levels(values: Mapping[str, int]) -> Levels:
+    return tuple(sorted((k, int(v)) for k, v in values.items()))
 
 
 class DifficultySampler:
@@ -78,10 +107,12 @@ class DifficultySampler:
         self.num_epochs = _positive("num_epochs", num_epochs)
         self.train_batch_size = self.micro_batch_size * self.gradient_accumulation_steps * self.dp_world_size
         self.custom: dict[str, Callable[[int], int]] = {}
-        self._cursor = Cursor(0, -1, 0, None)
+        empty = np.zeros(0, dtype=np.int64)
+        self._cursor = Cursor(0, 0, None, None, np.zeros(self.num_samples, dtype=bool), empty, 0)
         self._micro = 0  # micro-steps of the current global batch already consumed
-        self._draws: dict[Cursor, tuple[np.ndarray, Cursor]] = {}
-        self._order_cache: tuple[tuple[int, tuple[tuple[str, int], ...]], np.ndarray] | None = None
+        self._draws: dict[int, tuple[Cursor, np.ndarray, Cursor]] = {}
+        self._perm: tuple[int, np.ndarray] | None = None
+        self._eligible: tuple[tuple[int, Levels], np.ndarray] | None = None
 
     # ---- geometry ------------------------------------------------------------------------------------------------
     @property
@@ -105,46 +136,59 @@ class DifficultySampler:
         self.custom.update(schedule_func_dict)
         self._draws.clear()
 
-    def _order(self, pass_id: int, difficulties: tuple[tuple[str, int], ...]) -> np.ndarray:
-        key = (pass_id, difficulties)
-        cached = self._order_cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        eligible = eligible_samples(self.metrics, dict(difficulties), self.num_samples)
-        if len(eligible) == 0:
-            raise ValueError(
-                f"no sample is eligible at the curriculum difficulties {dict(difficulties)}: lower min_difficulty "
-                "or check the metric files (shardspeed data-analyze prints each metric's range)"
-            )
-        order = np.random.default_rng([self.seed, pass_id]).permutation(eligible)
-        self._order_cache = (key, order)
-        return order
+    def _permutation(self, round_: int) -> np.ndarray:
+        cached = self._perm  # one read: the prefetch thread and the consumer both draw
+        if cached is None or cached[0] != round_:
+            cached = (round_, np.random.default_rng([self.seed, round_]).permutation(self.num_samples))
+            self._perm = cached
+        return cached[1]
+
+    def _filtering(self, reached: Mapping[str, int]) -> Levels:
+        """The part of the running maxima that decides eligibility (``single_cluster`` metrics filter nothing)."""
+        return tuple(sorted((m.name, int(reached[m.name])) for m in self.metrics if m.index is not None))
+
+    def _eligible_in_order(self, round_: int, reached: Mapping[str, int]) -> np.ndarray:
+        """Per position of round ``round_``'s permutation: whether that sample is eligible at ``reached``."""
+        key = (round_, self._filtering(reached))
+        cached = self._eligible
+        if cached is None or cached[0] != key:
+            mask = eligible_mask(self.metrics, reached, self.num_samples)
+            if not mask.any():
+                raise ValueError(
+                    f"no sample is eligible at the curriculum difficulties {dict(reached)}: lower min_difficulty "
+                    "or check the metric files (shardspeed data-analyze prints each metric's range)"
+                )
+            cached = (key, mask[self._permutation(round_)])
+            self._eligible = cached
+        return cached[1]
 
     def draw(self, cursor: Cursor) -> tuple[np.ndarray, Cursor]:
         """Global batch ``cursor.batch`` and the cursor after it."""
-        hit = self._draws.get(cursor)
-        if hit is not None:
-            return hit
+        hit = self._draws.get(id(cursor))
+        if hit is not None and hit[0] is cursor:
+            return hit[1], hit[2]
         old = dict(cursor.difficulties) if cursor.difficulties is not None else None
         new = next_difficulties(self.metrics, old, cursor.batch + 1, self.custom)
-        difficulties = tuple(sorted(new.items()))
-        pass_id, position = cursor.pass_id, cursor.position
-        if difficulties != cursor.difficulties:
-            pass_id, position = pass_id + 1, 0
+        before = dict(cursor.reached) if cursor.reached is not None else None
+        reached = new if before is None else {k: max(v, before[k]) for k, v in new.items()}
+        round_, consumed, candidates, taken = cursor.round, cursor.consumed, cursor.candidates, cursor.taken
+        if before is None or self._filtering(before) != self._filtering(reached):
+            consumed = cursor.consumed_positions()
+            candidates, taken = np.flatnonzero(self._eligible_in_order(round_, reached) & ~consumed), 0
         parts, need = [], self.train_batch_size
         while need:
-            order = self._order(pass_id, difficulties)
-            take = order[position : position + need]
-            parts.append(take)
-            need -= len(take)
-            position += len(take)
-            if position >= len(order):
-                pass_id, position = pass_id + 1, 0
-        result = (np.concatenate(parts), Cursor(cursor.batch + 1, pass_id, position, difficulties))
+            if taken >= len(candidates):  # the eligible samples of this round are used up: the next round
+                round_, consumed, taken = round_ + 1, np.zeros(self.num_samples, dtype=bool), 0
+                candidates = np.flatnonzero(self._eligible_in_order(round_, reached))
+            take = candidates[taken : taken + need]
+            parts.append(self._permutation(round_)[take])
+            taken, need = taken + len(take), need - len(take)
+        after = Cursor(cursor.batch + 1, round_, _levels(new), _levels(reached), consumed, candidates, taken)
+        batch = np.concatenate(parts)
         if len(self._draws) > 8:
             self._draws.clear()
-        self._draws[cursor] = result
-        return result
+        self._draws[id(cursor)] = (cursor, batch, after)
+        return batch, after
 
     def global_batches(self, count: int, start: Cursor | None = None) -> list[np.ndarray]:
         """The next ``count`` global batches from ``start`` (default: the current position's batch)."""
@@ -159,6 +203,10 @@ class DifficultySampler:
         """Difficulties of the global batch last consumed (None before the first)."""
         d = self._cursor.difficulties
         return dict(d) if d is not None else None
+
+    def delivered_difficulties(self) -> dict[str, int]:
+        """Difficulties of the global batch the next micro-batch belongs to (the one being delivered)."""
+        return dict(self.draw(self._cursor)[1].difficulties or ())
 
     # ---- iteration and position ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
@@ -184,27 +232,44 @@ class DifficultySampler:
     def start_next_epoch(self) -> None:
         """Nothing to reset: the next iteration continues the curriculum (the position is absolute)."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def fingerprints(self) -> dict[str, int]:
+        """A crc32 of each filtering metric's rows (a resumed run must read the same files)."""
+        return {m.name: m.index.fingerprint() for m in self.metrics if m.index is not None}
+
+    def delivery_state(self) -> dict[str, Any]:
+        """What ``set_data_post_process_func``'s hook receives: the position without the drawn set, and
+        ``current_difficulties`` of the global batch being delivered (DeepSpeed's key)."""
+        return self.state_dict(with_consumed=False)
+
+    def state_dict(self, with_consumed: bool = True) -> dict[str, Any]:
         c = self._cursor
+        packed = ""
+        if with_consumed:
+            consumed = np.zeros(self.num_samples, dtype=bool)
+            consumed[self._permutation(c.round)[c.consumed_positions()]] = True
+            packed = base64.b64encode(zlib.compress(np.packbits(consumed).tobytes())).decode("ascii")
         return {
             "kind": KIND,
             "global_batches": c.batch,
-            "pass": c.pass_id,
-            "pass_position": c.position,
+            "round": c.round,
+            "consumed": packed,
             "difficulties": dict(c.difficulties) if c.difficulties is not None else None,
+            "reached_difficulties": dict(c.reached) if c.reached is not None else None,
+            "current_difficulties": self.delivered_difficulties(),
             "samples_consumed_in_batch": self._micro * self.samples_per_micro_step,
             "seed": self.seed,
             "num_samples": self.num_samples,
             "train_batch_size": self.train_batch_size,
             "metrics": sorted(m.name for m in self.metrics),
+            "fingerprints": self.fingerprints(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, possibly saved at another world size (same train_batch_size)."""
-        if state.get("kind") != KIND:
+        if state.get("kind") != KIND or "round" not in state:
             raise ValueError(
                 "the checkpoint's data loader state is not a difficulty sampler's (it was saved without "
-                "data_efficiency curriculum sampling); its position cannot be continued by this sampler"
+                "data_efficiency curriculum sampling, or by an older shardspeed); its position cannot be continued"
             )
         checks = (
             ("num_samples", self.num_samples),
@@ -217,20 +282,37 @@ class DifficultySampler:
                     f"difficulty sampler state was saved with {key} = {state[key]!r} but this run has {mine!r}; the "
                     "global batches would differ, so the position cannot be restored"
                 )
+        for metric in self.metrics:
+            saved = state["fingerprints"].get(metric.name)
+            if metric.index is not None and saved != metric.index.fingerprint():
+                raise ValueError(
+                    f"curriculum metric {metric.name!r}: its files ({metric.source or 'index_to_sample_path'}) "
+                    "differ from those the checkpoint was saved with (fingerprint mismatch); the global batches "
+                    "would differ, so the position cannot be restored — point the metric at the original files"
+                )
         consumed = int(state["samples_consumed_in_batch"])
         if consumed % self.samples_per_micro_step:
             raise ValueError(
                 f"difficulty sampler state: {consumed} samples of the current global batch were consumed, not a whole "
                 f"number of micro-steps of {self.samples_per_micro_step} samples; resume from a step boundary"
             )
-        d = state["difficulties"]
         self.seed = int(state["seed"])
         self._draws.clear()
-        self._order_cache = None
+        self._perm = self._eligible = None
+        round_ = int(state["round"])
+        bits = np.frombuffer(zlib.decompress(base64.b64decode(state["consumed"])), dtype=np.uint8)
+        taken = np.unpackbits(bits, count=self.num_samples).astype(bool)[self._permutation(round_)]
+        d, r = state["difficulties"], state["reached_difficulties"]
+        candidates = np.zeros(0, dtype=np.int64)
+        if r is not None:
+            candidates = np.flatnonzero(self._eligible_in_order(round_, r) & ~taken)
         self._cursor = Cursor(
             int(state["global_batches"]),
-            int(state["pass"]),
-            int(state["pass_position"]),
-            tuple(sorted((k, int(v)) for k, v in d.items())) if d is not None else None,
+            round_,
+            _levels(d) if d is not None else None,
+            _levels(r) if r is not None else None,
+            taken,
+            candidates,
+            0,
         )
         self._micro = consumed // self.samples_per_micro_step

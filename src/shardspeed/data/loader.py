@@ -49,6 +49,9 @@ class ShardSpeedDataLoader:
             generator=torch.Generator().manual_seed(sampler.seed),
         )
         self._live: PrefetchIterator | None = None
+        self.post_process_func: Callable[[Any, dict[str, Any]], Any] | None = None
+        """DeepSpeed's hook (``engine.set_data_post_process_func``): ``fn(batch, sampler state)`` for each delivered
+        batch; with the difficulty sampler the state's ``current_difficulties`` are those of that batch."""
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -66,8 +69,16 @@ class ShardSpeedDataLoader:
             device=self.device,
             on_delivered=self.sampler.advance,
             on_exhausted=self.sampler.start_next_epoch,
+            post_process=self._post_process,
         )
         return self._live
+
+    def _post_process(self, batch: Any) -> Any:
+        fn = self.post_process_func
+        if fn is None:
+            return batch
+        state = getattr(self.sampler, "delivery_state", self.sampler.state_dict)()
+        return fn(batch, state)
 
     def close(self) -> None:
         """Stop the prefetch thread of the live iterator, if any."""

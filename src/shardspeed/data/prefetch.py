@@ -116,8 +116,9 @@ class _Producer:
 class PrefetchIterator:
     """Iterates ``source`` one batch ahead in a daemon thread; see the module docstring.
 
-    ``on_delivered`` is called after each batch reaches the consumer, ``on_exhausted`` once when the consumer
-    reaches the end. An exception raised by the source is re-raised to the consumer at the position it
+    ``post_process`` (if given) maps each batch just before it reaches the consumer, while the sampler still
+    stands at that batch; ``on_delivered`` is called after each batch reaches the consumer, ``on_exhausted`` once
+    when the consumer reaches the end. An exception raised by the source is re-raised to the consumer at the position it
     happened. :meth:`close` stops the thread (also done when the iterator is garbage collected).
     """
 
@@ -129,8 +130,10 @@ class PrefetchIterator:
         on_delivered: Callable[[], None] = lambda: None,
         on_exhausted: Callable[[], None] = lambda: None,
         depth: int = 1,
+        post_process: Callable[[Any], Any] | None = None,
     ) -> None:
         self._device = device
+        self._post_process = post_process
         self._on_delivered = on_delivered
         self._on_exhausted = on_exhausted
         self._queue: queue.Queue[_Ready | _Failed | _End] = queue.Queue(maxsize=depth)
@@ -163,8 +166,9 @@ class PrefetchIterator:
             for tensor in _tensors_in(item.batch):
                 if tensor.is_cuda:
                     tensor.record_stream(compute_stream)
+        batch = item.batch if self._post_process is None else self._post_process(item.batch)
         self._on_delivered()
-        return item.batch
+        return batch
 
     def _get(self) -> _Ready | _Failed | _End:
         while True:

@@ -76,6 +76,7 @@ class ChannelStats:
     messages: int = 0  # tuples sent + received
     bytes: int = 0  # p2p bytes sent + received, headers included
     gather_s: float = 0.0  # partitioned messages' all-gathers over the tensor axis
+    resets: int = 0  # reset_shapes() calls: shape renegotiations (curriculum length changes, eval batches)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class PipeChannel:
         reset at the same point: DeepSpeed's ``reset_activation_shape``)."""
         self._sent.clear()
         self._received.clear()
+        self._stats.resets += 1
 
     @property
     def stats(self) -> ChannelStats:

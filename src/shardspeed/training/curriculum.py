@@ -5,10 +5,16 @@ calls ``update_difficulty(global_steps + 1)`` and passes ``curriculum_seqlen=<di
 its inputs itself (Megatron-DeepSpeed's GPT does). ``SeqlenCurriculum`` is that object here, with DeepSpeed's method
 names, built on the pure schedule (``data/curriculum/schedule.py``), plus:
 
-- ``truncate`` (shardspeed's key): the engine cuts the batch instead. Rule: a tensor of dim >= 2 whose dim 1 equals
-  ``max_difficulty`` (the full sequence length) becomes ``t[:, :difficulty]``; every other value is passed as is
-  (nested tuples, lists and dicts are walked). ``curriculum_seqlen`` is then not passed. Labels the script keeps out
-  of ``engine(...)`` are the script's: cut them with ``truncate_batch(y, engine.curriculum_seqlen, full)``.
+- ``truncate`` (shardspeed's key): the engine cuts the batch instead. Rule: in a tensor of dim >= 2, every dim >= 1
+  equal to ``max_difficulty`` (the full sequence length) is cut to ``difficulty`` — ``[b, s]`` tokens become
+  ``[b, d]``, ``[b, s, s]`` / ``[b, 1, s, s]`` attention masks ``[b, d, d]`` / ``[b, 1, d, d]`` (Megatron's
+  ``[:, :, :d, :d]``) — and made contiguous (Megatron-DeepSpeed's ``.contiguous()``: models may ``.view`` them);
+  every other value is passed as is (nested tuples, lists and dicts are walked). ``curriculum_seqlen`` is then not
+  passed. When the difficulty is below ``max_difficulty`` and no tensor had a dim of that length, training stops
+  with one error naming ``curriculum_learning.max_difficulty`` and the shapes seen (the curriculum would otherwise be
+  reported but never applied). Labels the script keeps out of ``engine(...)`` are the script's: *after* the forward,
+  cut them with ``truncate_batch(y, engine.curriculum_scheduler_legacy.get_current_difficulty(), full)`` (before
+  it, the scheduler still holds the previous step's difficulty).
 - the pipeline (``train_batch``): DeepSpeed's pipeline engine cannot pass ``curriculum_seqlen`` to stages, so with
   ``truncate`` the first stage's inputs and the last stage's labels are cut as above; without it the script's data
   iterator shortens the batches (reading ``engine.curriculum_scheduler_legacy.get_current_difficulty()``).
@@ -34,6 +40,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.config.errors import ConfigError
 from shardspeed.data.curriculum import CurriculumSchedule, schedule_from_config, sticky_difficulty
 from shardspeed.training.events import StepReport
 
@@ -44,21 +51,41 @@ CURRICULUM_TAG = "Train/Samples/curriculum_seqlen"
 
 
 def truncate_batch(value: Any, seqlen: int, full: int) -> Any:
-    """``value`` with every tensor of dim >= 2 whose dim 1 is ``full`` cut to ``[:, :seqlen]`` (views, no copy);
-    tuples, lists and dicts are walked, anything else is returned as is."""
+    """``value`` with every tensor of dim >= 2 cut to ``seqlen`` along each dim >= 1 of length ``full`` (contiguous
+    copies); tuples, lists and dicts are walked, anything else is returned as is."""
+    return _cut(value, seqlen, full, [])
+
+
+def _cut(value: Any, seqlen: int, full: int, shapes: list[tuple[tuple[int, ...], bool]]) -> Any:
+    """``truncate_batch``, recording each tensor's shape and whether it was cut in ``shapes``."""
     if isinstance(value, torch.Tensor):
-        return value[:, :seqlen] if value.dim() >= 2 and value.shape[1] == full and seqlen < full else value
+        dims = [d for d in range(1, value.dim()) if value.shape[d] == full] if value.dim() >= 2 else []
+        shapes.append((tuple(value.shape), bool(dims) and seqlen < full))
+        if not dims or seqlen >= full:
+            return value
+        return value[tuple(slice(0, seqlen) if d in dims else slice(None) for d in range(value.dim()))].contiguous()
     if isinstance(value, tuple):
-        return (
-            type(value)(*(truncate_batch(v, seqlen, full) for v in value))
-            if hasattr(value, "_fields")
-            else tuple(truncate_batch(v, seqlen, full) for v in value)
-        )
+        items = (_cut(v, seqlen, full, shapes) for v in value)
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
-        return [truncate_batch(v, seqlen, full) for v in value]
+        return [_cut(v, seqlen, full, shapes) for v in value]
     if isinstance(value, dict):
-        return {k: truncate_batch(v, seqlen, full) for k, v in value.items()}
+        return {k: _cut(v, seqlen, full, shapes) for k, v in value.items()}
     return value
+
+
+def truncate_checked(value: Any, seqlen: int, full: int) -> Any:
+    """``truncate_batch``, raising ``ConfigError`` when ``seqlen < full`` and nothing was cut."""
+    shapes: list[tuple[tuple[int, ...], bool]] = []
+    out = _cut(value, seqlen, full, shapes)
+    if seqlen < full and not any(cut for _, cut in shapes):
+        seen = ", ".join(str(list(shape)) for shape, _ in shapes[:8]) or "no tensors"
+        raise ConfigError(
+            f"curriculum_learning.truncate: the difficulty is {seqlen} but no tensor of the batch has a dim of "
+            f"curriculum_learning.max_difficulty = {full} (the full sequence length) to cut; shapes seen: {seen}. "
+            "Set max_difficulty to the data's sequence length (dim 1 of the token tensors)"
+        )
+    return out
 
 
 class SeqlenCurriculum:
@@ -130,8 +157,8 @@ class SeqlenCurriculum:
             return args, kwargs
         seqlen = self.update_difficulty(global_steps + 1)
         if self.truncate:
-            full = self.schedule.max_difficulty
-            return truncate_batch(args, seqlen, full), truncate_batch(kwargs, seqlen, full)
+            cut = truncate_checked((args, kwargs), seqlen, self.schedule.max_difficulty)
+            return cut[0], cut[1]
         return args, {**kwargs, "curriculum_seqlen": seqlen}
 
     def pipeline_batch(self, global_steps: int, iterator: Any, reset_shapes: Callable[[], None]) -> Any:
@@ -169,7 +196,7 @@ class _Truncating:
         return self
 
     def __next__(self) -> Any:
-        return truncate_batch(next(self.inner), self.seqlen, self.full)
+        return truncate_checked(next(self.inner), self.seqlen, self.full)
 
 
 def attach_curriculum(engine: Any) -> SeqlenCurriculum | None:

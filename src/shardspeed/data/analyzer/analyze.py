@@ -84,16 +84,47 @@ def analyze(
     return AnalysisResult(name, values, files, seconds)
 
 
-def _indexed_builtin(dataset: IndexedDataset, metric: str) -> np.ndarray:
+CHUNK_TOKENS = 1 << 24
+"""Tokens read at once from an indexed dataset's memmap by the built-in metrics (bounded memory at any corpus size)."""
+
+
+def _item_chunks(sizes: np.ndarray, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive item ranges of about ``chunk_tokens`` tokens each (at least one item)."""
+    ends = np.cumsum(sizes)
+    bounds, first = [], 0
+    while first < len(sizes):
+        start = int(ends[first] - sizes[first])
+        last = max(first + 1, int(np.searchsorted(ends, start + chunk_tokens, side="right")))
+        bounds.append((first, min(last, len(sizes))))
+        first = bounds[-1][1]
+    return bounds
+
+
+def _indexed_builtin(dataset: IndexedDataset, metric: str, chunk_tokens: int = CHUNK_TOKENS) -> np.ndarray:
+    """The built-in metrics straight off the memmap, chunk by chunk: a token histogram, then per-item sums."""
     sizes = np.asarray(dataset.sizes, dtype=np.int64)
     if metric == "seqlen":
         return sizes.copy()
-    flat = np.asarray(dataset.flat, dtype=np.int64)
-    neg_log = rarity_values(np.bincount(flat))
+    flat, ends = dataset.flat, np.cumsum(sizes)
+    chunks = _item_chunks(sizes, chunk_tokens)
+    counts = np.zeros(0, dtype=np.int64)
+    for first, last in chunks:
+        tokens = np.asarray(flat[ends[first] - sizes[first] : ends[last - 1]], dtype=np.int64)
+        mine = np.bincount(tokens)
+        if len(mine) > len(counts):
+            counts = np.concatenate((counts, np.zeros(len(mine) - len(counts), dtype=np.int64)))
+        counts[: len(mine)] += mine
+    neg_log = rarity_values(counts)
     sums = np.zeros(len(sizes))
+    for first, last in chunks:
+        base = int(ends[first] - sizes[first])
+        tokens = np.asarray(flat[base : ends[last - 1]], dtype=np.int64)
+        local = sizes[first:last]
+        nonempty = local > 0
+        if tokens.size:
+            starts = np.concatenate(([0], np.cumsum(local)[:-1]))
+            sums[first:last][nonempty] = np.add.reduceat(neg_log[tokens], starts[nonempty])
     nonempty = sizes > 0
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    sums[nonempty] = np.add.reduceat(neg_log[flat], starts[nonempty]) if flat.size else 0.0
     means = np.divide(sums, sizes, out=np.zeros(len(sizes)), where=nonempty)
     return np.rint(RARITY_SCALE * means).astype(np.int64)
 

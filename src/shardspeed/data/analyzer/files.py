@@ -15,6 +15,7 @@ same files (the tests compare them with DeepSpeed's DataAnalyzer output byte for
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,14 @@ class MetricIndex:
     """Samples per row."""
     row_values: np.ndarray | None
     """The metric value of each row, or None without an ``index_to_metric`` file."""
+
+    def fingerprint(self) -> int:
+        """crc32 of the rows and values (the difficulty sampler's state records it; a resume checks it)."""
+        crc = zlib.crc32(np.ascontiguousarray(self.samples, dtype=np.int64).tobytes())
+        crc = zlib.crc32(np.ascontiguousarray(self.row_sizes, dtype=np.int64).tobytes(), crc)
+        if self.row_values is not None:
+            crc = zlib.crc32(np.ascontiguousarray(self.row_values, dtype=np.int64).tobytes(), crc)
+        return crc
 
 
 def load_metric_index(index_to_sample_path: str | Path, index_to_metric_path: str | Path | None) -> MetricIndex:
