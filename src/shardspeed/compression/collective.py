@@ -32,7 +32,7 @@ from torch import Tensor
 
 from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.work import Work
-from shardspeed.compression.signs import average_chunks, compress_, padded_numel, unpack_signs
+from shardspeed.compression.signs import average_rows_, compress_compensated_, padded_numel, unpack_scaled_
 from shardspeed.topology import AxisGroup
 
 
@@ -86,17 +86,44 @@ class _ErrorFed:
                     f"{type(self).__name__}: {name} has shape {tuple(sd[name].shape)}, expected {tuple(error.shape)} "
                     "(saved at another size or axis size: reset() the buffers instead)"
                 )
-            error.copy_(sd[name])
+            error.copy_(sd[name]).add_(0.0)  # -0.0 -> +0.0: [Note: no negative zero] in compression/signs.py
 
     def reset(self) -> None:
         for error in self._errors.values():
             error.zero_()
 
 
+class _Scratch:
+    """The buffers one compressed collective reuses on every call ([Note: compressed hot path]): allocated on the
+    first call, kept (fresh multi-megabyte temporaries cost page faults on every call on CPU)."""
+
+    def __init__(self, padded: int, n: int, device: torch.device) -> None:
+        nbytes = padded // 8
+        self.packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.received = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.bits = torch.empty(padded, dtype=torch.bool, device=device)
+        self.floats = torch.empty(padded, device=device)  # worker copysign scratch, then the server's rows
+        self.index = torch.empty(nbytes, dtype=torch.int32, device=device)
+        self.scales = torch.empty(n, device=device)
+        self.server_scales = torch.empty(n, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
 class CompressedAllReduce(_ErrorFed):
     """The mean of a flat fp32 tensor of ``numel`` elements over ``axis``, error-fed 1-bit ([Note: compressed
     all-reduce]). Holds a worker error of the padded size and a server error of one chunk. Exact (no compression,
-    no communication) on an axis of size 1."""
+    no communication) on an axis of size 1.
+
+    [Note: compressed hot path] On CPU the element-wise work, not the bytes, bounds a compressed call, so each step
+    makes as few passes over the bucket as it can, into buffers kept across calls (``scratch_bytes``): the input is
+    added into the worker error buffer in place (that buffer is the compensated input; the new error overwrites
+    it), the signs are packed from one bool pass (one int64 multiply per 8 signs), the server's N copies are
+    unpacked by one table gather each straight into ±scale_r / N and reduced by one ``sum(0)``, and the result is
+    gathered straight into the caller's tensor. The float operations and their order are DeepSpeed's, so the
+    results (and error buffers) equal ``compression/reference.py`` and DeepSpeed 0.19.6 bit for bit."""
 
     def __init__(
         self, numel: int, axis: AxisGroup, collectives: Collectives, *, device: torch.device, tag: str = "compressed"
@@ -108,41 +135,69 @@ class CompressedAllReduce(_ErrorFed):
         self.worker_error = torch.zeros(self.padded if n > 1 else 0, device=device)
         self.server_error = torch.zeros(self.chunk if n > 1 else 0, device=device)
         self._errors = {"worker_error": self.worker_error, "server_error": self.server_error}
+        self._scratch: _Scratch | None = None
+        self._mean: Tensor | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
+        extra = 0 if self._mean is None else self._mean.numel() * 4
+        return (0 if self._scratch is None else self._scratch.nbytes) + extra
 
     def __call__(self, tensor: Tensor) -> None:
         self.launch(tensor).wait()
 
     def launch(self, tensor: Tensor) -> Work:
-        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited."""
+        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. One call in
+        flight per instance (the buffers are reused)."""
         _check_input("CompressedAllReduce", tensor, self.numel)
         n, c = self.axis.size, self.collectives
         if n == 1:
             return Work(None)
-        buffer = torch.zeros(self.padded, device=self.device)
-        buffer[: self.numel] = tensor.reshape(-1)
-        packed, scale = compress_(buffer, self.worker_error)
-        received, scales = torch.empty_like(packed), torch.empty(n, device=self.device)
+        if self._scratch is None:
+            self._scratch = _Scratch(self.padded, n, self.device)
+            self._mean = torch.empty(self.chunk, device=self.device)
+        s = self._scratch
+        self.worker_error[: self.numel].add_(tensor.reshape(-1))  # padding: zeros + error = error
+        scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)
         first = [
-            c.all_to_all_single(received, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_to_all_single(s.received, s.packed, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
-        return _ChainedWork(first, lambda: self._serve(tensor, received, scales, (packed, scale)))
+        return _ChainedWork(first, lambda: self._serve(tensor, scale))
 
-    def _serve(self, tensor: Tensor, received: Tensor, scales: Tensor, keep: object) -> None:
+    def _serve(self, tensor: Tensor, worker_scale: Tensor) -> None:
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
-        n, c = self.axis.size, self.collectives
-        mean = average_chunks(received.view(n, -1), scales, self.chunk)
-        packed, scale = compress_(mean, self.server_error)
-        gathered = torch.empty(n * packed.numel(), dtype=torch.uint8, device=self.device)
-        server_scales = torch.empty(n, device=self.device)
+        n, c, s, chunk = self.axis.size, self.collectives, self._scratch, self.chunk
+        assert s is not None and self._mean is not None
+        average_rows_(s.received.view(n, -1), s.scales, s.floats.view(n, chunk), self._mean, s.index)
+        self.server_error.add_(self._mean)  # DeepSpeed's mean + server error (addition commutes bit for bit)
+        cb = chunk // 8
+        own = s.packed[:cb]  # the worker's packed signs went out in phase one: reuse the bytes
+        scale = compress_compensated_(self.server_error, own, s.bits[:chunk], s.floats[:chunk])
         works = [
-            c.all_gather(gathered, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(server_scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.received, own, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.server_scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
         for work in works:
             work.wait()
-        out = unpack_signs(gathered, self.padded).view(n, -1).mul_(server_scales.view(n, 1))
-        tensor.view(-1).copy_(out.view(-1)[: self.numel])
+        del worker_scale  # kept alive until here: gloo read it during phase one
+        self._unpack_into(tensor.view(-1), s.received.view(n, cb), s.server_scales, s.index)
+
+    def _unpack_into(self, out: Tensor, packed: Tensor, scales: Tensor, index: Tensor) -> None:
+        """``out`` <- rank r's chunk decompressed with scale r, for the first ``numel`` elements: whole bytes are
+        gathered straight into ``out``; a partial last byte goes through a small buffer."""
+        cb, whole = packed.shape[1], self.numel // 8
+        for r in range(packed.shape[0]):
+            lo, hi = r * cb, min((r + 1) * cb, whole)
+            if hi > lo:
+                unpack_scaled_(packed[r, : hi - lo], scales[r], out[lo * 8 : hi * 8], index[: hi - lo])
+        tail = self.numel - whole * 8
+        if tail:
+            r, byte = divmod(whole, cb)
+            last = torch.empty(8, device=out.device)
+            unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
+            out[whole * 8 :].copy_(last[:tail])
 
 
 class CompressedReduceScatter(_ErrorFed):
@@ -162,30 +217,38 @@ class CompressedReduceScatter(_ErrorFed):
         self.chunk = -(-self.slice // 8) * 8
         self.worker_error = torch.zeros(n * self.chunk if n > 1 else 0, device=device)
         self._errors = {"worker_error": self.worker_error}
+        self._scratch: _Scratch | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
+        return 0 if self._scratch is None else self._scratch.nbytes
 
     def __call__(self, shard: Tensor, unsharded: Tensor) -> None:
         self.launch(shard, unsharded).wait()
 
     def launch(self, shard: Tensor, unsharded: Tensor) -> Work:
-        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited."""
+        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited. One call
+        in flight per instance (the buffers are reused: [Note: compressed hot path])."""
         _check_input("CompressedReduceScatter (shard)", shard, self.slice)
         _check_input("CompressedReduceScatter (unsharded)", unsharded, self.numel)
         n, c = self.axis.size, self.collectives
         if n == 1:
             shard.view(-1).copy_(unsharded.view(-1))
             return Work(None)
-        buffer = torch.zeros(n, self.chunk, device=self.device)
-        buffer[:, : self.slice] = unsharded.view(n, self.slice)
-        packed, scale = compress_(buffer.view(-1), self.worker_error)
-        received, scales = torch.empty_like(packed), torch.empty(n, device=self.device)
+        if self._scratch is None:
+            self._scratch = _Scratch(n * self.chunk, n, self.device)
+        s = self._scratch
+        self.worker_error.view(n, self.chunk)[:, : self.slice].add_(unsharded.view(n, self.slice))
+        scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)
         first = [
-            c.all_to_all_single(received, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_to_all_single(s.received, s.packed, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
 
         def own() -> None:
-            shard.view(-1).copy_(average_chunks(received.view(n, -1), scales, self.slice))
-            del packed_keep[:]  # gloo read the packed input until phase one finished
+            del keep[:]  # gloo read the worker scale until phase one finished
+            average_rows_(s.received.view(n, -1), s.scales, s.floats.view(n, self.chunk), shard.view(-1), s.index)
 
-        packed_keep = [packed, scale]
+        keep = [scale]
         return _ChainedWork(first, own)
