@@ -151,6 +151,20 @@ class CompressedAllReduce(_ErrorFed):
         """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. One call in
         flight per instance (the buffers are reused)."""
         _check_input("CompressedAllReduce", tensor, self.numel)
+        return self._launch([tensor.view(-1)])
+
+    def launch_parts(self, parts: list[Tensor]) -> Work:
+        """``launch`` for a bucket given as pieces (e.g. each parameter's momentum), ``numel`` elements in all, in
+        order: each piece is added into the error buffer where the flat bucket would hold it and receives its part
+        of the mean, so the caller needs no flat copy (one pass less each way)."""
+        total = sum(p.numel() for p in parts)
+        if total != self.numel or any(not p.is_floating_point() for p in parts):
+            raise ValueError(
+                f"CompressedAllReduce.launch_parts: {total} floating elements given, expected {self.numel}"
+            )
+        return self._launch(parts)
+
+    def _launch(self, parts: list[Tensor]) -> Work:
         n, c = self.axis.size, self.collectives
         if n == 1:
             return Work(None)
@@ -158,15 +172,18 @@ class CompressedAllReduce(_ErrorFed):
             self._scratch = _Scratch(self.padded, n, self.device)
             self._mean = torch.empty(self.chunk, device=self.device)
         s = self._scratch
-        self.worker_error[: self.numel].add_(tensor.reshape(-1))  # padding: zeros + error = error
+        offset = 0
+        for part in parts:  # padding: zeros + error = error
+            self.worker_error[offset : offset + part.numel()].add_(part.reshape(-1))
+            offset += part.numel()
         scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)
         first = [
             c.all_to_all_single(s.received, s.packed, self.axis, async_op=True, tag=self.tag),
             c.all_gather(s.scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
-        return _ChainedWork(first, lambda: self._serve(tensor, scale))
+        return _ChainedWork(first, lambda: self._serve(parts, scale))
 
-    def _serve(self, tensor: Tensor, worker_scale: Tensor) -> None:
+    def _serve(self, parts: list[Tensor], worker_scale: Tensor) -> None:
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
         n, c, s, chunk = self.axis.size, self.collectives, self._scratch, self.chunk
         assert s is not None and self._mean is not None
@@ -182,7 +199,15 @@ class CompressedAllReduce(_ErrorFed):
         for work in works:
             work.wait()
         del worker_scale  # kept alive until here: gloo read it during phase one
-        self._unpack_into(tensor.view(-1), s.received.view(n, cb), s.server_scales, s.index)
+        if len(parts) == 1 and parts[0].dtype == torch.float32 and parts[0].is_contiguous():
+            self._unpack_into(parts[0].view(-1), s.received.view(n, cb), s.server_scales, s.index)
+            return
+        flat = s.floats[: self.numel]  # the server's rows are consumed: the scratch is free
+        self._unpack_into(flat, s.received.view(n, cb), s.server_scales, s.index)
+        offset = 0
+        for part in parts:
+            part.copy_(flat[offset : offset + part.numel()].view_as(part))
+            offset += part.numel()
 
     def _unpack_into(self, out: Tensor, packed: Tensor, scales: Tensor, index: Tensor) -> None:
         """``out`` <- rank r's chunk decompressed with scale r, for the first ``numel`` elements: whole bytes are
