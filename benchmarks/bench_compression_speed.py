@@ -12,8 +12,9 @@ where bandwidth is the bottleneck, not what a real cluster measures.
 Rows, per bandwidth: ``adam`` (config "Adam", stage 0: bucketed fp32 gradient all-reduce overlapping backward) and
 ``onebit`` (config "OneBitAdam", ``freeze_step`` 3, timed in its compressed phase: no gradient all-reduce, one
 error-fed 1-bit all-reduce of the momentum per step). Model: the comm-bound MLP of benchmarks/bench_models.py
-(6 × Linear(1024, 1024), 6.3M parameters, batch 32; ``--micro-batch 1`` leaves so little compute per parameter
-that the step is bound by the gradient all-reduce: the genuinely comm-bound setting), fp32, gloo on CPU. Each round times ``--steps`` steps of
+(6 × Linear(1024, 1024), 6.3M parameters, batch 32; ``--micro-batch 1`` leaves so little compute per
+parameter that the step is bound by the gradient all-reduce: the genuinely comm-bound setting), fp32, gloo on
+CPU. Each round times ``--steps`` steps of
 each row (rows alternate within a round, so drifts in machine load hit both); a round's figure is its median
 step. Printed: per bandwidth, each row's median step time (IQR over rounds) and the per-round ratio
 onebit / adam (median and IQR), plus each row's data-axis bytes per rank per step from the comms log.

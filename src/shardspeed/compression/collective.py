@@ -32,7 +32,7 @@ from torch import Tensor
 
 from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.work import Work
-from shardspeed.compression.signs import average_rows_, compress_compensated_, padded_numel, unpack_scaled_
+from shardspeed.compression.signs import BLOCK, average_rows_, compress_compensated_, padded_numel, unpack_scaled_
 from shardspeed.topology import AxisGroup
 
 
@@ -101,11 +101,15 @@ class _Scratch:
         nbytes = padded // 8
         self.packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.received = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.bits = torch.empty(padded, dtype=torch.bool, device=device)
-        self.floats = torch.empty(padded, device=device)  # worker copysign scratch, then the server's rows
+        self.bits = torch.empty(min(padded, BLOCK), dtype=torch.bool, device=device)
+        self.floats = torch.empty(min(padded, n * BLOCK), device=device)  # copysign scratch, then server rows
         self.index = torch.empty(nbytes, dtype=torch.int32, device=device)
         self.scales = torch.empty(n, device=device)
         self.server_scales = torch.empty(n, device=device)
+
+    def rows(self, n: int) -> Tensor:
+        """The server's (N, block) rows, in the float scratch."""
+        return self.floats.view(n, -1)
 
     @property
     def nbytes(self) -> int:
@@ -187,8 +191,8 @@ class CompressedAllReduce(_ErrorFed):
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
         n, c, s, chunk = self.axis.size, self.collectives, self._scratch, self.chunk
         assert s is not None and self._mean is not None
-        average_rows_(s.received.view(n, -1), s.scales, s.floats.view(n, chunk), self._mean, s.index)
-        self.server_error.add_(self._mean)  # DeepSpeed's mean + server error (addition commutes bit for bit)
+        # the mean, and the server error += mean (DeepSpeed's mean + server error), in one blocked sweep
+        average_rows_(s.received.view(n, -1), s.scales, s.rows(n), self._mean, s.index, add_to=self.server_error)
         cb = chunk // 8
         own = s.packed[:cb]  # the worker's packed signs went out in phase one: reuse the bytes
         scale = compress_compensated_(self.server_error, own, s.bits[:chunk], s.floats[:chunk])
@@ -199,30 +203,32 @@ class CompressedAllReduce(_ErrorFed):
         for work in works:
             work.wait()
         del worker_scale  # kept alive until here: gloo read it during phase one
-        if len(parts) == 1 and parts[0].dtype == torch.float32 and parts[0].is_contiguous():
-            self._unpack_into(parts[0].view(-1), s.received.view(n, cb), s.server_scales, s.index)
-            return
-        flat = s.floats[: self.numel]  # the server's rows are consumed: the scratch is free
-        self._unpack_into(flat, s.received.view(n, cb), s.server_scales, s.index)
-        offset = 0
-        for part in parts:
-            part.copy_(flat[offset : offset + part.numel()].view_as(part))
+        packed, offset = s.received.view(n, cb), 0
+        for part in parts:  # straight into each piece where it is a contiguous fp32 tensor
+            direct = part.dtype == torch.float32 and part.is_contiguous()
+            dest = part.view(-1) if direct else torch.empty(part.numel(), device=self.device)
+            self._unpack_range(dest, offset, packed, s.server_scales, s.index)
+            if not direct:
+                part.copy_(dest.view_as(part))
             offset += part.numel()
 
-    def _unpack_into(self, out: Tensor, packed: Tensor, scales: Tensor, index: Tensor) -> None:
-        """``out`` <- rank r's chunk decompressed with scale r, for the first ``numel`` elements: whole bytes are
-        gathered straight into ``out``; a partial last byte goes through a small buffer."""
-        cb, whole = packed.shape[1], self.numel // 8
-        for r in range(packed.shape[0]):
-            lo, hi = r * cb, min((r + 1) * cb, whole)
-            if hi > lo:
-                unpack_scaled_(packed[r, : hi - lo], scales[r], out[lo * 8 : hi * 8], index[: hi - lo])
-        tail = self.numel - whole * 8
-        if tail:
-            r, byte = divmod(whole, cb)
-            last = torch.empty(8, device=out.device)
-            unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
-            out[whole * 8 :].copy_(last[:tail])
+    def _unpack_range(self, out: Tensor, start: int, packed: Tensor, scales: Tensor, index: Tensor) -> None:
+        """``out`` <- elements ``[start, start + out.numel())`` of the result (rank r's chunk decompressed with
+        scale r): the whole bytes are gathered straight into ``out``, a partial byte at either end goes through an
+        8-element buffer."""
+        end, chunk = start + out.numel(), self.chunk
+        for r in range(start // chunk, -(-end // chunk)):
+            lo, hi = max(start, r * chunk), min(end, (r + 1) * chunk)
+            lo8, hi8 = -(-lo // 8) * 8, hi // 8 * 8
+            if hi8 > lo8:
+                first = lo8 // 8 - r * chunk // 8
+                cut = packed[r, first : first + (hi8 - lo8) // 8]
+                unpack_scaled_(cut, scales[r], out[lo8 - start : hi8 - start], index[: cut.numel()])
+            for a, b in ((lo, min(lo8, hi)), (max(lo8, hi8), hi)):  # the head and tail bytes' elements
+                if b > a:  # a partial byte: unpack it whole, keep the needed elements
+                    byte, last = a // 8 - r * chunk // 8, torch.empty(8, device=out.device)
+                    unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
+                    out[a - start : b - start].copy_(last[a % 8 : a % 8 + b - a])
 
 
 class CompressedReduceScatter(_ErrorFed):
@@ -273,7 +279,7 @@ class CompressedReduceScatter(_ErrorFed):
 
         def own() -> None:
             del keep[:]  # gloo read the worker scale until phase one finished
-            average_rows_(s.received.view(n, -1), s.scales, s.floats.view(n, self.chunk), shard.view(-1), s.index)
+            average_rows_(s.received.view(n, -1), s.scales, s.rows(n), shard.view(-1), s.index)
 
         keep = [scale]
         return _ChainedWork(first, own)

@@ -104,12 +104,18 @@ def scale_of(x: Tensor) -> Tensor:
     return (torch.linalg.norm(x.float()) / math.sqrt(x.numel())).reshape(1)
 
 
+BLOCK = 1 << 16
+"""Elements per block of the hot path's element-wise sweeps (256 KiB of fp32): the several passes over one block
+run while it is in cache, so the bucket crosses memory about once per sweep instead of once per operation
+(measured at 2^22 elements on one thread: 18 ms blocked vs 32 ms whole-buffer for the sign/error sweep)."""
+
+
 def compress_compensated_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tensor) -> Tensor:
     """The hot path of error-fed compression, for an ``x`` that already holds input + error (the caller adds the
     input into its error buffer in place and passes that buffer): ``packed`` <- signs of ``x``, then ``x`` <- the
-    new error ``x - scale · sign(x)``. Returns the scale. ``bits`` (bool) and ``scratch`` (fp32) are ``x``-sized
-    buffers reused across calls; ``x.numel()`` is a multiple of 8. Passes over ``x``: norm, sign test (+ packing
-    at an eighth of the width), copysign, subtract.
+    new error ``x - scale · sign(x)``. Returns the scale. ``bits`` (bool) and ``scratch`` (fp32) are buffers of at
+    least ``min(x.numel(), BLOCK)`` elements reused across calls; ``x.numel()`` is a multiple of 8. One norm pass,
+    then one blocked sweep (sign test, packing, copysign, subtract per block of ``BLOCK`` elements).
 
     [Note: no negative zero] ``compress_`` adds 0.0 to turn -0.0 into +0.0 (so ``copysign`` agrees with ``x >= 0``,
     DeepSpeed's +1 for a zero). This path skips that pass: ``x`` here is input + error, which is -0.0 only when
@@ -117,10 +123,15 @@ def compress_compensated_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tens
     round-to-nearest (it would need ``a = -0.0`` with ``copysign(s, a) = +0.0``), and loaded buffers are
     normalized (``_ErrorFed.load_state_dict``)."""
     scale = scale_of(x)
-    torch.ge(x, 0, out=bits)
-    pack_bits_(bits, packed)
-    torch.copysign(scale, x, out=scratch)  # scale · (±1) is exactly ±scale: DeepSpeed's ``x - scale * sign``
-    x.sub_(scratch)
+    numel = x.numel()
+    for start in range(0, numel, BLOCK):
+        xb = x[start : start + BLOCK]
+        size = xb.numel()
+        bb, sb = bits[:size], scratch[:size]
+        torch.ge(xb, 0, out=bb)
+        pack_bits_(bb, packed[start // 8 : (start + size) // 8])
+        torch.copysign(scale, xb, out=sb)  # scale · (±1) is exactly ±scale: DeepSpeed's ``x - scale * sign``
+        xb.sub_(sb)
     return scale
 
 
@@ -143,17 +154,38 @@ def decompress(packed: Tensor, scale: Tensor, numel: int) -> Tensor:
     return unpack_scaled_(packed, scale, out).reshape(-1)[:numel]
 
 
-def average_rows_(packed: Tensor, scales: Tensor, rows: Tensor, out: Tensor, index: Tensor | None = None) -> Tensor:
-    """The server step into preallocated buffers: ``out`` (numel fp32) <- the mean over N workers of their
-    decompressed copies. ``packed``: (N, bytes), ``rows``: an (N, 8 · bytes) fp32 scratch, ``out`` may be shorter
-    than a row (the first ``out.numel()`` columns). Each row is one gather through a table of ±scale_r / N, then one
-    ``sum(0)``: the values and reduction DeepSpeed's ``unpack · (scales / N)`` then ``sum(0)`` computes, so the
-    bits agree for any N."""
-    n = packed.shape[0]
+def average_rows_(
+    packed: Tensor,
+    scales: Tensor,
+    rows: Tensor,
+    out: Tensor,
+    index: Tensor | None = None,
+    add_to: Tensor | None = None,
+) -> Tensor:
+    """The server step into preallocated buffers: ``out`` (numel fp32, at most 8 × bytes) <- the mean over N
+    workers of their decompressed copies. ``packed``: (N, bytes); ``rows``: an (N, W) fp32 scratch, W a multiple
+    of 8 (the block width). Per block of columns, each worker's row is one gather through a table of ±scale_r / N,
+    then one ``sum(0)``: the values and reduction DeepSpeed's ``unpack · (scales / N)`` then ``sum(0)`` computes
+    (a column's sum does not depend on the blocking), so the bits agree for any N. ``add_to``: a buffer like
+    ``out`` that receives ``+= mean`` in the same sweep (the server error: DeepSpeed's ``mean + error``, addition
+    commutes bit for bit)."""
+    n, width = packed.shape[0], rows.shape[1]
     weights = scales.reshape(n).float().mul(1 / n)
-    for r in range(n):
-        unpack_scaled_(packed[r], weights[r], rows[r], None if index is None else index[: packed.shape[1]])
-    return torch.sum(rows[:, : out.numel()], 0, out=out)
+    tables = [_bit_table(out.dtype, out.device) * weights[r] for r in range(n)]
+    numel = out.numel()
+    for start in range(0, numel, width):
+        size = min(width, numel - start)
+        nbytes = -(-size // 8)
+        block = rows[:, : nbytes * 8]
+        for r in range(n):
+            idx = packed[r, start // 8 : start // 8 + nbytes]
+            if index is not None:
+                idx = index[:nbytes].copy_(idx)
+            torch.index_select(tables[r], 0, idx.int() if index is None else idx, out=block[r].view(-1, 8))
+        mean = torch.sum(block[:, :size], 0, out=out[start : start + size])
+        if add_to is not None:
+            add_to[start : start + size].add_(mean)
+    return out
 
 
 def average_chunks(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
