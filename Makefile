@@ -56,6 +56,11 @@ bench-compressed-collective: $(STAMP)
 bench-compression-speed: $(STAMP)
 	$(PY) benchmarks/bench_compression_speed.py $(ARGS)
 
+# Element-wise compute per phase of the compressed all-reduce (one thread, no communication).
+.PHONY: bench-compression-phases
+bench-compression-phases: $(STAMP)
+	$(PY) benchmarks/bench_compression_phases.py $(ARGS)
+
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with
 # its reason, exit status 0. ARGS: --quick, --json OUT.
