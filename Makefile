@@ -78,6 +78,10 @@ bench-analyzer: $(STAMP)
 # 2 busy cores). ARGS: --trials N, --lr-range-test, --results-dir DIR.
 bench-hpo: $(STAMP)
 	$(PY) benchmarks/bench_hpo.py $(ARGS)
+# Element-wise compute per phase of the compressed all-reduce (one thread, no communication).
+.PHONY: bench-compression-phases
+bench-compression-phases: $(STAMP)
+	$(PY) benchmarks/bench_compression_phases.py $(ARGS)
 
 # The CUDA path in one command (under 8 minutes on one GPU): world-1 CUDA tests, gloo ranks on CUDA tensors, NCCL
 # multi-rank tests (>= 2 GPUs) and the benchmark rows on CUDA; one summary table. CPU-only: each check skipped with

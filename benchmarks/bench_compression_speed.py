@@ -1,7 +1,7 @@
 """End-to-end step time of 1-bit Adam (compressed phase) against plain Adam (ZeRO stage 0) on a SIMULATED link.
 
     python benchmarks/bench_compression_speed.py [--nproc 2] [--bandwidths 0.1,1,10] [--rounds 5] [--steps 4]
-                                                 [--model mlp] [--latency-us 50]
+                                                 [--model mlp] [--micro-batch N] [--latency-us 50]
 
 SIMULATION: a CPU host's gloo over shared memory is not a network, so every collective is made to complete only
 after its algorithmic bytes would have crossed the rank's one link of the given bandwidth (calls in flight,
@@ -13,7 +13,9 @@ cluster measures.
 Rows, per bandwidth: ``adam`` (config "Adam", stage 0: bucketed fp32 gradient all-reduce overlapping backward) and
 ``onebit`` (config "OneBitAdam", ``freeze_step`` 3, timed in its compressed phase: no gradient all-reduce, one
 error-fed 1-bit all-reduce of the momentum per step). Model: the comm-bound MLP of benchmarks/bench_models.py
-(6 × Linear(1024, 1024), 6.3M parameters, batch 32), fp32, gloo on CPU. Each round times ``--steps`` steps of
+(6 × Linear(1024, 1024), 6.3M parameters, batch 32; ``--micro-batch 1`` leaves so little compute per
+parameter that the step is bound by the gradient all-reduce: the genuinely comm-bound setting), fp32, gloo on
+CPU. Each round times ``--steps`` steps of
 each row (rows alternate within a round, so drifts in machine load hit both); a round's figure is its median
 step. Printed: per bandwidth, each row's median step time (IQR over rounds) and the per-round ratio
 onebit / adam (median and IQR), plus each row's data-axis bytes per rank per step from the comms log.
@@ -24,6 +26,7 @@ Run plainly, this script is the launcher: it starts itself under ``torch.distrib
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_models import MODEL_SIZES, BenchSetup, make_setup
+from bench_models import MODEL_SIZES, BenchSetup, MLPSize, make_setup
 from launch_util import child_env, free_port
 from stats import interquartile_range, median, summarize_ratios
 
@@ -51,10 +54,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row per round (default 4)")
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="mlp", help="model (default mlp)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="rows per rank for the mlp (default: the model's 32); 1 makes the step communication-bound",
+    )
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.nproc < 2 or args.rounds < 1 or args.steps < 1:
         parser.error("--nproc must be at least 2, --rounds and --steps at least 1")
+    if args.micro_batch is not None and (args.micro_batch < 1 or not isinstance(MODEL_SIZES[args.model], MLPSize)):
+        parser.error("--micro-batch takes a positive row count, for the mlp model only")
     args.bandwidth_list = [float(b) for b in args.bandwidths.split(",") if b.strip()]
     return args
 
@@ -80,7 +91,11 @@ def launcher_main(args: argparse.Namespace, argv: list[str]) -> None:
         f"CPU, world {report['world']}, latency {args.latency_us:g} µs/call, {args.rounds} rounds × {args.steps} "
         f"steps, torch {torch.__version__}\n"
     )
-    print(f"{'link':>9}{'row':>8}{'step ms':>10}{'IQR':>18}{'data bytes/step/rank':>23}{'onebit/adam':>13}{'IQR':>16}")
+    print(f"{report['params']:,} parameters.")
+    print(
+        f"{'link':>9}{'row':>8}{'step ms':>10}{'IQR':>18}{'data bytes/step/rank':>23}{'wire ms':>9}"
+        f"{'onebit/adam':>13}{'IQR':>16}"
+    )
     for gbps, block in report["links"].items():
         ratio = summarize_ratios(block["onebit"]["rounds"], block["adam"]["rounds"])
         for row in ROWS:
@@ -89,11 +104,19 @@ def launcher_main(args: argparse.Namespace, argv: list[str]) -> None:
             tail = f"{ratio.median:>13.3f}{f'[{ratio.q25:.3f}, {ratio.q75:.3f}]':>16}" if row == "onebit" else ""
             print(
                 f"{gbps + ' Gb/s':>9}{row:>8}{median(times):>10.1f}{f'[{q25:.1f}, {q75:.1f}]':>18}"
-                f"{block[row]['bytes_per_step']:>23,.0f}{tail}"
+                f"{block[row]['bytes_per_step']:>23,.0f}{wire_ms(block[row]['bytes_per_step'], gbps):>9.1f}{tail}"
             )
-    print("\nratio < 1: 1-bit Adam's step is faster. Bytes: algorithmic bytes per rank over the data axis (comms log).")
+    print(
+        "\nratio < 1: 1-bit Adam's step is faster. Bytes: algorithmic bytes per rank over the data axis (comms log); "
+        "wire ms: those bytes at the link's bandwidth (the simulated transfer time per step, latency excluded)."
+    )
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "n/a"
     print(f"(1-minute load average {load} on {os.cpu_count()} CPUs)")
+
+
+def wire_ms(nbytes: float, gbps: str) -> float:
+    """Milliseconds ``nbytes`` take on a link of ``gbps`` Gbit/s (what the simulated link charges, less latency)."""
+    return nbytes * 8 / (float(gbps) * 1e9) * 1e3
 
 
 # --- ranks --------------------------------------------------------------------------------------------------
@@ -129,7 +152,11 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    setup = make_setup(MODEL_SIZES[args.model], rank)
+    size = MODEL_SIZES[args.model]
+    if args.micro_batch is not None:
+        size = dataclasses.replace(size, micro_batch=args.micro_batch)
+    setup = make_setup(size, rank)
+    params = sum(p.numel() for p in setup.fresh_model().parameters())
     links: dict[str, Any] = {}
     for gbps in args.bandwidth_list:
         engines = {}
@@ -156,7 +183,7 @@ def rank_main(args: argparse.Namespace) -> None:
             engines[row].destroy()
         links[f"{gbps:g}"] = block
     if rank == 0 and args.result_file:
-        report = {"model": setup.model_description, "world": dist.get_world_size(), "links": links}
+        report = {"model": setup.model_description, "params": params, "world": dist.get_world_size(), "links": links}
         Path(args.result_file).write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()

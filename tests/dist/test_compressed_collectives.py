@@ -30,6 +30,7 @@ def _inputs(step: int, world: int, numel: int) -> list[torch.Tensor]:
 def _allreduce(rank: int, world: int, numel: int, steps: int) -> dict[str, Any]:
     c = Collectives(CommsLog(enabled=True), verify_order=True)
     op = CompressedAllReduce(numel, _axis(rank, world), c, device=CPU)
+    parts_op = CompressedAllReduce(numel, _axis(rank, world), c, device=CPU)  # the same bucket given in pieces
     padded = padded_numel(numel, world)
     we = [torch.zeros(padded) for _ in range(world)]
     se = [torch.zeros(padded // world) for _ in range(world)]
@@ -45,6 +46,9 @@ def _allreduce(rank: int, world: int, numel: int, steps: int) -> dict[str, Any]:
             work.wait()
             assert work.done()
         expected = reference.compressed_allreduce(xs, we, se)
+        pieces = [p.clone().view(1, -1) for p in xs[rank].split([numel // 3, 1, numel - numel // 3 - 1])]
+        parts_op.launch_parts(pieces).wait()
+        assert torch.equal(torch.cat(pieces, 1).view(-1), expected)  # the same bits, in place in each piece
         diffs.append((mine - expected).abs().max().item())
         results.append(mine)
     sd = op.state_dict()

@@ -11,12 +11,16 @@ import torch
 from shardspeed.compression import reference
 from shardspeed.compression.signs import (
     average_chunks,
+    average_rows_,
     compress_,
+    compress_compensated_,
     decompress,
+    pack_bits_,
     pack_signs,
     packed_size,
     padded_numel,
     scale_of,
+    unpack_scaled_,
     unpack_signs,
 )
 
@@ -125,3 +129,43 @@ def test_negative_zero_sends_plus_one_like_deepspeed() -> None:
     assert unpack_signs(packed, 4).tolist() == [1.0, 1.0, -1.0, 1.0]
     s = scale.item()
     assert error.tolist() == [-s, 2.0 - s, -2.0 + s, -s]
+
+
+def test_hot_path_kernels_equal_the_plain_forms() -> None:
+    """[Note: compressed hot path]: the in-place packer, the table-gather unpacking into ±scale, and the server
+    average through preallocated rows give the bits of the plain forms (masks, multiplies, an fp32 sum)."""
+    g = torch.Generator().manual_seed(7)
+    bits = torch.rand(8 * 123, generator=g) < 0.5
+    plain = (bits.view(-1, 8).to(torch.int64) * (1 << torch.arange(7, -1, -1))).sum(1).to(torch.uint8)
+    assert torch.equal(pack_bits_(bits, torch.empty(123, dtype=torch.uint8)), plain)
+    scale = torch.tensor([0.37])
+    out = unpack_scaled_(plain, scale, torch.empty(8 * 123)).view(-1)
+    assert torch.equal(out, torch.where(bits, scale, -scale))
+    for n in (2, 3, 5):
+        packed = torch.randint(0, 256, (n, 17), dtype=torch.uint8, generator=g)
+        scales = torch.rand(n, generator=g)
+        rows = torch.stack([unpack_signs(packed[r], 136) for r in range(n)])
+        expected = rows.mul_(scales.view(n, 1).mul(1 / n)).sum(0)[:130]
+        got = average_rows_(packed, scales, torch.empty(n, 136), torch.empty(130))
+        assert torch.equal(got, expected)
+
+
+def test_compensated_compression_equals_compress_and_loaded_negative_zero_is_normalized() -> None:
+    """The collective's path (input added into the error buffer, then compressed there) equals ``compress_``;
+    a loaded error buffer holding -0.0 is stored as +0.0 ([Note: no negative zero])."""
+    g = torch.Generator().manual_seed(3)
+    x, error = torch.randn(64, generator=g), torch.randn(64, generator=g) * 0.1
+    x[3], error[3] = -0.0, 0.0
+    plain_error = error.clone()
+    packed, scale = compress_(x.clone(), plain_error)
+    fused, out = error.clone().add_(x), torch.empty(8, dtype=torch.uint8)
+    fused_scale = compress_compensated_(fused, out, torch.empty(64, dtype=torch.bool), torch.empty(64))
+    assert torch.equal(out, packed) and torch.equal(fused_scale, scale) and torch.equal(fused, plain_error)
+    from shardspeed.compression.collective import CompressedReduceScatter
+
+    class _One:  # an axis of size 2 is all the constructor needs; nothing communicates here
+        name, size = "data", 2
+
+    rs = CompressedReduceScatter(16, _One(), None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    rs.load_state_dict({"worker_error": torch.full((16,), -0.0)})
+    assert not torch.signbit(rs.worker_error).any()

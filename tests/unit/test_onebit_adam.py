@@ -68,6 +68,22 @@ def test_apply_update_matches_deepspeed_order() -> None:
     torch.testing.assert_close(p, expected)
 
 
+def test_frozen_denominator_and_scratch_keep_the_bits() -> None:
+    """[Note: frozen denominators]: the cached ``sqrt(v) + eps`` and the update scratch give DeepSpeed's bits
+    (``p.add_(-lr * (m / (v.sqrt() + eps) + wd * p))``), and the cache follows in-place writes to ``v``."""
+    g = torch.Generator().manual_seed(5)
+    p, m, v = torch.randn(33, generator=g), torch.randn(33, generator=g), torch.rand(33, generator=g)
+    deepspeed = p.clone()
+    deepspeed.add_(-0.01 * (m / (v.sqrt() + 1e-8) + 0.1 * deepspeed))
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(1))])
+    denom = opt._denominator(p, v, 1e-8)
+    assert opt._denominator(p, v, 1e-8) is denom  # cached
+    apply_update_(p, m, v, 0.01, 1e-8, 0.1, denom=denom, scratch=torch.empty(33))
+    assert torch.equal(p, deepspeed)
+    v.mul_(2.0)  # an in-place write (e.g. a loaded checkpoint): recomputed
+    assert torch.equal(opt._denominator(p, v, 1e-8), v.sqrt() + 1e-8)
+
+
 def test_config_builds_onebit_adam_with_deepspeed_defaults() -> None:
     params = validate_optimizer_params("onebitadam", {"lr": 4e-4, "freeze_step": 23000, "cuda_aware": False})
     assert params["freeze_step"] == 23000 and params["comm_backend_name"] == "nccl" and params["betas"] == (0.9, 0.999)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from shardspeed.comm.collectives import Collectives
 from shardspeed.comm.work import Work
-from shardspeed.compression.signs import average_chunks, compress_, padded_numel, unpack_signs
+from shardspeed.compression.signs import BLOCK, average_rows_, compress_compensated_, padded_numel, unpack_scaled_
 from shardspeed.topology import AxisGroup
 
 
@@ -104,17 +104,48 @@ class _ErrorFed:
                     f"{type(self).__name__}: {name} has shape {tuple(sd[name].shape)}, expected {tuple(error.shape)} "
                     "(saved at another size or axis size: reset() the buffers instead)"
                 )
-            error.copy_(sd[name])
+            error.copy_(sd[name]).add_(0.0)  # -0.0 -> +0.0: [Note: no negative zero] in compression/signs.py
 
     def reset(self) -> None:
         for error in self._errors.values():
             error.zero_()
 
 
+class _Scratch:
+    """The buffers one compressed collective reuses on every call ([Note: compressed hot path]): allocated on the
+    first call, kept (fresh multi-megabyte temporaries cost page faults on every call on CPU)."""
+
+    def __init__(self, padded: int, n: int, device: torch.device) -> None:
+        nbytes = padded // 8
+        self.packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.received = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.bits = torch.empty(min(padded, BLOCK), dtype=torch.bool, device=device)
+        self.floats = torch.empty(min(padded, n * BLOCK), device=device)  # copysign scratch, then server rows
+        self.index = torch.empty(nbytes, dtype=torch.int32, device=device)
+        self.scales = torch.empty(n, device=device)
+        self.server_scales = torch.empty(n, device=device)
+
+    def rows(self, n: int) -> Tensor:
+        """The server's (N, block) rows, in the float scratch."""
+        return self.floats.view(n, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
 class CompressedAllReduce(_ErrorFed):
     """The mean of a flat fp32 tensor of ``numel`` elements over ``axis``, error-fed 1-bit ([Note: compressed
     all-reduce]). Holds a worker error of the padded size and a server error of one chunk. Exact (no compression,
-    no communication) on an axis of size 1."""
+    no communication) on an axis of size 1.
+
+    [Note: compressed hot path] On CPU the element-wise work, not the bytes, bounds a compressed call, so each step
+    makes as few passes over the bucket as it can, into buffers kept across calls (``scratch_bytes``): the input is
+    added into the worker error buffer in place (that buffer is the compensated input; the new error overwrites
+    it), the signs are packed from one bool pass (one int64 multiply per 8 signs), the server's N copies are
+    unpacked by one table gather each straight into ±scale_r / N and reduced by one ``sum(0)``, and the result is
+    gathered straight into the caller's tensor. The float operations and their order are DeepSpeed's, so the
+    results (and error buffers) equal ``compression/reference.py`` and DeepSpeed 0.19.6 bit for bit."""
 
     def __init__(
         self, numel: int, axis: AxisGroup, collectives: Collectives, *, device: torch.device, tag: str = "compressed"
@@ -126,43 +157,98 @@ class CompressedAllReduce(_ErrorFed):
         self.worker_error = torch.zeros(self.padded if n > 1 else 0, device=device)
         self.server_error = torch.zeros(self.chunk if n > 1 else 0, device=device)
         self._errors = {"worker_error": self.worker_error, "server_error": self.server_error}
+        self._scratch: _Scratch | None = None
+        self._mean: Tensor | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
+        extra = 0 if self._mean is None else self._mean.numel() * 4
+        return (0 if self._scratch is None else self._scratch.nbytes) + extra
 
     def __call__(self, tensor: Tensor) -> None:
         self.launch(tensor).wait()
 
     def launch(self, tensor: Tensor) -> Work:
-        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. The Work's
-        ``done()`` stays False until ``wait()`` (phase two is issued there, [Note: compressed work]): never poll
-        it, wait it, in the same program order on every rank."""
+        """Start the all-reduce of ``tensor`` (in place); the result is there once the Work is waited. One call in
+        flight per instance (the buffers are reused). The Work's ``done()`` stays False until ``wait()`` (phase two
+        is issued there, [Note: compressed work]): never poll it, wait it, in the same program order on every
+        rank."""
         _check_input("CompressedAllReduce", tensor, self.numel)
+        return self._launch([tensor.view(-1)])
+
+    def launch_parts(self, parts: list[Tensor]) -> Work:
+        """``launch`` for a bucket given as pieces (e.g. each parameter's momentum), ``numel`` elements in all, in
+        order: each piece is added into the error buffer where the flat bucket would hold it and receives its part
+        of the mean, so the caller needs no flat copy (one pass less each way)."""
+        total = sum(p.numel() for p in parts)
+        if total != self.numel or any(not p.is_floating_point() for p in parts):
+            raise ValueError(
+                f"CompressedAllReduce.launch_parts: {total} floating elements given, expected {self.numel}"
+            )
+        return self._launch(parts)
+
+    def _launch(self, parts: list[Tensor]) -> Work:
         n, c = self.axis.size, self.collectives
         if n == 1:
             return Work(None)
-        buffer = torch.zeros(self.padded, device=self.device)
-        buffer[: self.numel] = tensor.reshape(-1)
-        packed, scale = compress_(buffer, self.worker_error)
-        received, scales = torch.empty_like(packed), torch.empty(n, device=self.device)
+        if self._scratch is None:
+            self._scratch = _Scratch(self.padded, n, self.device)
+            self._mean = torch.empty(self.chunk, device=self.device)
+        s = self._scratch
+        offset = 0
+        for part in parts:  # padding: zeros + error = error
+            self.worker_error[offset : offset + part.numel()].add_(part.reshape(-1))
+            offset += part.numel()
+        scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)
         first = [
-            c.all_to_all_single(received, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_to_all_single(s.received, s.packed, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
-        return _ChainedWork(first, lambda: self._serve(tensor, received, scales), keep=(packed, scale))
+        return _ChainedWork(first, lambda: self._serve(parts, scale))
 
-    def _serve(self, tensor: Tensor, received: Tensor, scales: Tensor) -> None:
+    def _serve(self, parts: list[Tensor], worker_scale: Tensor) -> None:
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
-        n, c = self.axis.size, self.collectives
-        mean = average_chunks(received.view(n, -1), scales, self.chunk)
-        packed, scale = compress_(mean, self.server_error)
-        gathered = torch.empty(n * packed.numel(), dtype=torch.uint8, device=self.device)
-        server_scales = torch.empty(n, device=self.device)
+        n, c, s, chunk = self.axis.size, self.collectives, self._scratch, self.chunk
+        assert s is not None and self._mean is not None
+        # the mean, and the server error += mean (DeepSpeed's mean + server error), in one blocked sweep
+        average_rows_(s.received.view(n, -1), s.scales, s.rows(n), self._mean, s.index, add_to=self.server_error)
+        cb = chunk // 8
+        own = s.packed[:cb]  # the worker's packed signs went out in phase one: reuse the bytes
+        scale = compress_compensated_(self.server_error, own, s.bits[:chunk], s.floats[:chunk])
         works = [
-            c.all_gather(gathered, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(server_scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.received, own, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.server_scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
         for work in works:
             work.wait()
-        out = unpack_signs(gathered, self.padded).view(n, -1).mul_(server_scales.view(n, 1))
-        tensor.view(-1).copy_(out.view(-1)[: self.numel])
+        del worker_scale  # kept alive until here: gloo read it during phase one
+        packed, offset = s.received.view(n, cb), 0
+        for part in parts:  # straight into each piece where it is a contiguous fp32 tensor
+            direct = part.dtype == torch.float32 and part.is_contiguous()
+            dest = part.view(-1) if direct else torch.empty(part.numel(), device=self.device)
+            self._unpack_range(dest, offset, packed, s.server_scales, s.index)
+            if not direct:
+                part.copy_(dest.view_as(part))
+            offset += part.numel()
+
+    def _unpack_range(self, out: Tensor, start: int, packed: Tensor, scales: Tensor, index: Tensor) -> None:
+        """``out`` <- elements ``[start, start + out.numel())`` of the result (rank r's chunk decompressed with
+        scale r): the whole bytes are gathered straight into ``out``, a partial byte at either end goes through an
+        8-element buffer."""
+        end, chunk = start + out.numel(), self.chunk
+        for r in range(start // chunk, -(-end // chunk)):
+            lo, hi = max(start, r * chunk), min(end, (r + 1) * chunk)
+            lo8, hi8 = -(-lo // 8) * 8, hi // 8 * 8
+            if hi8 > lo8:
+                first = lo8 // 8 - r * chunk // 8
+                cut = packed[r, first : first + (hi8 - lo8) // 8]
+                unpack_scaled_(cut, scales[r], out[lo8 - start : hi8 - start], index[: cut.numel()])
+            for a, b in ((lo, min(lo8, hi)), (max(lo8, hi8), hi)):  # the head and tail bytes' elements
+                if b > a:  # a partial byte: unpack it whole, keep the needed elements
+                    byte, last = a // 8 - r * chunk // 8, torch.empty(8, device=out.device)
+                    unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
+                    out[a - start : b - start].copy_(last[a % 8 : a % 8 + b - a])
 
 
 class CompressedReduceScatter(_ErrorFed):
@@ -182,29 +268,39 @@ class CompressedReduceScatter(_ErrorFed):
         self.chunk = -(-self.slice // 8) * 8
         self.worker_error = torch.zeros(n * self.chunk if n > 1 else 0, device=device)
         self._errors = {"worker_error": self.worker_error}
+        self._scratch: _Scratch | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
+        return 0 if self._scratch is None else self._scratch.nbytes
 
     def __call__(self, shard: Tensor, unsharded: Tensor) -> None:
         self.launch(shard, unsharded).wait()
 
     def launch(self, shard: Tensor, unsharded: Tensor) -> Work:
-        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited. The
-        Work's ``done()`` stays False until ``wait()`` ([Note: compressed work]): never poll it, wait it."""
+        """Start the reduce-scatter; ``shard`` holds this rank's slice of the mean once the Work is waited. One call
+        in flight per instance (the buffers are reused: [Note: compressed hot path]). The Work's ``done()`` stays
+        False until ``wait()`` ([Note: compressed work]): never poll it, wait it."""
         _check_input("CompressedReduceScatter (shard)", shard, self.slice)
         _check_input("CompressedReduceScatter (unsharded)", unsharded, self.numel)
         n, c = self.axis.size, self.collectives
         if n == 1:
             shard.view(-1).copy_(unsharded.view(-1))
             return Work(None)
-        buffer = torch.zeros(n, self.chunk, device=self.device)
-        buffer[:, : self.slice] = unsharded.view(n, self.slice)
-        packed, scale = compress_(buffer.view(-1), self.worker_error)
-        received, scales = torch.empty_like(packed), torch.empty(n, device=self.device)
+        if self._scratch is None:
+            self._scratch = _Scratch(n * self.chunk, n, self.device)
+        s = self._scratch
+        self.worker_error.view(n, self.chunk)[:, : self.slice].add_(unsharded.view(n, self.slice))
+        scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)
         first = [
-            c.all_to_all_single(received, packed, self.axis, async_op=True, tag=self.tag),
-            c.all_gather(scales, scale, self.axis, async_op=True, tag=self.tag),
+            c.all_to_all_single(s.received, s.packed, self.axis, async_op=True, tag=self.tag),
+            c.all_gather(s.scales, scale, self.axis, async_op=True, tag=self.tag),
         ]
 
         def own() -> None:
-            shard.view(-1).copy_(average_chunks(received.view(n, -1), scales, self.slice))
+            del keep[:]  # gloo read the worker scale until phase one finished
+            average_rows_(s.received.view(n, -1), s.scales, s.rows(n), shard.view(-1), s.index)
 
-        return _ChainedWork(first, own, keep=(packed, scale))
+        keep = [scale]
+        return _ChainedWork(first, own)

@@ -57,12 +57,25 @@ def momentum_(m: Tensor, g: Tensor, beta1: float) -> None:
     m.mul_(beta1).add_(g, alpha=1 - beta1)
 
 
-def apply_update_(p: Tensor, m: Tensor, v: Tensor, lr: float, eps: float, weight_decay: float) -> None:
-    """``p -= lr · (m / (sqrt(v) + eps) + wd · p)``: no bias correction (DeepSpeed's OnebitAdam)."""
-    update = m / (v.sqrt() + eps)
+def apply_update_(
+    p: Tensor,
+    m: Tensor,
+    v: Tensor,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    *,
+    denom: Tensor | None = None,
+    scratch: Tensor | None = None,
+) -> None:
+    """``p -= lr · (m / (sqrt(v) + eps) + wd · p)``: no bias correction (DeepSpeed's OnebitAdam). ``denom``: the
+    precomputed ``sqrt(v) + eps`` (the compressed phase's variance is frozen: the same bits every step);
+    ``scratch``: a buffer shaped like ``m`` for the update. Either way the float operations are DeepSpeed's
+    (``-lr · update`` is formed, then added: no fused multiply-add), so the bits do not depend on them."""
+    update = torch.div(m, v.sqrt().add_(eps) if denom is None else denom, out=scratch)
     if weight_decay > 0.0:
         update += weight_decay * p
-    p.add_(-lr * update)
+    p.add_(update.mul_(-lr))
 
 
 class OneBitAdam(CompressedOptimizer):
@@ -92,6 +105,8 @@ class OneBitAdam(CompressedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.eps_inside_sqrt = eps_inside_sqrt
+        self._denoms: dict[Tensor, tuple[Any, Tensor]] = {}  # [Note: frozen denominators]
+        self._update_scratch: Tensor | None = None
 
     def steps_done(self) -> int:
         """Optimizer steps taken (the first parameter's ``step``; every parameter steps together)."""
@@ -126,17 +141,45 @@ class OneBitAdam(CompressedOptimizer):
                 continue
             if compressed:
                 self._compressed_momentum(index, params, beta1)
+                self._frozen_update(params, group)
+                continue
             for p in params:
                 state = self.state[p]
-                if not compressed:
-                    if p.grad is None:
-                        continue
-                    adam_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if compressed and self._axis is not None and self._axis.size > 1:  # DeepSpeed: after the mean
-                    mask_exp_avg_(group, m)
-                apply_update_(p, m, v, group["lr"], group["eps"], group["weight_decay"])
+                if p.grad is None:
+                    continue
+                adam_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
+                apply_update_(
+                    p, state["exp_avg"], state["exp_avg_sq"], group["lr"], group["eps"], group["weight_decay"]
+                )
         return loss
+
+    def _frozen_update(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """The compressed phase's update ([Note: frozen denominators]): one scratch buffer for every parameter's
+        update, ``sqrt(v) + eps`` computed once per frozen variance."""
+        largest = max(p.numel() for p in params)
+        if self._update_scratch is None or self._update_scratch.numel() < largest:
+            self._update_scratch = torch.empty(largest, device=params[0].device)
+        for p in params:
+            state = self.state[p]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if self._axis is not None and self._axis.size > 1:  # DeepSpeed: the mask after the compressed mean
+                mask_exp_avg_(group, m)
+            scratch = self._update_scratch[: m.numel()].view_as(m) if m.dtype == torch.float32 else None
+            denom = self._denominator(p, v, group["eps"])
+            apply_update_(p, m, v, group["lr"], group["eps"], group["weight_decay"], denom=denom, scratch=scratch)
+
+    def _denominator(self, p: Tensor, v: Tensor, eps: float) -> Tensor:
+        """``sqrt(v) + eps`` for the frozen ``v``, cached. [Note: frozen denominators] In the compressed phase the
+        variance does not change, so its denominator has the same bits every step: computing it once saves two
+        passes per parameter per step, at the memory of one fp32 copy of the parameters. The cache is keyed on the
+        variance tensor's identity and version counter (a loaded checkpoint or any in-place write recomputes it);
+        it is not state (never checkpointed)."""
+        key = (id(v), v._version, v.data_ptr(), eps)
+        cached = self._denoms.get(p)
+        if cached is None or cached[0] != key:
+            cached = (key, v.sqrt().add_(eps))
+            self._denoms[p] = cached
+        return cached[1]
 
     def _compressed_momentum(self, index: int, params: list[Tensor], beta1: float) -> None:
         """Fold each rank's local gradient into the momentum, then average the group's momentum over the data axis
@@ -148,9 +191,5 @@ class OneBitAdam(CompressedOptimizer):
                 m.mul_(beta1)
             else:
                 momentum_(m, p.grad, beta1)
-        flat = torch.cat([m.reshape(-1).float() for m in moments])
-        self.compressor(f"group{index}", flat.numel())(flat)
-        offset = 0
-        for m in moments:
-            m.view(-1).copy_(flat[offset : offset + m.numel()])
-            offset += m.numel()
+        # the moments go into the compressor's error buffer and come back in place: no flat copy of the group
+        self.compressor(f"group{index}", sum(m.numel() for m in moments)).launch_parts(moments).wait()
