@@ -167,5 +167,5 @@ def test_compensated_compression_equals_compress_and_loaded_negative_zero_is_nor
         name, size = "data", 2
 
     rs = CompressedReduceScatter(16, _One(), None, device=torch.device("cpu"))  # type: ignore[arg-type]
-    rs.load_state_dict({"worker_error": torch.full((16,), -0.0)})
+    rs.load_state_dict({**rs.state_dict(), "worker_error": torch.full((16,), -0.0)})
     assert not torch.signbit(rs.worker_error).any()
