@@ -9,7 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardspeed.compression.engine_wiring import OptimizerOwnedGrads, bind_compressed_optimizer, owns_communication
+import shardspeed
+from shardspeed.compression.engine_wiring import (
+    OptimizerOwnedGrads,
+    bind_compressed_optimizer,
+    check_compressed_setup,
+    owns_communication,
+)
 from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
 from shardspeed.config.errors import ConfigError
 from shardspeed.optim import build_optimizer
@@ -151,3 +157,27 @@ def test_load_state_dict_keeps_the_current_exp_avg_mask() -> None:
     without = OneBitAdam([p])
     without.load_state_dict(saved)
     assert "exp_avg_mask" not in without.param_groups[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "topology", "pattern"),
+    [
+        (_zero(stage=3), _axes(), r"stage 3 is not supported"),
+        (_zero(stage=3), _axes(tensor=2), r"tensor or pipeline axis"),
+        (_zero(stage=1, offload="cpu"), _axes(), r"offload_optimizer"),
+        (_zero(stage=2), _axes(pipe=2), r"tensor or pipeline axis"),
+    ],
+)
+def test_compressed_setup_names_the_real_obstacle_first(config, topology, pattern: str) -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises((NotImplementedError, ValueError), match=pattern):
+        check_compressed_setup(config, opt, topology)  # type: ignore[arg-type]
+
+
+def test_engine_refuses_onebit_adam_with_offload_at_stage_1() -> None:
+    """The sharded OneBitAdam's compressed gradients would step the wrong tensors behind an offloaded optimizer
+    (parameters grew to 2e6 in 5 steps): refused, before any stage-specific message."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    with pytest.raises(NotImplementedError, match="offload_optimizer"):
+        shardspeed.initialize(model=torch.nn.Linear(4, 4), config=cfg)
