@@ -181,3 +181,26 @@ def test_engine_refuses_onebit_adam_with_offload_at_stage_1() -> None:
            "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
     with pytest.raises(NotImplementedError, match="offload_optimizer"):
         shardspeed.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+
+
+def test_standalone_onebit_adam_runs_as_a_world_of_one() -> None:
+    """Outside an engine (never bound) the compressed phase's mean is the identity: the frozen-variance update on
+    the local momentum, exactly."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(6)]
+    p = torch.nn.Parameter(start.clone())
+    opt = OneBitAdam([p], lr=0.1, freeze_step=2, weight_decay=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    w, m, v = start.clone(), torch.zeros(6), torch.zeros(6)
+    for k, g in enumerate(grads[1:], start=2):  # step 1 only counts
+        if k <= 2:
+            m.mul_(0.9).add_(g, alpha=0.1)
+            v.mul_(0.999).addcmul_(g, g, value=0.001)
+        else:
+            m.mul_(0.9).add_(g, alpha=0.1)
+        apply_update_(w, m, v, 0.1, 1e-8, 0.01)
+    assert opt.owns_communication and not opt.bound
+    assert torch.equal(p.detach(), w)

@@ -124,7 +124,11 @@ class OneBitAdam(CompressedOptimizer):
                 state["step"] += 1
             if first:  # DeepSpeed's initialization step: buffers only ([Note: 1-bit Adam's phases])
                 continue
-            if compressed:
+            if compressed and not self.bound:  # used outside an engine: a world of one, the mean is exact
+                for p in params:
+                    m = self.state[p]["exp_avg"]
+                    m.mul_(beta1) if p.grad is None else momentum_(m, p.grad, beta1)
+            elif compressed:
                 self._compressed_momentum(index, params, beta1)
             for p in params:
                 state = self.state[p]
