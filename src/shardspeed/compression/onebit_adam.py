@@ -126,8 +126,10 @@ class OneBitAdam(CompressedOptimizer):
                 continue
             if compressed and not self.bound:  # used outside an engine: a world of one, the mean is exact
                 for p in params:
-                    m = self.state[p]["exp_avg"]
-                    m.mul_(beta1) if p.grad is None else momentum_(m, p.grad, beta1)
+                    if p.grad is None:
+                        self.state[p]["exp_avg"].mul_(beta1)
+                    else:
+                        momentum_(self.state[p]["exp_avg"], p.grad, beta1)
             elif compressed:
                 self._compressed_momentum(index, params, beta1)
             for p in params:
