@@ -17,6 +17,8 @@ from shardspeed.compression.engine_wiring import (
     owns_communication,
 )
 from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
+from shardspeed.compression.onebit_lamb import OneBitLamb
+from shardspeed.compression.zero_one_adam import ZeroOneAdam
 from shardspeed.config.errors import ConfigError
 from shardspeed.optim import build_optimizer
 from shardspeed.optim.specs import validate_optimizer_params
@@ -204,3 +206,13 @@ def test_standalone_onebit_adam_runs_as_a_world_of_one() -> None:
         apply_update_(w, m, v, 0.1, 1e-8, 0.01)
     assert opt.owns_communication and not opt.bound
     assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+def test_deepspeeds_max_grad_norm_constructor_argument_is_accepted_and_ignored(name: str) -> None:
+    """DeepSpeed 0.19.6's 1-bit constructors take ``max_grad_norm`` and never read it; in a config's
+    ``optimizer.params`` DeepSpeed's engine refuses it (use ``gradient_clipping``), and so do we."""
+    cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}[name]
+    assert cls([torch.nn.Parameter(torch.zeros(2))], max_grad_norm=1.0).max_grad_norm == 1.0
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        validate_optimizer_params(name.lower(), {"lr": 1e-3, "max_grad_norm": 1.0})

@@ -81,6 +81,7 @@ class OneBitAdam(CompressedOptimizer):
         amsgrad: bool = False,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
+        max_grad_norm: float = 0.0,
     ) -> None:
         if amsgrad:
             raise ValueError("OneBitAdam has no AMSGrad variant (DeepSpeed refuses it too)")
@@ -92,6 +93,7 @@ class OneBitAdam(CompressedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.eps_inside_sqrt = eps_inside_sqrt
+        self.max_grad_norm = max_grad_norm  # DeepSpeed 0.19.6 accepts it and never reads it (clipping: the engine's)
 
     def steps_done(self) -> int:
         """Optimizer steps taken (the first parameter's ``step``; every parameter steps together)."""
