@@ -240,3 +240,43 @@ def test_damaged_error_buffer_rows_fail_before_anything_is_loaded(dist_run, tmp_
     for error, unchanged in dist_run(_load_with_damaged_rank1_rows, WORLD, str(tmp_path)):
         assert "is corrupt" in error and "partly loaded" not in error, error
         assert unchanged
+
+
+def _save_compressed(rank: int, world: int, ckpt: str) -> None:
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    for x, y in global_batches(FREEZE + 2, MB * GAS * world):  # inside the compressed phase: live error buffers
+        _micro_steps(engine, x, y, rank, world)
+    engine.save_checkpoint(ckpt)
+    engine.destroy()
+
+
+def _load_at_world_and_step(rank: int, world: int, ckpt: str) -> dict:
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("shardspeed").addHandler(handler)
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    engine.load_checkpoint(ckpt)
+    logging.getLogger("shardspeed").removeHandler(handler)
+    error_sum = sum(t.abs().sum().item() for t in engine.optimizer.compression_state_dict().values())
+    owns = engine.optimizer.owns_communication
+    engine.comms_log.reset()
+    _micro_steps(engine, *global_batches(1, MB * GAS * world)[0], rank, world)  # a compressed step at world 4
+    compressed = any(k.startswith("all_to_all:compressed") for k in engine.comms_log.rows())
+    return {"warnings": [m for m in records if "compression error buffers are reset" in m], "error_sum": error_sum,
+            "owns": owns, "compressed": compressed, "params": _flat(engine)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_world2_checkpoint_at_world4_resets_buffers_and_steps_compressed(dist_run, tmp_path) -> None:
+    """Review B #9: at world 1 the compressors hold empty buffers, so also load at world 4 (real shapes)."""
+    dist_run(_save_compressed, WORLD, str(tmp_path))
+    results = dist_run(_load_at_world_and_step, 4, str(tmp_path))
+    assert [len(r["warnings"]) for r in results] == [1, 0, 0, 0]  # one warning, on global rank 0
+    for r in results:
+        assert r["error_sum"] == 0.0 and r["owns"] and r["compressed"]
+        assert torch.isfinite(r["params"]).all() and torch.equal(r["params"], results[0]["params"])
