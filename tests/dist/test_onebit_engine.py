@@ -182,3 +182,13 @@ def test_zero_one_adam_between_syncs_at_another_world_restarts_from_the_last_syn
     ((params, records),) = dist_run(_load_only, 1, "ZeroOneAdam", str(tmp_path))
     assert torch.equal(params, full[0]["params"][7])
     assert len([m for m in records if "restarts from the last synchronized parameters" in m]) == 1, records
+
+
+def test_zero_one_adam_bf16_resume_between_syncs_is_bit_exact(dist_run, tmp_path) -> None:
+    """bf16: the optimizer steps fp32 masters; the local-phase rows restore them, and the load pushes them into
+    the bf16 model on every rank."""
+    full = dist_run(_run, WORLD, "ZeroOneAdam", str(tmp_path), 9, False, True)
+    resumed = dist_run(_run, WORLD, "ZeroOneAdam", str(tmp_path), 9, True, True)
+    for rank in range(WORLD):
+        tail = full[rank]["params"][9:]
+        assert all(torch.equal(a, b) for a, b in zip(tail, resumed[rank]["params"], strict=True)), rank
