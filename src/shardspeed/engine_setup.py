@@ -14,7 +14,7 @@ from shardspeed.comm.algorithms import CollectiveChoice, default_bucket_numel
 from shardspeed.comm.calibrate import resolve_choice
 from shardspeed.comm.order_check import check_flags_agree, requested
 from shardspeed.comm.simulated_link import SimulatedLink
-from shardspeed.compression.engine_wiring import bind_compressed_optimizer
+from shardspeed.compression.engine_wiring import bind_compressed_optimizer, check_compressed_setup
 from shardspeed.config import ShardSpeedConfig, ZeroConfig
 from shardspeed.faults.board import FailureBoard
 from shardspeed.optim import build_optimizer, is_elementwise
@@ -180,6 +180,7 @@ def build_engine_optimizer(
     else:
         optimizer = build_optimizer(cfg.type if cfg else None, cfg.params if cfg else None, stepped, user_optimizer)
     stage = config.zero_optimization.stage
+    check_compressed_setup(config, optimizer, topology)  # first: its message names the real obstacle
     optimizer = zero_compressed_optimizer(optimizer, states, stage, axis, collectives, device)  # 1-bit Adam, ZeRO-1/2
     sliced = specs is not None and topology.tensor.size > 1 and specs.any_partitioned
     if (stage > 0 or sliced) and type(optimizer) is Lamb:

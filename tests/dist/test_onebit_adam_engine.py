@@ -204,3 +204,79 @@ def test_resume_keeps_error_buffers_at_the_same_world_only(dist_run, tmp_path) -
     ((records, error_sum, owns),) = dist_run(_load_elsewhere, 1, str(tmp_path))
     assert len([m for m in records if "compression error buffers are reset" in m]) == 1, records
     assert error_sum == 0.0 and owns
+
+
+def _load_with_damaged_rank1_rows(rank: int, world: int, ckpt: str) -> tuple[str, bool]:
+    """Save in the compressed phase, damage rank 1's file (its error-buffer rows), load: the error and whether
+    the engine's parameters are untouched."""
+    import glob
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    for x, y in global_batches(FREEZE + 2, MB * GAS * world):
+        _micro_steps(engine, x, y, rank, world)
+    engine.save_checkpoint(ckpt, tag="t")
+    _micro_steps(engine, *global_batches(1, MB * GAS * world)[0], rank, world)
+    dist.barrier()
+    if rank == 0:
+        for path in glob.glob(os.path.join(ckpt, "t", "rank00001-*.safetensors")):
+            data = bytearray(Path(path).read_bytes())
+            data[-5] ^= 0xFF  # inside the last chunk's data: rank 1's rows
+            Path(path).write_bytes(bytes(data))
+    dist.barrier()
+    before = _flat(engine)
+    try:
+        engine.load_checkpoint(ckpt, tag="t")
+        error = ""
+    except Exception as exc:
+        error = str(exc)
+    return error, torch.equal(before, _flat(engine))
+
+
+def test_damaged_error_buffer_rows_fail_before_anything_is_loaded(dist_run, tmp_path) -> None:
+    for error, unchanged in dist_run(_load_with_damaged_rank1_rows, WORLD, str(tmp_path)):
+        assert "is corrupt" in error and "partly loaded" not in error, error
+        assert unchanged
+
+
+def _save_compressed(rank: int, world: int, ckpt: str) -> None:
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    for x, y in global_batches(FREEZE + 2, MB * GAS * world):  # inside the compressed phase: live error buffers
+        _micro_steps(engine, x, y, rank, world)
+    engine.save_checkpoint(ckpt)
+    engine.destroy()
+
+
+def _load_at_world_and_step(rank: int, world: int, ckpt: str) -> dict:
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("shardspeed").addHandler(handler)
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
+    engine.load_checkpoint(ckpt)
+    logging.getLogger("shardspeed").removeHandler(handler)
+    error_sum = sum(t.abs().sum().item() for t in engine.optimizer.compression_state_dict().values())
+    owns = engine.optimizer.owns_communication
+    engine.comms_log.reset()
+    _micro_steps(engine, *global_batches(1, MB * GAS * world)[0], rank, world)  # a compressed step at world 4
+    compressed = any(k.startswith("all_to_all:compressed") for k in engine.comms_log.rows())
+    return {"warnings": [m for m in records if "compression error buffers are reset" in m], "error_sum": error_sum,
+            "owns": owns, "compressed": compressed, "params": _flat(engine)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_world2_checkpoint_at_world4_resets_buffers_and_steps_compressed(dist_run, tmp_path) -> None:
+    """Review B #9: at world 1 the compressors hold empty buffers, so also load at world 4 (real shapes)."""
+    dist_run(_save_compressed, WORLD, str(tmp_path))
+    results = dist_run(_load_at_world_and_step, 4, str(tmp_path))
+    assert [len(r["warnings"]) for r in results] == [1, 0, 0, 0]  # one warning, on global rank 0
+    for r in results:
+        assert r["error_sum"] == 0.0 and r["owns"] and r["compressed"]
+        assert torch.isfinite(r["params"]).all() and torch.equal(r["params"], results[0]["params"])

@@ -153,3 +153,42 @@ def test_bf16_ranks_agree_wherever_synchronized(dist_run, name: str) -> None:
         if kind != "local":
             assert torch.equal(r0["params"][step], r1["params"][step]), f"step {step + 1} ({kind})"
     assert not torch.equal(r0["params"][-1], r0["params"][2])  # the compressed phase moved them
+
+
+def _load_only(rank: int, world: int, name: str, ckpt: str) -> tuple[torch.Tensor, list[str]]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("shardspeed").addHandler(handler)
+    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(name))
+    engine.load_checkpoint(ckpt)
+    logging.getLogger("shardspeed").removeHandler(handler)
+    out = _flat(engine)
+    engine.destroy()
+    return out, records
+
+
+def test_zero_one_adam_between_syncs_at_another_world_restarts_from_the_last_sync(dist_run, tmp_path) -> None:
+    """[Note: 0/1 Adam between syncs in checkpoints]: saved after a local step (ranks differ) at world 2, loaded
+    at world 1: the parameters are the last synchronized ones (after step 8, a sync), with one warning."""
+    full = dist_run(_run, WORLD, "ZeroOneAdam", str(tmp_path), 9)
+    assert full[0]["kinds"][7:9] == ["sync", "local"] and not torch.equal(full[0]["params"][8], full[1]["params"][8])
+    ((params, records),) = dist_run(_load_only, 1, "ZeroOneAdam", str(tmp_path))
+    assert torch.equal(params, full[0]["params"][7])
+    assert len([m for m in records if "restarts from the last synchronized parameters" in m]) == 1, records
+
+
+def test_zero_one_adam_bf16_resume_between_syncs_is_bit_exact(dist_run, tmp_path) -> None:
+    """bf16: the optimizer steps fp32 masters; the local-phase rows restore them, and the load pushes them into
+    the bf16 model on every rank."""
+    full = dist_run(_run, WORLD, "ZeroOneAdam", str(tmp_path), 9, False, True)
+    resumed = dist_run(_run, WORLD, "ZeroOneAdam", str(tmp_path), 9, True, True)
+    for rank in range(WORLD):
+        tail = full[rank]["params"][9:]
+        assert all(torch.equal(a, b) for a, b in zip(tail, resumed[rank]["params"], strict=True)), rank

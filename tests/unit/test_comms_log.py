@@ -211,3 +211,29 @@ def test_a_prof_ops_filtered_log_is_not_compared_with_the_theory() -> None:
     assert log.theory_line() == (
         "ZeRO traffic theory: not compared (comms_logger.prof_ops leaves out all_gather, all_reduce)"
     )
+
+
+def test_summary_counts_compressed_traffic_against_the_fp32_ring() -> None:
+    """The 1-bit tags are data-parallel traffic too: the summary's compressed line shows the 1/32 they buy."""
+    log = CommsLog(enabled=True)
+    log.theory = ZeroTraffic(stage=0, numel=32_000, dp_world=2)
+    for _ in range(2):  # two steps of one compressed mean: signs exchanged, then gathered (1 byte per element)
+        log.record("all_to_all", 4_000, 1, 2, "compressed:group0", "data")
+        log.record("all_gather", 4_000, 1, 2, "compressed:group0", "data")
+        log.record("all_reduce", 10, 4, 2, "ZeroOneAdam:exact", "data")
+        log.record("all_reduce", 1, 4, 2, "grad_norm", "data")  # neither
+        log.on_step(object())
+    assert log.optimizer_bytes() == (8_000.0, 80.0)
+    line = log.compressed_line()
+    assert line == (
+        "1-bit data-parallel traffic per step: 4,040 bytes per rank over 2 step(s) (1-bit 4,000, exact fp32 means "
+        "40); fp32 ring all-reduce of Ψ 8Ψ·(N−1)/N = 128,000 bytes: 1.010/32"
+    )
+    assert line in log.summary().splitlines()
+    log.record("reduce_scatter", 64_000, 1, 2, "grads_1bit", "data")  # ZeRO-1/2's compressed reduce-scatter
+    assert log.optimizer_bytes()[0] == 8_000 + 32_000
+    plain = CommsLog(enabled=True)
+    plain.theory = ZeroTraffic(stage=0, numel=100, dp_world=2)
+    plain.record("all_reduce", 100, 4, 2, "grads", "data")
+    plain.on_step(object())
+    assert plain.compressed_line() == "" and "1-bit" not in plain.summary()

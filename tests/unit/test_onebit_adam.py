@@ -9,8 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardspeed.compression.engine_wiring import OptimizerOwnedGrads, bind_compressed_optimizer, owns_communication
+import shardspeed
+from shardspeed.compression.engine_wiring import (
+    OptimizerOwnedGrads,
+    bind_compressed_optimizer,
+    check_compressed_setup,
+    owns_communication,
+)
 from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
+from shardspeed.compression.onebit_lamb import OneBitLamb
+from shardspeed.compression.zero_one_adam import ZeroOneAdam
 from shardspeed.config.errors import ConfigError
 from shardspeed.optim import build_optimizer
 from shardspeed.optim.specs import validate_optimizer_params
@@ -167,3 +175,60 @@ def test_load_state_dict_keeps_the_current_exp_avg_mask() -> None:
     without = OneBitAdam([p])
     without.load_state_dict(saved)
     assert "exp_avg_mask" not in without.param_groups[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "topology", "pattern"),
+    [
+        (_zero(stage=3), _axes(), r"stage 3 is not supported"),
+        (_zero(stage=3), _axes(tensor=2), r"tensor or pipeline axis"),
+        (_zero(stage=1, offload="cpu"), _axes(), r"offload_optimizer"),
+        (_zero(stage=2), _axes(pipe=2), r"tensor or pipeline axis"),
+    ],
+)
+def test_compressed_setup_names_the_real_obstacle_first(config, topology, pattern: str) -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises((NotImplementedError, ValueError), match=pattern):
+        check_compressed_setup(config, opt, topology)  # type: ignore[arg-type]
+
+
+def test_engine_refuses_onebit_adam_with_offload_at_stage_1() -> None:
+    """The sharded OneBitAdam's compressed gradients would step the wrong tensors behind an offloaded optimizer
+    (parameters grew to 2e6 in 5 steps): refused, before any stage-specific message."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    with pytest.raises(NotImplementedError, match="offload_optimizer"):
+        shardspeed.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+
+
+def test_standalone_onebit_adam_runs_as_a_world_of_one() -> None:
+    """Outside an engine (never bound) the compressed phase's mean is the identity: the frozen-variance update on
+    the local momentum, exactly."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(6, generator=gen)
+    grads = [torch.randn(6, generator=gen) for _ in range(6)]
+    p = torch.nn.Parameter(start.clone())
+    opt = OneBitAdam([p], lr=0.1, freeze_step=2, weight_decay=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    w, m, v = start.clone(), torch.zeros(6), torch.zeros(6)
+    for k, g in enumerate(grads[1:], start=2):  # step 1 only counts
+        if k <= 2:
+            m.mul_(0.9).add_(g, alpha=0.1)
+            v.mul_(0.999).addcmul_(g, g, value=0.001)
+        else:
+            m.mul_(0.9).add_(g, alpha=0.1)
+        apply_update_(w, m, v, 0.1, 1e-8, 0.01)
+    assert opt.owns_communication and not opt.bound
+    assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+def test_deepspeeds_max_grad_norm_constructor_argument_is_accepted_and_ignored(name: str) -> None:
+    """DeepSpeed 0.19.6's 1-bit constructors take ``max_grad_norm`` and never read it; in a config's
+    ``optimizer.params`` DeepSpeed's engine refuses it (use ``gradient_clipping``), and so do we."""
+    cls = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}[name]
+    assert cls([torch.nn.Parameter(torch.zeros(2))], max_grad_norm=1.0).max_grad_norm == 1.0
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        validate_optimizer_params(name.lower(), {"lr": 1e-3, "max_grad_norm": 1.0})

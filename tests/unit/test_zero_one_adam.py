@@ -163,3 +163,67 @@ def test_a_parameter_without_gradient_takes_part_in_every_mean() -> None:
             assert comm.calls == ["compressed:0.0", "compressed:0.1"], kinds[-1]
     assert {"compressed", "sync"} <= set(kinds)
     assert (idle.detach() < 1).all()  # a zero gradient: weight decay still applies
+
+
+class KnownMeanComm:
+    """World-2-like comm whose compressed mean returns a known ĝ (independent of what was sent)."""
+
+    world = 2
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def exact_mean(self, tensors):
+        return None
+
+    def compressed_mean(self, key, tensor):
+        tensor.copy_(self.value.view_as(tensor))
+
+    def reset_errors(self):
+        return None
+
+
+def test_compressed_variance_phase_step_written_independently() -> None:
+    """A compressed step (0/1 Adam before var_freeze_step, off the variance interval), from zoadam.py's formulas:
+    m = b1·m + (1-b1)·ĝ with ĝ the 1-bit mean, v unchanged, w -= lr·(m/(√v+eps) + wd·w)."""
+    lr, (b1, b2), eps, wd = 0.05, (0.8, 0.9), 1e-3, 0.1
+    gen = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(7, generator=gen))
+    g_hat = torch.randn(7, generator=gen)
+    opt = ZeroOneAdam([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, var_freeze_step=50, var_update_scaler=1)
+    opt.bind_comm(KnownMeanComm(g_hat))
+    for _ in range(2):  # the initialization step, then one exact variance step (counter 2)
+        p.grad = torch.randn(7, generator=gen)
+        opt.step()
+    assert step_kind(opt.schedule(), opt.var_freeze_step) == "compressed"
+    w0, m0, v0 = p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+    assert v0.abs().sum() > 0 and m0.abs().sum() > 0
+    p.grad = torch.randn(7, generator=gen)  # the local gradient: replaced by the mean
+    opt.step()
+    m = b1 * m0 + (1 - b1) * g_hat
+    w = w0 - lr * (m / (v0.sqrt() + eps) + wd * w0)
+    assert torch.equal(opt.state[p]["exp_avg_sq"], v0)
+    torch.testing.assert_close(opt.state[p]["exp_avg"], m, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=1e-7)
+
+
+def test_local_phase_rows_restore_at_the_same_world_and_reset_elsewhere() -> None:
+    """[Note: 0/1 Adam between syncs in checkpoints]: same world, this rank's own parameter and momentum come
+    back; another world, the parameter restarts from the last synchronized value with no accumulated update."""
+    kwargs = {"lr": 0.01, "var_freeze_step": 2, "local_step_scaler": 1, "local_step_clipper": 4}
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = ZeroOneAdam([p], **kwargs)
+    for k in range(6):
+        p.grad = torch.full((5,), 0.1 * (k + 1))
+        opt.step()
+    state = opt.state[p]
+    assert step_kind(opt.schedule(), opt.var_freeze_step) == "local" or state["lrs"] > 0
+    assert not torch.equal(p.detach(), state["synced_param"])  # between syncs
+    rows = {k: v.clone() for k, v in opt.compression_state_dict().items()}  # views of the live tensors
+    own_p, own_m, lrs = p.detach().clone(), state["exp_avg"].clone(), state["lrs"]
+    p.data.zero_()
+    state["exp_avg"].zero_()
+    opt.load_compression_state_dict(rows, same_world=True)
+    assert torch.equal(p.detach(), own_p) and torch.equal(state["exp_avg"], own_m) and state["lrs"] == lrs
+    opt.load_compression_state_dict(rows, same_world=False)
+    assert torch.equal(p.detach(), state["synced_param"]) and state["lrs"] == 0.0

@@ -39,6 +39,19 @@ def write_compression_state(engine: Any, writer: CheckpointWriter) -> None:
         writer.add(PREFIX + key, (world, flat.numel()), rank * flat.numel(), flat.contiguous())
 
 
+def verify_compression_state(engine: Any, reader: CheckpointReader, meta: dict[str, Any]) -> None:
+    """Check this rank's row of every error buffer (present, crc32) before the load changes anything, as the load
+    plan does for the other states; at another world size nothing is read, so nothing is checked."""
+    if _holder(engine.optimizer) is None:
+        return
+    world, rank = engine.topology.data.size, engine.topology.data.rank
+    if int(meta.get("dp_world_size", world)) != world:
+        return
+    for name in reader.names(PREFIX):
+        n = reader.shape(name)[1]
+        reader.verify_range(name, rank * n, (rank + 1) * n)
+
+
 def read_compression_state(engine: Any, reader: CheckpointReader, meta: dict[str, Any]) -> None:
     """Give the optimizer its own rows back at the saving world size, else reset its buffers (one warning)."""
     optimizer = _holder(engine.optimizer)

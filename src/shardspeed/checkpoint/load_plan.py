@@ -17,6 +17,7 @@ import torch
 
 from shardspeed.checkpoint.box_io import LocalBoxes, read_local_into, verify_local
 from shardspeed.checkpoint.commit import resolve_tag
+from shardspeed.checkpoint.compression_state import verify_compression_state
 from shardspeed.checkpoint.engine_pieces import (
     FORMAT,
     _all_pieces,
@@ -95,6 +96,8 @@ def open_and_verify(
         for name, _ in _persistent_buffers(engine.module):
             if reader.has(f"buffer/{name}"):
                 reader.verify_range(f"buffer/{name}", 0, reader.numel(f"buffer/{name}"))
+        if with_optimizer:  # [Note: error buffers in checkpoints]: this rank's rows, read after the other states
+            verify_compression_state(engine, reader, meta)
         custom_src = module_state_dict(reader, meta) if custom_load_fn is not None else None
     except BaseException:
         reader.close()

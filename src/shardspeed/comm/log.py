@@ -66,6 +66,13 @@ BUS_FACTOR = {  # NCCL-tests' bus-bandwidth factors (the receiver of a message s
 DATA_PARALLEL_TAGS = ("grads", "params")
 """The tags of ZeRO's own traffic over the data axis: gradient reductions and parameter gathers."""
 
+COMPRESSED_TAG_PREFIXES = ("compressed", "grads_1bit")
+"""Tags of 1-bit data-parallel traffic: the 1-bit optimizers' compressed means (``compressed:<buffer>``) and
+ZeRO-1/2's compressed gradient reduce-scatter (``grads_1bit``). With ``EXACT_TAG_SUFFIX`` (0/1 Adam's exact fp32
+means, ``<Optimizer>:exact``), what the compressed line counts."""
+
+EXACT_TAG_SUFFIX = ":exact"
+
 ZERO_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 """The ops ZeRO's data-parallel traffic uses: the theory line compares only when ``prof_ops`` keeps them all."""
 
@@ -250,6 +257,36 @@ class CommsLog:
             if k.rpartition(":")[2] in DATA_PARALLEL_TAGS
         )
 
+    def optimizer_bytes(self) -> tuple[float, float]:
+        """Algorithmic bytes per rank of the 1-bit tags and of the optimizers' exact fp32 means (training only)."""
+        one_bit = exact = 0.0
+        for key, t in self.totals.items():
+            tag = key.partition(":")[2]
+            if tag.endswith(EVAL_SUFFIX):
+                continue
+            if tag.startswith(COMPRESSED_TAG_PREFIXES):
+                one_bit += t.algorithmic_bytes
+            elif tag.endswith(EXACT_TAG_SUFFIX):
+                exact += t.algorithmic_bytes
+        return one_bit, exact
+
+    def compressed_line(self) -> str:
+        """The 1-bit optimizers' data-parallel bytes per step against an fp32 ring all-reduce of Ψ elements,
+        8Ψ·(N−1)/N bytes ("" when no compressed traffic was logged): the 1/32 the compression buys."""
+        one_bit, exact = self.optimizer_bytes()
+        if one_bit == 0 or self.steps == 0:
+            return ""
+        per_step = (one_bit + exact) / self.steps
+        head = (
+            f"1-bit data-parallel traffic per step: {per_step:,.0f} bytes per rank over {self.steps} step(s) "
+            f"(1-bit {one_bit / self.steps:,.0f}, exact fp32 means {exact / self.steps:,.0f})"
+        )
+        t = self.theory
+        if t is None or t.dp_world < 2:
+            return head
+        ring = 8 * t.numel * (t.dp_world - 1) / t.dp_world
+        return f"{head}; fp32 ring all-reduce of Ψ 8Ψ·(N−1)/N = {ring:,.0f} bytes: {32 * per_step / ring:.3f}/32"
+
     def reset(self) -> None:
         self.totals.clear()
         self.steps = 0
@@ -318,6 +355,8 @@ class CommsLog:
             ]
             lines.append(f"{key:<32}" + "".join(f"{c:>19}" for c in cells))
         lines.append(self.theory_line())
+        if compressed := self.compressed_line():  # ZeRO's tags leave the 1-bit traffic out: its own line
+            lines.append(compressed)
         return "\n".join(lines)
 
 

@@ -18,6 +18,27 @@ def owns_communication(optimizer: Any) -> bool:
     return bool(getattr(type(optimizer), "shardspeed_owns_communication", False)) and optimizer.owns_communication
 
 
+def check_compressed_setup(config: Any, optimizer: Any, topology: Topology) -> None:
+    """What a 1-bit optimizer (any of DeepSpeed's three, at any stage) cannot run under: one clear error, raised
+    alike on every rank (it follows from the config and the mesh), before the stage and element-wise checks, so
+    the message names the real obstacle. ZeRO-1/2's sharded OneBitAdam included: with an offloaded optimizer its
+    compressed gradient path would step the wrong tensors, and a tensor or pipeline axis is untested."""
+    from shardspeed.zero.compressed_grads import check_compression_combination, compressed_optimizer_name
+
+    name = compressed_optimizer_name(optimizer)
+    if name is None:
+        return
+    zero = config.zero_optimization
+    if topology.tensor.size > 1 or topology.pipe.size > 1:
+        raise NotImplementedError(
+            f"{name} with a tensor or pipeline axis (mesh pipe {topology.pipe.size} × data {topology.data.size} × "
+            f"tensor {topology.tensor.size}) is not supported: 1-bit optimizers run over the data axis only"
+        )
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        raise NotImplementedError(f"{name} with zero_optimization.offload_optimizer is not supported")
+    check_compression_combination(optimizer, zero.stage)
+
+
 def bind_compressed_optimizer(
     config: Any, states: Any, optimizer: Any, topology: Topology, collectives: Collectives, device: torch.device
 ) -> None:

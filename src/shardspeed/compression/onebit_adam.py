@@ -94,6 +94,7 @@ class OneBitAdam(CompressedOptimizer):
         amsgrad: bool = False,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
+        max_grad_norm: float = 0.0,
     ) -> None:
         if amsgrad:
             raise ValueError("OneBitAdam has no AMSGrad variant (DeepSpeed refuses it too)")
@@ -107,6 +108,7 @@ class OneBitAdam(CompressedOptimizer):
         self.eps_inside_sqrt = eps_inside_sqrt
         self._denoms: dict[Tensor, tuple[Any, Tensor]] = {}  # [Note: frozen denominators]
         self._update_scratch: Tensor | None = None
+        self.max_grad_norm = max_grad_norm  # DeepSpeed 0.19.6 accepts it and never reads it (clipping: the engine's)
 
     def steps_done(self) -> int:
         """Optimizer steps taken (the first parameter's ``step``; every parameter steps together)."""
@@ -139,8 +141,15 @@ class OneBitAdam(CompressedOptimizer):
                 state["step"] += 1
             if first:  # DeepSpeed's initialization step: buffers only ([Note: 1-bit Adam's phases])
                 continue
-            if compressed:
+            if compressed and not self.bound:  # used outside an engine: a world of one, the mean is exact
+                for p in params:
+                    if p.grad is None:
+                        self.state[p]["exp_avg"].mul_(beta1)
+                    else:
+                        momentum_(self.state[p]["exp_avg"], p.grad, beta1)
+            elif compressed:
                 self._compressed_momentum(index, params, beta1)
+            if compressed:
                 self._frozen_update(params, group)
                 continue
             for p in params:

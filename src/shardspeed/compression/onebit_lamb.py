@@ -23,7 +23,10 @@ so one sign scale fits them all. The first step only creates the states ([Note: 
 in ``zero_one_adam.py``), so the warm-up has ``freeze_step - 1`` updates, as in DeepSpeed. Deliberate
 differences: the error buffers, ``lamb_coeff_freeze``, ``last_factor`` and ``scaling_coeff`` survive a
 checkpoint (DeepSpeed resets the errors, and in the warm-up the coefficient EMA, on load); a tensor whose
-momentum is exactly zero at the freeze gets ``k_p = 1`` (DeepSpeed divides by zero); AMSGrad is not supported.
+momentum is exactly zero at the freeze gets ``k_p = 1`` (DeepSpeed divides by zero); a parameter without
+``.grad`` counts as a zero gradient in both stages (it still moves by momentum and weight decay, and its
+``step`` advances, so every rank compresses the same bucket; DeepSpeed skips it in the warm-up, and in the
+compression stage skips its momentum update but still divides it by ``scaling_coeff``); AMSGrad is not supported.
 A param group's ``exp_avg_mask`` multiplies the averaged momentum in the compression stage, as in DeepSpeed.
 
 Communication ([Note: optimizer-owned means] in ``owned_comm.py``): the engine all-reduces gradients in the
@@ -105,6 +108,7 @@ class OneBitLamb(MeanCommOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        max_grad_norm: float = 0.0,
     ) -> None:
         if amsgrad:
             raise ValueError("OneBitLamb has no AMSGrad variant (DeepSpeed refuses it too)")
@@ -140,6 +144,7 @@ class OneBitLamb(MeanCommOptimizer):
         self.comm_backend_name = check_comm_backend_name(comm_backend_name)
         # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
         self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
+        self.max_grad_norm = max_grad_norm  # accepted and never read, as in DeepSpeed (clipping: the engine's)
         self.lamb_coeffs: list[float] = []
 
     # -- engine protocol -------------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # --- the engine's side ---------------------------------------------------------------------------------------
     def bind(self, collectives: Collectives, axis: AxisGroup, device: torch.device | None = None) -> None:
         """The engine's collectives and the axis gradients would be averaged over (its data axis). Called once,
-        before the first step; an optimizer used outside an engine binds itself to a world of one on first use."""
+        before the first step. An optimizer never bound (used outside an engine) runs as on a world of one: every
+        mean is the identity, no collective, no error buffers."""
         if self._collectives is not None and (self._collectives is not collectives or self._axis is not axis):
             raise RuntimeError(f"{type(self).__name__} is already bound to another engine's collectives")
         self._collectives, self._axis = collectives, axis

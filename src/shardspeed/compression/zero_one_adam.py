@@ -211,6 +211,7 @@ class ZeroOneAdam(MeanCommOptimizer):
         bias_correction: bool = True,
         eps_inside_sqrt: bool = False,
         amsgrad: bool = False,
+        max_grad_norm: float = 0.0,
     ) -> None:
         if amsgrad:
             raise ValueError("ZeroOneAdam has no AMSGrad variant (DeepSpeed refuses it too)")
@@ -238,6 +239,7 @@ class ZeroOneAdam(MeanCommOptimizer):
         self.comm_backend_name = check_comm_backend_name(comm_backend_name)
         # DeepSpeed accepts these and never reads them (no bias correction, eps outside the root): so do we.
         self.bias_correction, self.eps_inside_sqrt = bias_correction, eps_inside_sqrt
+        self.max_grad_norm = max_grad_norm  # accepted and never read, as in DeepSpeed (clipping: the engine's)
 
     # -- engine protocol -------------------------------------------------------------------------------------
     @property

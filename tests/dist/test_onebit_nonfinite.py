@@ -1,0 +1,53 @@
+"""A NaN on one rank only, while the optimizer owns communication (fp32, no clipping, the default non-finite
+policy: nothing else asks for the gradient norm): the step core must still agree on the verdict, so both ranks
+skip the step and stay identical. Without the agreement (``training/step_core.py``: ``computed = computed or
+owns_communication(...)``) rank 1 would fold NaN into its momentum and spread it through the compressed mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import global_batches, make_model, rank_slice
+from torch.nn.utils import parameters_to_vector
+
+import shardspeed
+
+STEPS, MB, NAN_AT = 7, 2, 5  # NAN_AT (1-based): inside the compressed phase of both cases
+CASES = {
+    "OneBitAdam": {"lr": 0.02, "freeze_step": 3},
+    "ZeroOneAdam": {"lr": 0.02, "var_freeze_step": 100, "var_update_scaler": 1},  # step 5: a 1-bit mean
+}
+
+
+def _train(rank: int, world: int, name: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MB,
+        "optimizer": {"type": name, "params": CASES[name]},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = shardspeed.initialize(model=make_model(), config=config)
+    params = []
+    for step, (x, y) in enumerate(global_batches(STEPS, MB * world), start=1):
+        xs = rank_slice(x, 0, rank, world, MB)
+        if step == NAN_AT and rank == 1:
+            xs = xs.clone()
+            xs[0, 0] = float("nan")
+        engine.backward(F.mse_loss(engine(xs), rank_slice(y, 0, rank, world, MB)))
+        engine.step()
+        params.append(parameters_to_vector([p.detach() for p in engine.module.parameters()]).clone())
+    out = {"params": params, "skipped": engine.skipped_steps, "owns": engine.optimizer.owns_communication}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(dist_run, name: str) -> None:
+    r0, r1 = dist_run(_train, 2, name)
+    assert r0["owns"] and r1["owns"]
+    assert r0["skipped"] == r1["skipped"] == 1
+    for step in range(STEPS):
+        assert torch.isfinite(r0["params"][step]).all() and torch.isfinite(r1["params"][step]).all(), step + 1
+        assert torch.equal(r0["params"][step], r1["params"][step]), step + 1
+    assert torch.equal(r0["params"][NAN_AT - 1], r0["params"][NAN_AT - 2])  # the step was skipped
+    assert not torch.equal(r0["params"][-1], r0["params"][NAN_AT - 1])  # and training went on
