@@ -86,7 +86,7 @@ def _reference(r0: dict, world: int, stage: int, gas: int) -> dict[str, torch.Te
     "stage,world,gas", [(1, 2, 2), (2, 2, 1), (2, 2, 2), pytest.param(1, 4, 1, marks=pytest.mark.slow)]
 )
 def test_matches_single_process_reference(dist_run, stage: int, world: int, gas: int) -> None:
-    """World 2: bit-equal to the reference (its OnebitAdam written independently, in DeepSpeed's op order). World 4: the ring sums the warm-up gradients in another order than the
+    """World 2: bit-equal to the reference (its OnebitAdam written out independently, DeepSpeed's op order). World 4: the ring sums the warm-up gradients in another order than the
     reference; those ulps, magnified by Adam's normalisation, flip near-zero signs in the
     1-bit codes and the runs drift apart chaotically (seen: up to 0.06 after 8 steps), so there only the phase
     and the ranks' agreement are checked."""
