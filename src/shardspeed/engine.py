@@ -67,6 +67,7 @@ from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
 from shardspeed.zero.compressed_adam import bind_loss_scale
+from shardspeed.zero.compressed_grads import refuse_compression_combination
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import allocated_model_states, model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
@@ -93,6 +94,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     ) -> None:
         super().__init__()
         self.config = config
+        refuse_compression_combination(config, optimizer)  # 1-bit optimizer × ZeRO stage: before any collective
         self.topology = topology
         self.logger = configure_logger(topology.global_rank)
         if topology.global_rank == 0:

@@ -156,3 +156,22 @@ def test_non_finite_bucket_leaves_the_error_as_it_was(bad: float) -> None:
     gc.finish(0, out)
     assert torch.equal(gc.compressor(0).worker_error, kept)
     assert not torch.isfinite(out).all()  # the overflow reaches the engine's check
+
+
+@pytest.mark.parametrize("opt_type,stage", [("OneBitLamb", 2), ("ZeroOneAdam", 1), ("OneBitAdam", 3)])
+def test_refused_before_any_collective(monkeypatch: pytest.MonkeyPatch, opt_type: str, stage: int) -> None:
+    """Review C #9: the refusal comes before the engine builds its collectives (so before any collective runs)."""
+    import shardspeed
+    import shardspeed.engine
+
+    def no_collectives(*_: object, **__: object) -> None:
+        raise AssertionError("the engine built its collectives before refusing the combination")
+
+    monkeypatch.setattr(shardspeed.engine, "engine_collectives", no_collectives)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": opt_type, "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    with pytest.raises(ConfigError, match=rf"optimizer {opt_type} with zero_optimization\.stage {stage}"):
+        shardspeed.initialize(model=torch.nn.Linear(2, 2), config=config)

@@ -51,7 +51,7 @@ scaling coefficients need the full momentum. Those combinations are refused (``c
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -99,6 +99,16 @@ def check_compression_combination(optimizer: object, stage: int) -> None:
             + "); use stage 0, or OneBitAdam at stage 1/2"
         )
     raise ConfigError(f"optimizer {name} with zero_optimization.stage {stage} is not supported: {why}")
+
+
+def refuse_compression_combination(config: Any, optimizer: object) -> None:
+    """``check_compression_combination`` for the optimizer ``initialize`` will build: the client's if given (as
+    DeepSpeed, it wins over the config's section), else the config's type. The engine calls it first, before any
+    collective (review C #9); ``build_engine_optimizer`` checks the built optimizer again (a client factory)."""
+    cfg = getattr(config, "optimizer", None)
+    chosen = optimizer if optimizer is not None else (cfg.type if cfg is not None else None)
+    if chosen is not None:
+        check_compression_combination(chosen, config.zero_optimization.stage)
 
 
 class BucketCompressor(Protocol):
