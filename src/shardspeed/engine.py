@@ -66,6 +66,8 @@ from shardspeed.training.nonfinite import NonFiniteGuard
 from shardspeed.training.progress_log import ProgressLog
 from shardspeed.utils.safe_access import register_engine_parameters
 from shardspeed.zero import build_model_states
+from shardspeed.zero.compressed_adam import bind_loss_scale
+from shardspeed.zero.compressed_grads import refuse_compression_combination
 from shardspeed.zero.grad_sync import CommContext, GradScaling
 from shardspeed.zero.memory import allocated_model_states, model_state_bytes
 from shardspeed.zero.param_groups import PackedParams, normalize_groups, pack_order
@@ -92,6 +94,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
     ) -> None:
         super().__init__()
         self.config = config
+        refuse_compression_combination(config, optimizer)  # 1-bit optimizer × ZeRO stage: before any collective
         self.topology = topology
         self.logger = configure_logger(topology.global_rank)
         if topology.global_rank == 0:
@@ -180,6 +183,7 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
             if fp16.enabled
             else None
         )
+        bind_loss_scale(self.states, self.loss_scaler)  # 1-bit Adam, ZeRO-1/2: compresses unscaled gradients
         # Difficulty sampling when data_efficiency enables it (data/engine_loader.py).
         self.training_dataloader = build_training_loader(training_data, config, topology, collate_fn, self.device)
         self.predicted_memory = model_state_bytes(
@@ -377,8 +381,8 @@ class ShardSpeedEngine(DeepSpeedCompatMixin, EngineModule):
 
         ``params`` counts every parameter storage once (tied and frozen included); ``optimizer_states`` every
         tensor in the optimizer's state; the stage's flat buffers appear under their own names (``grads``,
-        ``grad_shard``, ``master``/``master_shard``). ``peak_bucket_bytes``
-        (in-flight gradient buckets of stage 2, gathered units of stage 3)
+        ``grad_shard``, ``master``/``master_shard``; 1-bit Adam at stages 1/2: ``compression_errors``, built at the
+        first compressed step). ``peak_bucket_bytes`` (in-flight gradient buckets of stage 2, gathered units of stage 3)
         is transient and reported apart from the model states.
         """
         return allocated_model_states(self.module, self.states, self.optimizer)

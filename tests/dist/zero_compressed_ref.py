@@ -1,13 +1,13 @@
 """Single-process reference of 1-bit Adam under ZeRO-1/2: simulated workers over the engine's bucket layout, each
-bucket's compressed mean from ``mean_abs_reduce_scatter_reference`` (the same algorithm as
-``MeanAbsReduceScatter``, one process)."""
+bucket's compressed mean of the raw local gradients from ``compression.reference.compressed_reduce_scatter`` (A's
+one-process form of ``CompressedReduceScatter``). The optimizer math is written out here, from DeepSpeed's
+OnebitAdam (0.19.6, runtime/fp16/onebit/adam.py), independently of zero/compressed_adam.py."""
 
 from __future__ import annotations
 
 import torch
 
-from shardspeed.zero.compressed_adam import denominator, frozen_at, onebit_adam_update, preconditioned_update
-from shardspeed.zero.compressed_scale import mean_abs_reduce_scatter_reference
+from shardspeed.compression.reference import compressed_reduce_scatter
 from shardspeed.zero.layout import ShardLayout
 
 
@@ -24,35 +24,36 @@ class ZeroOneBitAdamReference:
         chunk = [-(-(b.numel // world) // 8) * 8 for b in layout.buckets]
         self.errors = [[torch.zeros(world * c) for c in chunk] for _ in range(world)]
         self.step_count = 0
+        self.frozen = False  # DeepSpeed's adam_freeze_key
 
     def compressed_now(self) -> bool:
-        return frozen_at(self.step_count + 1, self.freeze_step)
+        return self.frozen
 
     def reduce(self, local_grads: list[torch.Tensor]) -> torch.Tensor:
         """Mean over workers of flat local gradients (compressed per bucket when in the compressed phase)."""
         if not self.compressed_now():
-            return _exact_mean(local_grads)
+            return torch.stack(local_grads).sum(0) / len(local_grads)
         out = torch.zeros_like(self.flat)
-        d = denominator(self.v, self.eps)
         for k, b in enumerate(self.layout.buckets):
             errors = [e[k] for e in self.errors]  # updated in place
-            inputs = [g[b.start : b.end] * d[b.start : b.end] for g in local_grads]  # preconditioned
-            slices = mean_abs_reduce_scatter_reference(inputs, errors)
+            slices = compressed_reduce_scatter([g[b.start : b.end].clone() for g in local_grads], errors)
             out[b.start : b.end] = torch.cat(slices)
         return out
 
     def step(self, grad: torch.Tensor) -> None:
+        """DeepSpeed's OnebitAdam.step on the mean gradient: the first call only initialises; no bias correction;
+        ``eps`` outside the root; decoupled weight decay; the freeze key set at the end of a step whose count has
+        reached ``freeze_step`` (never on the first call)."""
         self.step_count += 1
-        if self.step_count == 1:
-            return
-        if frozen_at(self.step_count, self.freeze_step):
-            if not frozen_at(self.step_count - 1, self.freeze_step):
-                self.m.mul_(denominator(self.v, self.eps))
-            preconditioned_update(self.flat, grad, self.m, lr=self.lr, beta1=self.betas[0], weight_decay=self.wd)
-            return
-        onebit_adam_update(self.flat, grad, self.m, self.v, lr=self.lr, betas=self.betas, eps=self.eps,
-                           weight_decay=self.wd, frozen=frozen_at(self.step_count, self.freeze_step))  # fmt: skip
-
-
-def _exact_mean(local_grads: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(local_grads).sum(0) / len(local_grads)
+        if self.step_count > 1:
+            b1, b2 = self.betas
+            # DeepSpeed's in-place op order (so the rounding, hence the 1-bit signs, agree bit for bit)
+            self.m.mul_(b1).add_(grad, alpha=1 - b1)
+            if not self.frozen:
+                self.v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            update = self.m / (self.v.sqrt() + self.eps)
+            if self.wd > 0.0:
+                update.add_(self.flat, alpha=self.wd)
+            self.flat.add_(update, alpha=-self.lr)
+            if self.step_count >= self.freeze_step:
+                self.frozen = True

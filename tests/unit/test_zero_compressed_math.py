@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardspeed.comm import Work
 from shardspeed.config.errors import ConfigError
 from shardspeed.zero.compressed_adam import ZeroOneBitAdam, frozen_at, onebit_adam_update
 from shardspeed.zero.compressed_grads import (
@@ -108,22 +109,69 @@ def test_loaded_error_buffers_wait_for_their_compressor() -> None:
     assert gc.state_dict()["bucket0.worker_error"].count_nonzero() == 0
 
 
-def test_mean_abs_scale_never_grows_the_error() -> None:
-    """[Note: mean-abs scale]: ‖x − s·sign(x)‖² = ‖x‖² − n·s² with s = mean |x|; RMS doubles it on heavy tails."""
-    from shardspeed.compression.signs import compress_
-    from shardspeed.zero.compressed_scale import compress_mean_abs_
+class _Compressing(_Fake):
+    """Compresses the whole input with compression/'s ``compress_`` into its worker error; returns slice 0."""
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, generator=g)
-    x[:4] *= 1000.0  # a few dominant elements
-    for fn, bound in ((compress_mean_abs_, 1.0), (compress_, 2.0)):
-        err = torch.zeros_like(x)
-        fn(x.clone(), err)
-        ratio = (err.norm() / x.norm()).item() ** 2
-        assert ratio <= bound
-    err = torch.zeros_like(x)
-    compress_mean_abs_(x.clone(), err)
-    torch.testing.assert_close(err.norm() ** 2, x.norm() ** 2 - x.numel() * x.abs().mean() ** 2, rtol=1e-4, atol=1e-2)
-    rms_err = torch.zeros_like(x)
-    compress_(x.clone(), rms_err)
-    assert rms_err.norm() > 1.3 * x.norm()  # on heavy tails RMS leaves an error larger than the input
+    def launch(self, shard: torch.Tensor, unsharded: torch.Tensor) -> Work:
+        from shardspeed.compression.signs import compress_
+
+        compress_(unsharded.clone(), self.worker_error)
+        shard.copy_(unsharded[: shard.numel()])
+        return Work(None)
+
+
+class _Axis:
+    size = 2
+
+
+def _compression(scale: float) -> GradCompression:
+    gc = GradCompression(_Axis(), None, torch.device("cpu"), _Compressing)  # type: ignore[arg-type]
+    gc.bind(build_shard_layout([16], [0], 100, 2))
+    gc.loss_scale = lambda: scale
+    return gc
+
+
+def test_error_lives_in_gradient_units_and_the_output_is_scaled_back() -> None:
+    """[Note: transactional error]: the bucket is divided by the loss scale before compression, the reduced slice
+    multiplied back; the residual is the same whatever the loss scale."""
+    g = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    plain, scaled = _compression(1.0), _compression(1024.0)
+    plain.launch(0, g.clone())
+    _, out, _ = scaled.launch(0, g * 1024.0)
+    scaled.finish(0, out)
+    torch.testing.assert_close(scaled.compressor(0).worker_error, plain.compressor(0).worker_error)
+    torch.testing.assert_close(out, g[:8] * 1024.0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_bucket_leaves_the_error_as_it_was(bad: float) -> None:
+    """[Note: transactional error]: an fp16 overflow must not poison the error for good."""
+    gc = _compression(256.0)
+    g = torch.randn(16, generator=torch.Generator().manual_seed(2))
+    gc.launch(0, g * 256.0)
+    kept = gc.compressor(0).worker_error.clone()
+    assert kept.count_nonzero() > 0
+    g[3] = bad
+    _, out, _ = gc.launch(0, g * 256.0)
+    gc.finish(0, out)
+    assert torch.equal(gc.compressor(0).worker_error, kept)
+    assert not torch.isfinite(out).all()  # the overflow reaches the engine's check
+
+
+@pytest.mark.parametrize("opt_type,stage", [("OneBitLamb", 2), ("ZeroOneAdam", 1), ("OneBitAdam", 3)])
+def test_refused_before_any_collective(monkeypatch: pytest.MonkeyPatch, opt_type: str, stage: int) -> None:
+    """Review C #9: the refusal comes before the engine builds its collectives (so before any collective runs)."""
+    import shardspeed
+    import shardspeed.engine
+
+    def no_collectives(*_: object, **__: object) -> None:
+        raise AssertionError("the engine built its collectives before refusing the combination")
+
+    monkeypatch.setattr(shardspeed.engine, "engine_collectives", no_collectives)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": opt_type, "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    with pytest.raises(ConfigError, match=rf"optimizer {opt_type} with zero_optimization\.stage {stage}"):
+        shardspeed.initialize(model=torch.nn.Linear(2, 2), config=config)

@@ -3,10 +3,10 @@
 
 [Note: symmetric argument checks] These checks look at this rank's arguments only. They are symmetric across
 ranks (every rank raises, none is left blocked in a collective) when every rank's sizes derive from the same
-shapes — true of every shardspeed caller: the compressed collectives (compression/collective.py,
-zero/compressed_scale.py) size both buffers from ``numel`` and the axis size, identical on every rank. A caller
-whose sizes differ between ranks should run with ``verify_order`` (its exchange compares shapes) — or, without
-it, the peers wait in the collective until the failure board or the timeout ends them.
+shapes — true of every shardspeed caller: the compressed collectives (compression/collective.py) size both
+buffers from ``numel`` and the axis size, identical on every rank. A caller whose sizes differ between ranks
+should run with ``verify_order`` (its exchange compares shapes) — or, without it, the peers wait in the collective
+until the failure board or the timeout ends them.
 """
 
 from __future__ import annotations

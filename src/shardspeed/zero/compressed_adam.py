@@ -6,13 +6,11 @@ decay added to the update; ``eps`` outside the square root, whatever ``eps_insid
 
   step 1           DeepSpeed's buffer-initialisation call: the step is counted, nothing else changes
   warm-up          m ← β1 m + (1-β1) g;  v ← β2 v + (1-β2) g²;  p ← p - lr (m / (√v + ε) + wd p)
-  at the switch    m ← m / (√v + ε)       (once: the momentum moves to preconditioned units)
-  compressed       m ← β1 m + (1-β1) û;  v frozen;             p ← p - lr (m + wd p)
+  compressed       m ← β1 m + (1-β1) ĝ;  v frozen;             p ← p - lr (m / (√v + ε) + wd p)
 
-where g is the exact mean gradient (the stage's ordinary reduce-scatter) and û the error-fed 1-bit mean of the
-preconditioned local gradients g_r / (√v + ε) (``GradCompression``; [Note: preconditioned compression] in
-zero/compressed_grads.py). Without compression (û = g / (√v + ε)) the two phases are the same update: with v
-frozen, dividing before or after the momentum's average is the same linear map.
+where g is the exact mean gradient (the stage's ordinary reduce-scatter) and ĝ the error-fed 1-bit mean of the
+raw local gradients (``GradCompression``; [Note: raw-gradient compression] in zero/compressed_grads.py), both in
+gradient units, so clipping and the overflow check act on them as on any gradient.
 
 The switch follows DeepSpeed's: at the end of step t ≥ 2 with t ≥ ``freeze_step`` the
 variance freezes and the next step's backward reduces compressed, so step t is compressed iff
@@ -21,7 +19,7 @@ t - 1 ≥ max(2, freeze_step). The step count lives in the optimizer state, so a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,23 +38,6 @@ from shardspeed.zero.compressed_grads import (
 def frozen_at(step: int, freeze_step: int) -> bool:
     """Whether step ``step`` (1-based) runs in the compressed phase (its gradients were reduced compressed)."""
     return step - 1 >= max(2, freeze_step)
-
-
-@torch.no_grad()
-def preconditioned_update(
-    param: torch.Tensor, u: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float, weight_decay: float
-) -> None:
-    """The compressed phase on preconditioned units: ``m ← β1 m + (1-β1) u; p ← p - lr (m + wd p)``."""
-    exp_avg.mul_(beta1).add_(u, alpha=1 - beta1)
-    update = exp_avg.clone()
-    if weight_decay > 0.0:
-        update.add_(param, alpha=weight_decay)
-    param.add_(update, alpha=-lr)
-
-
-def denominator(exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / (√v + ε), the frozen preconditioner (the same expression the warm-up divides by)."""
-    return 1.0 / (exp_avg_sq.sqrt() + eps)
 
 
 @torch.no_grad()
@@ -117,7 +98,6 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.freeze_step = int(freeze_step)
         self.grad_compression: GradCompression | None = None
-        self.bucket_tensor: Callable[[int], torch.Tensor] | None = None  # the stage's stepped tensor of bucket k
 
     @classmethod
     def replacing(cls, optimizer: torch.optim.Optimizer) -> ZeroOneBitAdam:
@@ -141,16 +121,8 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
         if device is None:
             device = self.param_groups[0]["params"][0].device
         self.grad_compression = GradCompression(axis, collectives, device, factory)
-        self.grad_compression.denominator = self._denominator
         self.grad_compression.phase = lambda: self.owns_communication
         return self.grad_compression
-
-    def _denominator(self, k: int) -> torch.Tensor:
-        """This rank's shard of bucket ``k``'s 1 / (√v + ε) ([Note: preconditioned compression])."""
-        assert self.bucket_tensor is not None, "ZeroOneBitAdam: the stage did not say which tensor steps bucket k"
-        tensor = self.bucket_tensor(k)
-        eps = next(g["eps"] for g in self.param_groups if any(p is tensor for p in g["params"]))
-        return denominator(self.state[tensor]["exp_avg_sq"], eps)
 
     @property
     def steps(self) -> int:
@@ -181,25 +153,12 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 if state["step"] == 1:
                     continue  # DeepSpeed's initialisation call updates nothing
-                if frozen_at(state["step"], self.freeze_step):
-                    if not frozen_at(state["step"] - 1, self.freeze_step):  # the switch: m to preconditioned units
-                        state["exp_avg"].mul_(denominator(state["exp_avg_sq"], group["eps"]))
-                    preconditioned_update(
-                        p, p.grad, state["exp_avg"], lr=group["lr"], beta1=group["betas"][0],
-                        weight_decay=group["weight_decay"],
-                    )  # fmt: skip
-                    continue
                 onebit_adam_update(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     frozen=frozen_at(state["step"], self.freeze_step),
                 )  # fmt: skip
         return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if self.grad_compression is not None:
-            self.grad_compression.drop_preconditioner()  # another variance
 
     # --- error buffers in checkpoints (B's protocol) ------------------------------------------------------------
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
@@ -211,7 +170,6 @@ class ZeroOneBitAdam(torch.optim.Optimizer):
         always resets)."""
         if self.grad_compression is None:
             return
-        self.grad_compression.drop_preconditioner()  # the variance is being loaded too (maybe piecewise)
         if same_world:
             self.grad_compression.load_state_dict(sd)
         else:
@@ -227,6 +185,13 @@ def zero_compressed_optimizer(
     if stage not in (1, 2) or compressed_optimizer_name(optimizer) != "OneBitAdam":
         return optimizer
     sharded = optimizer if isinstance(optimizer, ZeroOneBitAdam) else ZeroOneBitAdam.replacing(optimizer)
-    sharded.bucket_tensor = lambda k: states.bucket_tensors[k]
     states.set_grad_compression(sharded.bind(collectives, axis, device))
     return sharded
+
+
+def bind_loss_scale(states: Any, scaler: Any) -> None:
+    """engine: the stage's gradient compression divides by ``scaler``'s current fp16 loss scale before compressing
+    ([Note: transactional error] in zero/compressed_grads.py). Nothing without compression or loss scaling."""
+    compression = getattr(states, "compression", None)
+    if compression is not None and scaler is not None:
+        compression.loss_scale = lambda: scaler.scale

@@ -14,25 +14,34 @@ Before ``freeze_step`` every bucket uses the stage's ordinary reduce-scatter (``
 scaling); after it the compressor takes the bucket unscaled and returns the mean directly. The parameter
 all-gather is never compressed (it carries weights, where an error would not be fed back anywhere).
 
-[Note: preconditioned compression] What is compressed is the local gradient times the frozen 1 / (√v + ε), not
-the raw gradient. A 1-bit code gives every element of a bucket the same magnitude (the bucket's RMS); Adam then
-divides by √v per element, so an element whose gradient is small next to the bucket's RMS gets its share of the
-sign noise multiplied by RMS / √v. (The demo GPT diverged right after the switch with the raw gradient, but
-those runs used β2 = 0.999, with which a variance frozen at 15% of the run diverges even uncompressed, at world
-1: the comparison of raw against preconditioned at a settled β2 has not been made.) Since v is frozen and the same on
-every rank, mean(g_r) / (√v + ε) = mean(g_r / (√v + ε)): compressing the preconditioned gradient computes the same
-quantity, with the compression error spread evenly in update space (as 1-bit Adam's compressed momentum, which
-is divided by √v after its all-reduce, also has it). Each bucket's preconditioner is all-gathered once from the
-shards of v at the bucket's first compressed launch (a point every rank reaches in bucket order; again after a
-checkpoint load) and kept at full size: fp32, 4Ψ bytes per rank.
+[Note: raw-gradient compression] What is compressed is the raw local gradient (unscaled: divided by the fp16
+loss scale first), with ``CompressedReduceScatter``'s DeepSpeed scale (the chunk's RMS), exactly as hC specified.
+The shard then holds an approximate mean gradient in gradient units (times the loss scale again), so the engine's
+norm, clipping and fp16 overflow check work on it unchanged, and stage 1's ``reopen`` (N × the reduced slice) stays
+consistent across several backward passes. (An earlier version compressed g / (√v + ε) with a mean-|x| scale and
+kept a full-size preconditioner: it clipped preconditioned units, double-preconditioned after ``reopen`` and cost
+another 4Ψ plus an all-gather; it was removed.)
+
+[Note: transactional error] An fp16 overflow (inf/NaN) in a local bucket would make the compressed chunk's scale
+non-finite and the worker error inf − inf = NaN forever. So the compressor's worker error is snapshotted around
+the launch (one bucket, transient; the compression itself runs synchronously inside ``launch``) and restored
+where the new one is not finite (no host sync: a ``torch.where``). The non-finite scale still travels with the
+signs, so every rank's reduced slice is non-finite, the engine's overflow check sees it on every rank and every
+rank skips the step. The finite ranks' errors did take that step's compression; the gradient they sent is then
+re-sent by error feedback later (one skipped step's contribution, in gradient units). The error is kept in
+unscaled units (the loss scale divides the input and multiplies the output), so a change of the dynamic loss scale
+does not re-weight the residual.
 
 Memory per rank, Ψ elements, N ranks, Adam, mixed precision (ZeRO paper, K = 12): stage 1 4Ψ + 12Ψ/N, stage 2
 2Ψ + 14Ψ/N (fp32 training: the parameters are the masters, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N;
-``zero_memory_bytes``). The compressed phase adds 8Ψ bytes per rank, whatever N: the worker error buffers (4Ψ,
-fp32, every bucket at full size, each rank's slice padded to whole bytes of signs: ``error_buffer_bytes``) and the
-preconditioner (4Ψ). That outweighs what ZeRO-1/2 saves at small N; the point of this path is bandwidth. Traffic
+``zero_memory_bytes``). The compressed phase adds 4Ψ bytes per rank, whatever N: the worker error buffers (fp32, every
+bucket at full size, each rank's slice padded to whole bytes of signs: ``error_buffer_bytes``; reported by
+``engine.memory_breakdown()`` as ``compression_errors`` once built, at the first compressed step). At small N that
+is most of what ZeRO-1/2 saves; the point of this path is bandwidth. Traffic
 per step: the compressed reduce-scatter moves Ψ/8 · (N-1)/N bytes of signs plus one fp32 scale per rank and bucket,
-the fp32 all-gather 4Ψ(N-1)/N: about half of plain fp32 ZeRO's 8Ψ(N-1)/N.
+the fp32 all-gather 4Ψ(N-1)/N: about half of plain fp32 ZeRO's 8Ψ(N-1)/N (per optimizer step with GAS = 1;
+stage 2 reduce-scatters every micro-step, so with GAS > 1 both paths move GAS reduce-scatters and the ratio of the
+reduce-scatter part is unchanged).
 
 ZeRO-3 shards the parameters too and gathers them per unit inside forward and backward; its reduce-scatter runs
 per unit on a schedule the optimizer does not see, and ZeroOneAdam's local steps or OneBitLamb's momentum-based
@@ -42,11 +51,12 @@ scaling coefficients need the full momentum. Those combinations are refused (``c
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from shardspeed.comm import Collectives, Work
+from shardspeed.compression.collective import CompressedReduceScatter
 from shardspeed.config.errors import ConfigError
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.layout import ShardLayout
@@ -91,10 +101,21 @@ def check_compression_combination(optimizer: object, stage: int) -> None:
     raise ConfigError(f"optimizer {name} with zero_optimization.stage {stage} is not supported: {why}")
 
 
+def refuse_compression_combination(config: Any, optimizer: object) -> None:
+    """``check_compression_combination`` for the optimizer ``initialize`` will build: the client's if given (as
+    DeepSpeed, it wins over the config's section), else the config's type. The engine calls it first, before any
+    collective (review C #9); ``build_engine_optimizer`` checks the built optimizer again (a client factory)."""
+    cfg = getattr(config, "optimizer", None)
+    chosen = optimizer if optimizer is not None else (cfg.type if cfg is not None else None)
+    if chosen is not None:
+        check_compression_combination(chosen, config.zero_optimization.stage)
+
+
 class BucketCompressor(Protocol):
     """compression/collective.py's ``CompressedReduceScatter`` as this module uses it."""
 
     error_bytes: int
+    worker_error: torch.Tensor
 
     def launch(self, shard: torch.Tensor, unsharded: torch.Tensor) -> Work: ...
 
@@ -109,15 +130,14 @@ CompressorFactory = Callable[[int, AxisGroup, Collectives, torch.device], Bucket
 
 
 def default_compressor(numel: int, axis: AxisGroup, collectives: Collectives, device: torch.device) -> BucketCompressor:
-    from shardspeed.zero.compressed_scale import MeanAbsReduceScatter  # [Note: mean-abs scale]
-
-    return MeanAbsReduceScatter(numel, axis, collectives, device=device, tag="grads_1bit")  # type: ignore[return-value]
+    return CompressedReduceScatter(numel, axis, collectives, device=device, tag="grads_1bit")
 
 
 class GradCompression:
     """The compressed phase of a stage-1/2 gradient reduction: one error-fed compressor per bucket, built on first
     use (so a re-layout before the first reduction costs nothing). ``active`` asks the sharded optimizer (its
-    step count against ``freeze_step``: the same on every rank, so every rank issues the same collectives)."""
+    step count against ``freeze_step``: the same on every rank, so every rank issues the same collectives).
+    ``loss_scale`` gives the fp16 loss scale the gradients carry (the engine sets it; 1 otherwise)."""
 
     def __init__(
         self,
@@ -130,12 +150,11 @@ class GradCompression:
         # whether the compressed phase runs: asked at every launch (the optimizer's step count decides; a checkpoint
         # may load the states piecewise, so nothing is pushed on load)
         self.phase: Callable[[], bool] = lambda: False
+        self.loss_scale: Callable[[], float] = lambda: 1.0
         self.layout: ShardLayout | None = None
         self._compressors: dict[int, BucketCompressor] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, for compressors not built yet
-        # [Note: preconditioned compression]: bucket k -> this rank's shard of 1 / (sqrt(v) + eps) (the optimizer's)
-        self.denominator: Callable[[int], torch.Tensor] | None = None
-        self._precond: dict[int, torch.Tensor] = {}  # full buckets of it, gathered once per bucket
+        self._scale_at_launch: dict[int, float] = {}
 
     @property
     def active(self) -> bool:
@@ -147,28 +166,7 @@ class GradCompression:
         restart at zero."""
         if self.layout is not None and self.layout.buckets != layout.buckets:
             self._compressors.clear()
-            self._precond.clear()
         self.layout = layout
-
-    def drop_preconditioner(self) -> None:
-        """The optimizer's variance changed (a checkpoint loaded): gather it again at the next compressed launch."""
-        self._precond.clear()
-
-    def preconditioner(self, k: int) -> torch.Tensor:
-        """Bucket ``k``'s full 1 / (sqrt(v) + eps), all-gathered from the shards at its first compressed launch (a
-        point every rank reaches in the same bucket order) and kept: the variance is frozen from then on."""
-        d = self._precond.get(k)
-        if d is None:
-            assert self.denominator is not None, "GradCompression: no optimizer gave the variance (denominator)"
-            shard = self.denominator(k).float().contiguous()
-            d = torch.empty(shard.numel() * self.axis.size, dtype=torch.float32, device=shard.device)
-            self.collectives.all_gather(d, shard, self.axis, tag="precond")
-            self._precond[k] = d
-        return d
-
-    @property
-    def preconditioner_bytes(self) -> int:
-        return sum(d.numel() * d.element_size() for d in self._precond.values())
 
     def compressor(self, k: int) -> BucketCompressor:
         c = self._compressors.get(k)
@@ -182,12 +180,27 @@ class GradCompression:
         return c
 
     def launch(self, k: int, full_bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Work]:
-        """Compressed mean of bucket ``k``'s preconditioned gradient over the axis: (the fp32 input kept alive,
-        this rank's fp32 output slice, the pending work). The input is the unscaled local gradient times the
-        frozen 1 / (sqrt(v) + eps): the compressor averages itself."""
-        src = full_bucket.float() * self.preconditioner(k)
+        """Compressed mean of bucket ``k``'s local gradient over the axis: (the fp32 input kept alive, this rank's
+        fp32 output slice, the pending work). The input is divided by the loss scale (the error lives in gradient
+        units); ``finish`` multiplies the output back. [Note: transactional error]: a non-finite bucket leaves
+        the worker error as it was."""
+        scale = float(self.loss_scale())
+        self._scale_at_launch[k] = scale
+        src = full_bucket.float() if scale == 1.0 else full_bucket.float() / scale
+        if not src.is_contiguous():
+            src = src.contiguous()
         out = torch.empty(src.numel() // self.axis.size, dtype=torch.float32, device=src.device)
-        return src, out, self.compressor(k).launch(out, src)
+        c = self.compressor(k)
+        before = c.worker_error.clone()
+        work = c.launch(out, src)  # the worker error is updated here, synchronously
+        c.worker_error.copy_(torch.where(torch.isfinite(c.worker_error).all(), c.worker_error, before))
+        return src, out, work
+
+    def finish(self, k: int, out: torch.Tensor) -> None:
+        """Bucket ``k``'s reduced slice back in the units of the stage's gradients (times the loss scale)."""
+        scale = self._scale_at_launch.pop(k, 1.0)
+        if scale != 1.0:
+            out.mul_(scale)
 
     @property
     def error_bytes(self) -> int:

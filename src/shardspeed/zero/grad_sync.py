@@ -198,8 +198,10 @@ class _ShardReduceScatter:
         staged, out, copied = inflight
         if copied:
             self.meter.release(staged)
-        if k in self._compressed:  # already the mean
+        if k in self._compressed:  # already the mean (unscaled by the loss scale: scaled back)
             self._compressed.discard(k)
+            assert self.compression is not None
+            self.compression.finish(k, out)
         elif self.ctx.scaling.post != 1.0:
             out.mul_(self.ctx.scaling.post)
         return out

@@ -348,6 +348,9 @@ def allocated_model_states(module: torch.nn.Module, states: Any, optimizer: Any)
     tensors = [t for s in opt_state for t in s.values() if isinstance(t, torch.Tensor)]
     # a streamed (offloaded) optimizer's state lives in its store; what it keeps on the device it reports
     out["optimizer_states"] = _unique_storage_bytes(tensors) + getattr(optimizer, "resident_state_bytes", 0)
+    compression = getattr(states, "compression", None)  # 1-bit Adam under ZeRO-1/2: worker error buffers
+    if compression is not None:
+        out["compression_errors"] = compression.error_bytes  # built at the first compressed step: +4Ψ then
     out["peak_bucket_bytes"] = states.peak_bucket_bytes
     return out
 
