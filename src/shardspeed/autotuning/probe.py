@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 import weakref
@@ -39,7 +40,7 @@ from shardspeed.faults.errors import mark_agreed
 from shardspeed.monitor.memory import device_peak_bytes, host_peak_bytes
 from shardspeed.training.events import StepReport
 
-__all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "metric_record"]
+__all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "loss_fields", "metric_record"]
 
 DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default names, in the working directory
 DEFAULT_MODEL_INFO_FILE = "autotuning_model_info.json"
@@ -143,7 +144,7 @@ class AutotuningProbe:
         self._last = (now, report.global_samples)
         if rank == 0:
             rate = (report.global_samples - samples_then) / max(now - then, 1e-9)
-            record = {"step": report.global_step, "loss": _float(report.loss), "samples_per_s": rate}
+            record = {"step": report.global_step, **loss_fields(report.loss), "samples_per_s": rate}
             self.progress_path.parent.mkdir(parents=True, exist_ok=True)
             with self.progress_path.open("a") as out:  # one line per step, flushed: the runner tails it
                 out.write(json.dumps(record) + "\n")
@@ -187,11 +188,16 @@ class AutotuningProbe:
         raise mark_agreed(AutotuningExit(0))
 
 
-def _float(loss: Any) -> float | None:
+def loss_fields(loss: Any) -> dict[str, Any]:
+    """A progress record's loss fields: ``{"loss": x}``, nothing when backward saw no loss, and for a NaN/Inf loss
+    ``{"loss": null, "loss_finite": false}`` (NaN is not JSON): a reader sees a null loss *with its key* as
+    diverged (``hpo/progress.py``), never as a missing value."""
     if loss is None:
-        return None
+        return {}
     value = float(loss)
-    return value if value == value else None  # NaN is not JSON
+    if math.isfinite(value):
+        return {"loss": value}
+    return {"loss": None, "loss_finite": False}
 
 
 def attach_autotuning_probe(engine: Any) -> AutotuningProbe:

@@ -100,7 +100,7 @@ def run_trial(job: HpoJob, trial: optuna.Trial, run_fn: RunFn, lr_bounds: tuple[
     launch.exp_dir.mkdir(parents=True, exist_ok=True)
     trial.set_user_attr("exp_dir", str(launch.exp_dir))
     trial.set_user_attr("worker", job.worker)
-    tracker = ProgressTracker(trial, settings.metric, prune=settings.pruner != "none")
+    tracker = ProgressTracker(trial, settings.metric, prune=settings.pruner != "none", direction=settings.direction)
     start = time.perf_counter()
     result = None
     with contextlib.suppress(StopTrial):  # the runner let our callback's exception through ([Note: stopping ...])
