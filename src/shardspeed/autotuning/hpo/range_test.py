@@ -101,7 +101,8 @@ def run_range_test(job: HpoJob, run_fn: RunFn) -> tuple[float, float]:
     lr_param = job.space.params["lr"]
     low, high = float(lr_param.low or 0.0), float(lr_param.high or 0.0)
     schedule = range_schedule(low, high, settings.steps)
-    config = apply_to_config(job.ds_config, {"lr": low})
+    # The pass's own scheduler replaces the user's (whose lr coupling does not apply: OneCycle would refuse lr).
+    config = apply_to_config({k: v for k, v in job.ds_config.items() if k != "scheduler"}, {"lr": low})
     config["scheduler"] = {"type": "LRRangeTest", "params": schedule}
     config["autotuning"] = {"enabled": True, "start_profile_step": 1, "end_profile_step": settings.steps}
     exp_dir = (job.results_dir / "trials" / PASS_NAME).resolve()

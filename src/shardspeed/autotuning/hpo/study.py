@@ -52,7 +52,7 @@ class HpoJob:
 
 def trial_config(job: HpoJob, params: dict[str, Any]) -> dict[str, Any]:
     """The trial's DeepSpeed config: the user's, the trial's values, and the engine's stop/report settings."""
-    config = apply_to_config(job.ds_config, params)
+    config = apply_to_config(job.ds_config, params, job.num_procs)
     autotuning = dict(config.get("autotuning") or {})
     steps = job.space.study.steps_per_trial
     # The engine measures from the end of start_profile_step (< end) and exits after end_profile_step.
