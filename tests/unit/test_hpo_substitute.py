@@ -92,16 +92,16 @@ def test_batch_couplings_keep_the_users_unsearched_key_and_stay_consistent() -> 
     """Review G #3: GAS search kept an inconsistent triple; micro search lost an inferred accumulation."""
     written = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}
     # GAS searched: the user's micro-batch stays, the global batch is inferred (no 8 / 4 / 2 at world 2).
-    assert _triple(apply_to_config(written, {"gradient_accumulation_steps": 2}), 2) == (None, 4, 2)
+    assert _triple(apply_to_config(written, {"gradient_accumulation_steps": 2}, 2)) == (None, 4, 2)
     # micro searched (alias or dotted) with an inferred GAS (32 / (4 x 2) = 4): the accumulation is pinned.
     inferred = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
     for name in ("batch_size", "train_micro_batch_size_per_gpu"):
-        assert _triple(apply_to_config(inferred, {name: 4}), 2) == (None, 4, 4)
-        assert _triple(apply_to_config(inferred, {name: 8}), 2) == (None, 8, 4)
+        assert _triple(apply_to_config(inferred, {name: 4}, 2)) == (None, 4, 4)
+        assert _triple(apply_to_config(inferred, {name: 8}, 2)) == (None, 8, 4)
     # Only train_batch_size written: DeepSpeed's GAS is 1; micro and GAS both searched: both kept, global inferred.
-    assert _triple(apply_to_config({"train_batch_size": 16}, {"batch_size": 2}), 2) == (None, 2, 1)
+    assert _triple(apply_to_config({"train_batch_size": 16}, {"batch_size": 2}, 2)) == (None, 2, 1)
     both = apply_to_config(inferred, {"batch_size": 2, "gradient_accumulation_steps": 3}, 2)
     assert _triple(both) == (None, 2, 3)
     # train_batch_size searched: the user's micro-batch stays, the accumulation is inferred.
     full = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
-    assert _triple(apply_to_config(full, {"train_batch_size": 64}), 2) == (64, 4, None)
+    assert _triple(apply_to_config(full, {"train_batch_size": 64}, 2)) == (64, 4, None)
