@@ -36,7 +36,10 @@ def default_storage(results_dir: Path) -> str:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``, ``mysql://...``, ``journal:PATH``)."""
+    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``, ``mysql://...``, ``journal:PATH``,
+    or ``memory:`` — this process only, nothing to resume: quick searches through the Python API and tests)."""
+    if url == "memory:":
+        return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 
