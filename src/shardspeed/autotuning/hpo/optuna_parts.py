@@ -13,7 +13,9 @@ worker next starts; on a journal such a trial stays RUNNING (ignored: it never c
 
 [Note: seeds across runs and workers] A seeded sampler that restarts would draw the same random start-up points
 again. Each session seeds its sampler with (seed, trials already in the study, worker) so a resumed study and a
-second worker draw new points, and the same command on the same stored study draws the same ones.
+second worker draw new points, and the same command on the same stored study draws the same ones. The CLI's
+default worker (no ``--worker``) is a hash of host and pid, so two workers started alike still differ (the draws are
+then not reproducible; give ``--worker`` for that). The Python API's ``HpoJob.worker`` defaults to 0.
 """
 
 from __future__ import annotations
