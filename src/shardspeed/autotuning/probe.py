@@ -16,6 +16,13 @@ Model-info profile (DeepSpeed's ``model_info.profile``): the first training forw
 ``SavedTensorCounter`` (activation.py); after the first step rank 0 writes ``model_info_path`` (parameter counts, saved
 activation bytes of one micro-batch, peak memory) and every rank exits the same way.
 
+Accounted memory ([Note: accounted memory]): on CPU a trial's peak RSS is mostly the runtime's own (~350 MB of
+interpreter and torch), so comparing a prediction with it says little about the model's part. Each rank therefore
+also reports the memory the model accounts for, measured from the tensors themselves: the engine's model states
+as allocated (``engine.memory_breakdown()``, transient buckets aside) and the largest saved-tensor bytes of one
+training forward (``SavedTensorCounter``) over the forwards before the measured window (counting stays out of the
+timed steps). The tuner compares its prediction (model states + activations, no fitted offset) with that figure.
+
 Measured window: from the end of step ``start_profile_step`` to the end of step ``end_profile_step``; latency is
 seconds per optimizer step, throughput samples per second (the whole data-parallel group's), flops the model FLOPs
 per second per rank from the flops profiler (the trial's config enables it on an earlier step).
@@ -57,7 +64,7 @@ def metric_record(
     samples_per_s: float,
     world_size: int,
     flops_per_sample: float | None,
-    memory: list[dict[str, int | None]],
+    memory: list[dict[str, int | None]],  # per rank; model_state_bytes / activation_bytes: accounted
     predicted_memory: dict[str, int],
     window_steps: int,
 ) -> dict[str, Any]:
@@ -65,6 +72,7 @@ def metric_record(
     peaked at (``host_peak_bytes``: VmHWM; ``device_peak_bytes``: CUDA max allocated or None) and the engine's own
     model-state prediction."""
     flops = flops_per_sample * samples_per_s / world_size if flops_per_sample else None
+    accounted = [m for m in memory if m.get("model_state_bytes") is not None]
     return {
         "latency": latency_s,
         "throughput": samples_per_s,
@@ -75,6 +83,9 @@ def metric_record(
         "memory": memory,
         "max_host_peak_bytes": max(int(m["host_peak_bytes"] or 0) for m in memory),
         "max_device_peak_bytes": max((int(m["device_peak_bytes"] or 0) for m in memory), default=0) or None,
+        "max_accounted_bytes": max(
+            (int(m["model_state_bytes"] or 0) + int(m.get("activation_bytes") or 0) for m in accounted), default=None
+        ),
         "predicted_model_states": predicted_memory,
     }
 
@@ -102,19 +113,27 @@ class AutotuningProbe:
         self.model_info_path = Path(config.model_info_path or DEFAULT_MODEL_INFO_FILE)
         self._counter: SavedTensorCounter | None = None
         self._counting = contextlib.ExitStack()
+        self._accounting: SavedTensorCounter | None = None  # the forward being counted ([Note: accounted memory])
+        self.activation_peak = 0
 
     # --- the model-info profile: saved tensors of the first training forward ---------------------------------------
     def on_phase_start(self, phase: str) -> None:
         engine = self._owner()
-        if not (self.profiling and phase == "forward" and self._counter is None and engine is not None):
+        if phase != "forward" or engine is None or not (engine.module.training and torch.is_grad_enabled()):
             return
-        if engine.module.training and torch.is_grad_enabled():
+        if self.profiling and self._counter is None:
             self._counter = SavedTensorCounter(engine.module.parameters())
             self._counting.enter_context(self._counter.counting())
+        elif self.enabled and not self.profiling and engine.global_steps < self.config.start_profile_step:
+            self._accounting = SavedTensorCounter(engine.module.parameters())
+            self._counting.enter_context(self._accounting.counting())
 
     def on_phase_end(self, phase: str) -> None:
         if phase == "forward":
             self._counting.close()
+            if self._accounting is not None:
+                self.activation_peak = max(self.activation_peak, self._accounting.bytes)
+                self._accounting = None
 
     def _write_model_info(self, engine: Any) -> None:
         params = list(engine.module.parameters())
@@ -163,6 +182,8 @@ class AutotuningProbe:
             "rank": engine.topology.global_rank,
             "host_peak_bytes": host_peak_bytes(),
             "device_peak_bytes": device_peak_bytes(engine.device),
+            "model_state_bytes": _state_bytes(engine),
+            "activation_bytes": self.activation_peak,
         }
         memory = engine.collectives.all_gather_object(mine, engine.topology.world)  # every rank, same step
         profiler = getattr(engine, "flops_profiler", None)
@@ -186,6 +207,11 @@ class AutotuningProbe:
             engine.logger.info("autotuning: wrote %s; exiting after step %d", self.metric_path, engine.global_steps)
         self.enabled = False
         raise mark_agreed(AutotuningExit(0))
+
+
+def _state_bytes(engine: Any) -> int:
+    """The model states this rank allocated (``memory_breakdown``), transient buckets aside."""
+    return sum(v for k, v in engine.memory_breakdown().items() if k != "peak_bucket_bytes")
 
 
 def loss_fields(loss: Any) -> dict[str, Any]:
