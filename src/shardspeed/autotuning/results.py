@@ -41,12 +41,12 @@ class TrialRow:
     measured_bytes: float | None = None
     fitted_bytes: float | None = None
     """The final correction's prediction, for comparison with ``measured_bytes``."""
+    error: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
     predicted_accounted_bytes: float | None = None
     """The model's own part, predicted: model states + activations (no fitted offset, no runtime)."""
     accounted_bytes: float | None = None
     """That part as the trial measured it on its largest rank (probe.py [Note: accounted memory])."""
-    error: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
 
     def prediction_error(self, fitted: bool = False) -> float | None:
         predicted = self.fitted_bytes if fitted else self.predicted_bytes
