@@ -132,6 +132,9 @@ def main() -> int:
         "memory_error_before_running_max_abs": max((abs(e) for e in errors), default=None),
         "memory_error_fitted_max_abs": max((abs(e) for e in fitted), default=None),
         "memory_error_net_of_runtime_offset_max_abs": max((abs(e) for e in net), default=None),
+        "memory_error_model_part_max_abs": max(
+            (abs(e) for r in ran if (e := r.accounted_error()) is not None), default=None
+        ),  # predicted states + activations against the trial's accounted figure (probe.py)
         "correction": tuned.correction.__dict__,
     }
     print(f"points pruned without running (memory model): {tuned.pruned}")

@@ -59,7 +59,8 @@ class FakeRunner:
         states = states_for(point, ModelProfile(PARAMS, ACT_PER_SAMPLE), exp.num_procs, "fp32", 8)
         measured = TRUE_OFFSET + states.total() + states.cpu + TRUE_SCALE * ACT_PER_SAMPLE * mb
         value = 100.0 - 8.0 * (math.log2(mb) - 4) ** 2 - 6.0 * abs(point.stage - 1)
-        metrics = {"throughput": value, "max_host_peak_bytes": measured}
+        accounted = states.total() + TRUE_SCALE * ACT_PER_SAMPLE * mb  # the model's part, as the probe measures it
+        metrics = {"throughput": value, "max_host_peak_bytes": measured, "max_accounted_bytes": accounted}
         return ExperimentResult(exp.name, "ok", value, metrics, 0.1, None, exp.exp_dir / "log.txt")
 
 
@@ -93,7 +94,14 @@ def test_a_tune_profiles_prunes_runs_and_writes_deepspeeds_files(tmp_path: Path)
     command = (results / "cmd_optimal.txt").read_text().split()
     assert command[command.index("--deepspeed_config") + 1] == str(results / "ds_config_optimal.json")
     assert command[command.index("--batch") + 1] == "16"
+    # the model's own part (no runtime offset): the raw activation term under-predicts by 1 - 1/1.3 at most
+    for row in ran:
+        assert row.accounted_bytes is not None and -0.231 < row.accounted_error() < 0
+        assert row.accounted_error() == pytest.approx(
+            (row.predicted_accounted_bytes - row.accounted_bytes) / row.accounted_bytes
+        )
     summary = (results / "summary.txt").read_text()
+    assert "model err" in summary
     assert "pruned without running" in summary and "activation correction: scale 1.300" in summary
     assert sum(1 for _ in (results / "trials.jsonl").open()) == len(report.rows)
 

@@ -80,3 +80,55 @@ def test_a_bad_space_file_names_the_entry(files: Path, capsys: pytest.CaptureFix
     (files / "space.json").write_text(json.dumps({"params": {"lr": {"type": "float", "low": 2, "high": 1}}}))
     assert shardspeed_main(["hpo", "--space", "space.json", "train.py", "--deepspeed_config", "ds.json"]) == 2
     assert "params.lr: low (2) must be <= high (1)" in capsys.readouterr().err
+
+
+def test_launcher_options_before_the_script_reach_every_trial_and_the_command(files: Path) -> None:
+    """Review G #5: ``--module`` / ``--include`` before the script went nowhere (argparse refused them)."""
+    argv = ["hpo", "--space", "space.json", "--module", "--include", "localhost:0", "--n_trials", "1", "--no_plots"]
+    argv += ["pkg.train", "--deepspeed_config", "ds.json"]
+    assert shardspeed_main(argv) == 0
+    launch = HpoFiles.launches[0]
+    assert launch.launcher_args == ["--module", "--include", "localhost:0"] and launch.script == "pkg.train"
+    command = (files / "hpo_results" / "cmd_best.txt").read_text()
+    assert command.startswith("shardspeed --module --include localhost:0 --num_procs 1 pkg.train")
+
+
+def test_an_unknown_or_per_trial_launcher_option_is_a_usage_error(files: Path) -> None:
+    base = ["hpo", "--space", "space.json", "--no_plots"]
+    assert shardspeed_main([*base, "--no_such_option", "t.py", "--deepspeed_config", "ds.json"]) == 2
+    assert shardspeed_main([*base, "--master_port", "29999", "t.py", "--deepspeed_config", "ds.json"]) == 2
+    assert HpoFiles.launches == []
+
+
+def test_workers_without_worker_index_draw_different_seeds() -> None:
+    """Review G #8: the default was worker 0 for every process; now a host/pid hash (an explicit index wins)."""
+    from shardspeed.autotuning.hpo.cli import build_parser, default_worker, split_launcher_args
+
+    own, launcher = split_launcher_args(["--space", "s.json", "--worker", "3", "t.py"])
+    assert build_parser().parse_args(own).worker == 3 and launcher == []
+    assert build_parser().parse_args(["--space", "s.json", "t.py"]).worker is None
+    assert default_worker() == default_worker()  # stable within a process, differs with the pid
+    import subprocess
+    import sys
+
+    code = "from shardspeed.autotuning.hpo.cli import default_worker; print(default_worker())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(other) != default_worker()
+
+
+def test_sigterm_unwinds_so_the_trials_finally_runs() -> None:
+    """Review G #9: Python's default SIGTERM kills the process without running the runner's ``finally``."""
+    import os
+    import signal
+
+    from shardspeed.autotuning.hpo.cli import sigterm_unwinds
+
+    cleaned: list[bool] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped, sigterm_unwinds():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode boundary
+        finally:
+            cleaned.append(True)
+    assert stopped.value.code == 128 + signal.SIGTERM and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) == before

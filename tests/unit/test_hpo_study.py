@@ -158,3 +158,17 @@ def test_storage_urls() -> None:
         open_storage("study.db")
     assert session_seed(0, 0, 0) != session_seed(0, 3, 0) != session_seed(0, 3, 1)
     assert session_seed(None, 3, 1) is None and session_seed(5, 2, 1) == session_seed(5, 2, 1)
+
+
+def test_resume_refuses_an_edited_direction_or_space(tmp_path: Path) -> None:
+    """Review G #7: the stored study was loaded whatever the file now said (mixed trials, disagreeing outputs)."""
+    job = make_job(tmp_path, n_trials=1)
+    run_study(job, run_fn=quadratic_run)
+    for change in ({"study": {**job.space.study.model_dump(), "direction": "maximize"}},
+                   {"params": {"lr": {"type": "float", "low": 1e-2, "high": 4.0, "log": True}}}):  # fmt: skip
+        edited = HpoJob(**{**job.__dict__, "space": parse_space({**job.space.model_dump(), **change})})
+        with pytest.raises(SpaceError, match="give another --study_name"):
+            run_study(edited, run_fn=quadratic_run)
+    more = HpoJob(**{**job.__dict__, "space": parse_space({**job.space.model_dump(), "study": {
+        **job.space.study.model_dump(), "n_trials": 2}})})  # fmt: skip
+    assert len(run_study(more, run_fn=quadratic_run).trials) == 2  # n_trials may change

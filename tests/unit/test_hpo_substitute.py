@@ -69,3 +69,39 @@ def test_the_config_flag_is_split_off() -> None:
     assert split_config_arg(["--a"]) == (None, ["--a"])
     with pytest.raises(SpaceError, match="needs a path"):
         split_config_arg(["--deepspeed_config"])
+
+
+def test_the_lr_coupling_follows_the_resolved_path() -> None:
+    """Review G #2: the dotted form must couple as the alias does; OneCycle/LRRangeTest refuse a no-op lr."""
+    assert apply_to_config(BASE, {"optimizer.params.lr": 0.5})["scheduler"]["params"]["warmup_max_lr"] == 0.5
+    one_cycle = {**BASE, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2}}}
+    with pytest.raises(SpaceError, match=r"OneCycle .* search 'scheduler.params.cycle_max_lr' instead"):
+        apply_to_config(one_cycle, {"optimizer.params.lr": 0.5})
+    range_test = {**BASE, "scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4}}}
+    with pytest.raises(SpaceError, match=r"search 'scheduler.params.lr_range_test_min_lr'"):
+        apply_to_config(range_test, {"lr": 0.5})
+    assert apply_to_config(one_cycle, {"scheduler.params.cycle_max_lr": 0.5})["scheduler"]["params"]["cycle_max_lr"]
+
+
+def _triple(config: dict) -> tuple[int | None, int | None, int | None]:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    return tuple(config.get(key) for key in keys)  # type: ignore[return-value]
+
+
+def test_batch_couplings_keep_the_users_unsearched_key_and_stay_consistent() -> None:
+    """Review G #3: GAS search kept an inconsistent triple; micro search lost an inferred accumulation."""
+    written = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}
+    # GAS searched: the user's micro-batch stays, the global batch is inferred (no 8 / 4 / 2 at world 2).
+    assert _triple(apply_to_config(written, {"gradient_accumulation_steps": 2}, 2)) == (None, 4, 2)
+    # micro searched (alias or dotted) with an inferred GAS (32 / (4 x 2) = 4): the accumulation is pinned.
+    inferred = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
+    for name in ("batch_size", "train_micro_batch_size_per_gpu"):
+        assert _triple(apply_to_config(inferred, {name: 4}, 2)) == (None, 4, 4)
+        assert _triple(apply_to_config(inferred, {name: 8}, 2)) == (None, 8, 4)
+    # Only train_batch_size written: DeepSpeed's GAS is 1; micro and GAS both searched: both kept, global inferred.
+    assert _triple(apply_to_config({"train_batch_size": 16}, {"batch_size": 2}, 2)) == (None, 2, 1)
+    both = apply_to_config(inferred, {"batch_size": 2, "gradient_accumulation_steps": 3}, 2)
+    assert _triple(both) == (None, 2, 3)
+    # train_batch_size searched: the user's micro-batch stays, the accumulation is inferred.
+    full = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+    assert _triple(apply_to_config(full, {"train_batch_size": 64}, 2)) == (64, 4, None)

@@ -16,6 +16,13 @@ Model-info profile (DeepSpeed's ``model_info.profile``): the first training forw
 ``SavedTensorCounter`` (activation.py); after the first step rank 0 writes ``model_info_path`` (parameter counts, saved
 activation bytes of one micro-batch, peak memory) and every rank exits the same way.
 
+Accounted memory ([Note: accounted memory]): on CPU a trial's peak RSS is mostly the runtime's own (~350 MB of
+interpreter and torch), so comparing a prediction with it says little about the model's part. Each rank therefore
+also reports the memory the model accounts for, measured from the tensors themselves: the engine's model states
+as allocated (``engine.memory_breakdown()``, transient buckets aside) and the largest saved-tensor bytes of one
+training forward (``SavedTensorCounter``) over the forwards before the measured window (counting stays out of the
+timed steps). The tuner compares its prediction (model states + activations, no fitted offset) with that figure.
+
 Measured window: from the end of step ``start_profile_step`` to the end of step ``end_profile_step``; latency is
 seconds per optimizer step, throughput samples per second (the whole data-parallel group's), flops the model FLOPs
 per second per rank from the flops profiler (the trial's config enables it on an earlier step).
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 import weakref
@@ -39,7 +47,7 @@ from shardspeed.faults.errors import mark_agreed
 from shardspeed.monitor.memory import device_peak_bytes, host_peak_bytes
 from shardspeed.training.events import StepReport
 
-__all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "metric_record"]
+__all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "loss_fields", "metric_record"]
 
 DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default names, in the working directory
 DEFAULT_MODEL_INFO_FILE = "autotuning_model_info.json"
@@ -56,7 +64,7 @@ def metric_record(
     samples_per_s: float,
     world_size: int,
     flops_per_sample: float | None,
-    memory: list[dict[str, int | None]],
+    memory: list[dict[str, int | None]],  # per rank; model_state_bytes / activation_bytes: accounted
     predicted_memory: dict[str, int],
     window_steps: int,
 ) -> dict[str, Any]:
@@ -64,6 +72,7 @@ def metric_record(
     peaked at (``host_peak_bytes``: VmHWM; ``device_peak_bytes``: CUDA max allocated or None) and the engine's own
     model-state prediction."""
     flops = flops_per_sample * samples_per_s / world_size if flops_per_sample else None
+    accounted = [m for m in memory if m.get("model_state_bytes") is not None]
     return {
         "latency": latency_s,
         "throughput": samples_per_s,
@@ -74,6 +83,9 @@ def metric_record(
         "memory": memory,
         "max_host_peak_bytes": max(int(m["host_peak_bytes"] or 0) for m in memory),
         "max_device_peak_bytes": max((int(m["device_peak_bytes"] or 0) for m in memory), default=0) or None,
+        "max_accounted_bytes": max(
+            (int(m["model_state_bytes"] or 0) + int(m.get("activation_bytes") or 0) for m in accounted), default=None
+        ),
         "predicted_model_states": predicted_memory,
     }
 
@@ -101,19 +113,27 @@ class AutotuningProbe:
         self.model_info_path = Path(config.model_info_path or DEFAULT_MODEL_INFO_FILE)
         self._counter: SavedTensorCounter | None = None
         self._counting = contextlib.ExitStack()
+        self._accounting: SavedTensorCounter | None = None  # the forward being counted ([Note: accounted memory])
+        self.activation_peak = 0
 
     # --- the model-info profile: saved tensors of the first training forward ---------------------------------------
     def on_phase_start(self, phase: str) -> None:
         engine = self._owner()
-        if not (self.profiling and phase == "forward" and self._counter is None and engine is not None):
+        if phase != "forward" or engine is None or not (engine.module.training and torch.is_grad_enabled()):
             return
-        if engine.module.training and torch.is_grad_enabled():
+        if self.profiling and self._counter is None:
             self._counter = SavedTensorCounter(engine.module.parameters())
             self._counting.enter_context(self._counter.counting())
+        elif self.enabled and not self.profiling and engine.global_steps < self.config.start_profile_step:
+            self._accounting = SavedTensorCounter(engine.module.parameters())
+            self._counting.enter_context(self._accounting.counting())
 
     def on_phase_end(self, phase: str) -> None:
         if phase == "forward":
             self._counting.close()
+            if self._accounting is not None:
+                self.activation_peak = max(self.activation_peak, self._accounting.bytes)
+                self._accounting = None
 
     def _write_model_info(self, engine: Any) -> None:
         params = list(engine.module.parameters())
@@ -143,7 +163,7 @@ class AutotuningProbe:
         self._last = (now, report.global_samples)
         if rank == 0:
             rate = (report.global_samples - samples_then) / max(now - then, 1e-9)
-            record = {"step": report.global_step, "loss": _float(report.loss), "samples_per_s": rate}
+            record = {"step": report.global_step, **loss_fields(report.loss), "samples_per_s": rate}
             self.progress_path.parent.mkdir(parents=True, exist_ok=True)
             with self.progress_path.open("a") as out:  # one line per step, flushed: the runner tails it
                 out.write(json.dumps(record) + "\n")
@@ -162,6 +182,8 @@ class AutotuningProbe:
             "rank": engine.topology.global_rank,
             "host_peak_bytes": host_peak_bytes(),
             "device_peak_bytes": device_peak_bytes(engine.device),
+            "model_state_bytes": _state_bytes(engine),
+            "activation_bytes": self.activation_peak,
         }
         memory = engine.collectives.all_gather_object(mine, engine.topology.world)  # every rank, same step
         profiler = getattr(engine, "flops_profiler", None)
@@ -187,11 +209,21 @@ class AutotuningProbe:
         raise mark_agreed(AutotuningExit(0))
 
 
-def _float(loss: Any) -> float | None:
+def _state_bytes(engine: Any) -> int:
+    """The model states this rank allocated (``memory_breakdown``), transient buckets aside."""
+    return sum(v for k, v in engine.memory_breakdown().items() if k != "peak_bucket_bytes")
+
+
+def loss_fields(loss: Any) -> dict[str, Any]:
+    """A progress record's loss fields: ``{"loss": x}``, nothing when backward saw no loss, and for a NaN/Inf loss
+    ``{"loss": null, "loss_finite": false}`` (NaN is not JSON): a reader sees a null loss *with its key* as
+    diverged (``hpo/progress.py``), never as a missing value."""
     if loss is None:
-        return None
+        return {}
     value = float(loss)
-    return value if value == value else None  # NaN is not JSON
+    if math.isfinite(value):
+        return {"loss": value}
+    return {"loss": None, "loss_finite": False}
 
 
 def attach_autotuning_probe(engine: Any) -> AutotuningProbe:

@@ -43,12 +43,23 @@ class TrialRow:
     """The final correction's prediction, for comparison with ``measured_bytes``."""
     error: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    predicted_accounted_bytes: float | None = None
+    """The model's own part, predicted: model states + activations (no fitted offset, no runtime)."""
+    accounted_bytes: float | None = None
+    """That part as the trial measured it on its largest rank (probe.py [Note: accounted memory])."""
 
     def prediction_error(self, fitted: bool = False) -> float | None:
         predicted = self.fitted_bytes if fitted else self.predicted_bytes
         if predicted is None or not self.measured_bytes:
             return None
         return (predicted - self.measured_bytes) / self.measured_bytes
+
+    def accounted_error(self) -> float | None:
+        """(predicted - measured) / measured of the model's own part: the check that means something on CPU,
+        where the peak RSS is mostly the runtime's."""
+        if self.predicted_accounted_bytes is None or not self.accounted_bytes:
+            return None
+        return (self.predicted_accounted_bytes - self.accounted_bytes) / self.accounted_bytes
 
 
 def rank_rows(rows: Sequence[TrialRow]) -> list[TrialRow]:
@@ -70,12 +81,16 @@ def summary_text(rows: Sequence[TrialRow], metric_name: str, notes: Sequence[str
     for row in rows:
         counts[row.status] = counts.get(row.status, 0) + 1
     lines = [f"autotuning summary (metric: {metric_name})", ""]
-    header = f"{'rank':>4}  {'trial':<34} {metric_name:>12} {'pred MB':>9} {'meas MB':>9} {'err':>7} {'fit err':>8}"
+    header = (
+        f"{'rank':>4}  {'trial':<34} {metric_name:>12} {'pred MB':>9} {'meas MB':>9} {'err':>7} {'fit err':>8} "
+        f"{'model MB':>9} {'model err':>9}"
+    )
     lines += [header, "-" * len(header)]
     for i, row in enumerate(ranked, 1):
         lines.append(
             f"{i:>4}  {row.name:<34} {row.metric or 0:>12.4g} {_mb(row.predicted_bytes):>9} "
-            f"{_mb(row.measured_bytes):>9} {_pct(row.prediction_error()):>7} {_pct(row.prediction_error(True)):>8}"
+            f"{_mb(row.measured_bytes):>9} {_pct(row.prediction_error()):>7} {_pct(row.prediction_error(True)):>8} "
+            f"{_mb(row.accounted_bytes):>9} {_pct(row.accounted_error()):>9}"
         )
     others = [r for r in rows if r.status in ("failed", "timeout")]
     if others:

@@ -238,6 +238,7 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
         if result.status == "ok":
             measured = result.metrics.get("max_device_peak_bytes") or result.metrics.get("max_host_peak_bytes")
             row.measured_bytes = float(measured) if measured else None
+            row.accounted_bytes = result.metrics.get("max_accounted_bytes")  # probe.py [Note: accounted memory]
             if row.measured_bytes:
                 states = prediction.states.total() + (prediction.states.cpu if budgets.on_cpu else 0)
                 samples.append((states, prediction.activation_bytes, row.measured_bytes))
@@ -293,6 +294,7 @@ def _row(point: Point, status: str, prediction: Prediction, error: str | None) -
         status,
         predicted_bytes=prediction.measured_equivalent,
         predicted_device_bytes=prediction.device_bytes,
+        predicted_accounted_bytes=prediction.states.total() + prediction.activation_bytes,
         error=error,
     )
 

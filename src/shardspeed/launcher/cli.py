@@ -145,9 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def value_flags() -> set[str]:
+    """The launcher options that take a value (``--include HOSTS``): a command line's walker needs them."""
+    return {flag for flags in _VALUE_OPTIONS for flag in flags}
+
+
 def split_script_args(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]:
     """Split a launch command line into (launcher options, script or None, script arguments)."""
-    value_flags = {flag for flags in _VALUE_OPTIONS for flag in flags}
+    takes_value = value_flags()
     index = 0
     while index < len(argv):
         word = argv[index]
@@ -157,7 +162,7 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], str | None, list[
         if not word.startswith("-") or word == "-":
             script_index = index
             break
-        index += 2 if word in value_flags else 1  # "--opt=value", "-Hfile" and flags are one word
+        index += 2 if word in takes_value else 1  # "--opt=value", "-Hfile" and flags are one word
     else:
         return list(argv), None, []
     launcher_words = list(argv[:index])

@@ -13,7 +13,9 @@ worker next starts; on a journal such a trial stays RUNNING (ignored: it never c
 
 [Note: seeds across runs and workers] A seeded sampler that restarts would draw the same random start-up points
 again. Each session seeds its sampler with (seed, trials already in the study, worker) so a resumed study and a
-second worker draw new points, and the same command on the same stored study draws the same ones.
+second worker draw new points, and the same command on the same stored study draws the same ones. The CLI's
+default worker (no ``--worker``) is a hash of host and pid, so two workers started alike still differ (the draws are
+then not reproducible; give ``--worker`` for that). The Python API's ``HpoJob.worker`` defaults to 0.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ def default_storage(results_dir: Path) -> str:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``, ``mysql://...``, ``journal:PATH``)."""
+    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``, ``mysql://...``, ``journal:PATH``,
+    or ``memory:`` — this process only, nothing to resume: quick searches through the Python API and tests)."""
+    if url == "memory:":
+        return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
 

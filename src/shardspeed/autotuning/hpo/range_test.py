@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardspeed.autotuning.hpo.launch import RunFn, StopTrial, TrialLaunch
+from shardspeed.autotuning.hpo.progress import record_value
 from shardspeed.autotuning.hpo.space import LRRangeTestSettings
 from shardspeed.autotuning.hpo.study import HpoJob
 from shardspeed.autotuning.hpo.substitute import apply_to_args, apply_to_config
@@ -81,8 +82,8 @@ class _Collect:
         self._steps: set[int] = set()
 
     def __call__(self, record: dict[str, Any]) -> None:
-        loss, step = record.get(self.metric), record.get("step")
-        if not isinstance(loss, (int, float)) or not isinstance(step, int) or step in self._steps:
+        loss, step = record_value(record, self.metric), record.get("step")  # NaN: diverged (null with its key)
+        if loss is None or not isinstance(step, int) or step in self._steps:
             return
         self._steps.add(step)
         lr = record.get("lr")
@@ -100,7 +101,8 @@ def run_range_test(job: HpoJob, run_fn: RunFn) -> tuple[float, float]:
     lr_param = job.space.params["lr"]
     low, high = float(lr_param.low or 0.0), float(lr_param.high or 0.0)
     schedule = range_schedule(low, high, settings.steps)
-    config = apply_to_config(job.ds_config, {"lr": low})
+    # The pass's own scheduler replaces the user's (whose lr coupling does not apply: OneCycle would refuse lr).
+    config = apply_to_config({k: v for k, v in job.ds_config.items() if k != "scheduler"}, {"lr": low})
     config["scheduler"] = {"type": "LRRangeTest", "params": schedule}
     config["autotuning"] = {"enabled": True, "start_profile_step": 1, "end_profile_step": settings.steps}
     exp_dir = (job.results_dir / "trials" / PASS_NAME).resolve()
@@ -123,7 +125,8 @@ def run_range_test(job: HpoJob, run_fn: RunFn) -> tuple[float, float]:
     if collect.diverged_at is not None:  # we stopped it (the runner may call that "failed"): the expected end
         status = f"stopped: diverged at step {collect.diverged_at}"
     new_low, new_high = narrow_lr_range(collect.points, settings, low, high)
-    record = {"status": status, "original": [low, high], "narrowed": [new_low, new_high], "points": collect.points}
+    points = [(lr, loss if math.isfinite(loss) else None) for lr, loss in collect.points]  # NaN is not JSON
+    record = {"status": status, "original": [low, high], "narrowed": [new_low, new_high], "points": points}
     job.results_dir.mkdir(parents=True, exist_ok=True)
     (job.results_dir / f"{PASS_NAME}.json").write_text(json.dumps(record, indent=2) + "\n")
     _plot(collect.points, (new_low, new_high), job.results_dir / f"{PASS_NAME}.png")

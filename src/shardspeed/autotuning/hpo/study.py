@@ -26,7 +26,7 @@ from shardspeed.autotuning.hpo import launch as launch_module
 from shardspeed.autotuning.hpo import optuna_parts
 from shardspeed.autotuning.hpo.launch import RunFn, StopTrial, TrialLaunch
 from shardspeed.autotuning.hpo.progress import ProgressTracker, objective_value
-from shardspeed.autotuning.hpo.space import SearchSpace
+from shardspeed.autotuning.hpo.space import SearchSpace, SpaceError
 from shardspeed.autotuning.hpo.substitute import apply_to_args, apply_to_config
 
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
@@ -52,7 +52,7 @@ class HpoJob:
 
 def trial_config(job: HpoJob, params: dict[str, Any]) -> dict[str, Any]:
     """The trial's DeepSpeed config: the user's, the trial's values, and the engine's stop/report settings."""
-    config = apply_to_config(job.ds_config, params)
+    config = apply_to_config(job.ds_config, params, job.num_procs)
     autotuning = dict(config.get("autotuning") or {})
     steps = job.space.study.steps_per_trial
     # The engine measures from the end of start_profile_step (< end) and exits after end_profile_step.
@@ -100,7 +100,7 @@ def run_trial(job: HpoJob, trial: optuna.Trial, run_fn: RunFn, lr_bounds: tuple[
     launch.exp_dir.mkdir(parents=True, exist_ok=True)
     trial.set_user_attr("exp_dir", str(launch.exp_dir))
     trial.set_user_attr("worker", job.worker)
-    tracker = ProgressTracker(trial, settings.metric, prune=settings.pruner != "none")
+    tracker = ProgressTracker(trial, settings.metric, prune=settings.pruner != "none", direction=settings.direction)
     start = time.perf_counter()
     result = None
     with contextlib.suppress(StopTrial):  # the runner let our callback's exception through ([Note: stopping ...])
@@ -142,12 +142,40 @@ def create_study(job: HpoJob) -> optuna.Study:
         pruner=optuna_parts.make_pruner(settings),
         load_if_exists=True,
     )
+    check_resume(study, job.space)
     study.sampler = optuna_parts.make_sampler(
         job.space, optuna_parts.session_seed(settings.seed, len(study.trials), job.worker)
     )
     if study.user_attrs.get("space") is None:
         study.set_user_attr("space", job.space.model_dump(mode="json"))
     return study
+
+
+def check_resume(study: optuna.Study, space: SearchSpace) -> None:
+    """A stored study continues only under the space it was made with: the same direction, metric and params
+    (``n_trials``, timeouts and the like may change). Another space would mix trials of different questions, and
+    the stored ``lr_bounds`` would outlive an edited lr range."""
+    stored = study.user_attrs.get("space")
+    direction = study.direction.name.lower()
+    problems = []
+    if direction != space.study.direction:
+        problems.append(f"direction {direction} (the file says {space.study.direction})")
+    if stored is not None:
+        now = space.model_dump(mode="json")
+        if stored.get("study", {}).get("metric") != now["study"]["metric"]:
+            problems.append(
+                f"metric {stored.get('study', {}).get('metric')!r} (the file says {now['study']['metric']!r})"
+            )
+        if stored.get("params") != now["params"]:
+            changed = sorted(set(stored.get("params", {})) ^ set(now["params"])) or sorted(
+                name for name in now["params"] if stored["params"].get(name) != now["params"][name]
+            )
+            problems.append(f"other params ({', '.join(changed)} differ)")
+    if problems:
+        raise SpaceError(
+            f"study {study.study_name!r} in the storage was made with {'; '.join(problems)}: give another "
+            "--study_name (or --results_dir) for the edited space, or restore the file to continue it"
+        )
 
 
 def run_study(
@@ -203,8 +231,6 @@ def _lr_bounds(
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    from shardspeed.autotuning.hpo.space import SpaceError
-
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:

@@ -6,10 +6,19 @@ A name starting with ``--`` is a script argument: an existing ``--name V`` / ``-
 top-level section must be in the user's config (``optimizer.params.lr`` with no ``optimizer`` section is an
 error, not a half-built optimizer); deeper missing levels are created.
 
-Two aliases carry DeepSpeed's coupling between keys, so a searched value is the value training uses:
-``lr`` also sets the scheduler's ``warmup_max_lr`` when the scheduler is WarmupLR / WarmupDecayLR (which drive the
-lr to ``warmup_max_lr``, default 0.001, whatever the optimizer's lr), and ``batch_size`` (the micro-batch)
-drops ``train_batch_size`` so the trial's global batch is inferred as micro x accumulation x world.
+DeepSpeed couples some keys; the couplings are keyed on the resolved path, so an alias and its dotted form act
+alike, and a searched value is the value training uses:
+
+- ``optimizer.params.lr`` also sets the scheduler's ``warmup_max_lr`` when the scheduler is WarmupLR /
+  WarmupDecayLR (which drive the lr to ``warmup_max_lr``, default 0.001, whatever the optimizer's lr). OneCycle and
+  LRRangeTest set the lr from their own keys, so searching the optimizer's lr under them is a ``SpaceError``
+  naming the scheduler key to search instead (trials that cannot differ are never launched).
+- The batch triple ``train_batch_size`` = micro-batch x ``gradient_accumulation_steps`` x data-parallel ranks
+  ([Note: batch couplings]): searching the micro-batch or the accumulation keeps the other of the two as the
+  user's config has it (written, or inferred from ``train_batch_size`` with the trial's ``num_procs``) and drops
+  ``train_batch_size``, which is then inferred; searching ``train_batch_size`` keeps the micro-batch and drops the
+  accumulation. So every trial's triple is consistent, and a key the user set that is not searched keeps its value
+  (an inferred accumulation is pinned, not lost).
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ from shardspeed.autotuning.hpo.space import ALIASES, SpaceError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
 WARMUP_TO_MAX = ("WarmupLR", "WarmupDecayLR")
+LR_PATH = ("optimizer", "params", "lr")
+OWN_LR_KEY = {"OneCycle": "scheduler.params.cycle_max_lr", "LRRangeTest": "scheduler.params.lr_range_test_min_lr"}
+"""Schedulers that set the lr from their own keys: the key to search instead of the optimizer's lr."""
+TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
 
 def config_path(name: str) -> tuple[str, ...] | None:
@@ -47,21 +60,76 @@ def _set_path(config: dict[str, Any], path: tuple[str, ...], value: Any, name: s
     node[path[-1]] = value
 
 
-def apply_to_config(ds_config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``ds_config`` with every config-bound parameter set (script arguments are skipped)."""
+def apply_to_config(
+    ds_config: Mapping[str, Any], params: Mapping[str, Any], num_procs: int | None = None
+) -> dict[str, Any]:
+    """A deep copy of ``ds_config`` with every config-bound parameter set (script arguments are skipped) and
+    DeepSpeed's couplings applied (module docstring); ``num_procs`` lets an inferred accumulation be pinned."""
     config = copy.deepcopy(dict(ds_config))
+    searched: set[str] = set()
     for name, value in params.items():
         path = config_path(name)
         if path is None:
             continue
         _set_path(config, path, value, name)
-        if name == "lr":
-            scheduler = config.get("scheduler")
-            if isinstance(scheduler, dict) and scheduler.get("type") in WARMUP_TO_MAX:
-                scheduler.setdefault("params", {})["warmup_max_lr"] = value
-        if name in ("batch_size", "micro_batch_size"):
-            config.pop("train_batch_size", None)
+        if path == LR_PATH:
+            _couple_lr(config, value, name)
+        if len(path) == 1 and path[0] in (TBS, MICRO, GAS):
+            searched.add(path[0])
+    if searched:
+        _couple_batch(config, ds_config, searched, num_procs)
     return config
+
+
+def _couple_lr(config: dict[str, Any], value: Any, name: str) -> None:
+    scheduler = config.get("scheduler")
+    if not isinstance(scheduler, dict):
+        return
+    kind = scheduler.get("type")
+    if kind in WARMUP_TO_MAX:
+        scheduler.setdefault("params", {})["warmup_max_lr"] = value
+    elif kind in OWN_LR_KEY:
+        raise SpaceError(
+            f"params[{name!r}] sets optimizer.params.lr, but the {kind} scheduler sets the lr from its own keys: "
+            f"search {OWN_LR_KEY[kind]!r} instead"
+        )
+
+
+def user_batch(ds_config: Mapping[str, Any], num_procs: int | None) -> dict[str, int]:
+    """The user's micro-batch and accumulation, as written or as DeepSpeed infers them from ``train_batch_size``
+    over ``num_procs`` ranks (only where the division is exact; unknown keys are left out)."""
+    written = {key: ds_config[key] for key in (TBS, MICRO, GAS) if isinstance(ds_config.get(key), int)}
+    out = {key: written[key] for key in (MICRO, GAS) if key in written}
+    total = written.get(TBS)
+    if total is None or not num_procs:
+        return out
+    if MICRO in out and GAS not in out and total % (out[MICRO] * num_procs) == 0:
+        out[GAS] = total // (out[MICRO] * num_procs)
+    elif GAS in out and MICRO not in out and total % (out[GAS] * num_procs) == 0:
+        out[MICRO] = total // (out[GAS] * num_procs)
+    elif not out and total % num_procs == 0:
+        out = {MICRO: total // num_procs, GAS: 1}
+    return out
+
+
+def _couple_batch(
+    config: dict[str, Any], ds_config: Mapping[str, Any], searched: set[str], num_procs: int | None
+) -> None:
+    """[Note: batch couplings] Keep the batch key the user set that is not searched, drop the one to infer."""
+    if searched == {TBS, MICRO, GAS}:
+        return
+    if TBS in searched:
+        if len(searched) == 2:  # the third key is inferred
+            config.pop(({MICRO, GAS} - searched).pop(), None)
+        elif MICRO in config:  # the user's micro-batch stays, the accumulation is inferred
+            config.pop(GAS, None)
+        return
+    config.pop(TBS, None)
+    kept = ({MICRO, GAS} - searched).pop() if len(searched) == 1 else None
+    if kept is not None and kept not in config:
+        inferred = user_batch(ds_config, num_procs).get(kept)
+        if inferred is not None:
+            config[kept] = inferred
 
 
 def _render(value: Any) -> str:
