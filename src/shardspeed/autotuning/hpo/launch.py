@@ -14,29 +14,18 @@ contract is that a callback's exception stops (kills) the launch; whether the ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
+
+from shardspeed.autotuning.runner import Experiment, run_experiment
 
 
 class StopTrial(Exception):
     """Raised from ``on_progress`` to stop the running trial (the pruner decided, or the loss diverged)."""
 
 
-@dataclass
-class TrialLaunch:
-    """The fields of the runner's ``Experiment``: one short launch of the user's script with a trial's values."""
-
-    name: str
-    script: str
-    script_args: list[str]
-    ds_config: dict[str, Any]
-    num_procs: int
-    exp_dir: Path
-    timeout_s: float
-    env: dict[str, str] = field(default_factory=dict)
-    launcher_args: list[str] = field(default_factory=list)
-    """Launcher flags before the script (e.g. ``--module``)."""
+TrialLaunch = Experiment
+"""A trial's launch is the runner's ``Experiment`` (name, script, script_args, ds_config, num_procs, exp_dir,
+timeout_s, env, launcher_args)."""
 
 
 class RunResult(Protocol):
@@ -55,21 +44,4 @@ RunFn = Callable[[TrialLaunch, ProgressFn | None], RunResult]
 
 def run_with_runner(launch: TrialLaunch, on_progress: ProgressFn | None = None) -> RunResult:
     """The default ``RunFn``: the autotuner's experiment runner (a real launch)."""
-    try:
-        from shardspeed.autotuning.runner import Experiment, run_experiment
-    except ImportError as error:  # the autotuner half of issue 19 is a separate module
-        raise RuntimeError(
-            f"shardspeed hpo needs the experiment runner (shardspeed.autotuning.runner): {error}"
-        ) from error
-    experiment = Experiment(
-        name=launch.name,
-        script=launch.script,
-        script_args=list(launch.script_args),
-        ds_config=launch.ds_config,
-        num_procs=launch.num_procs,
-        exp_dir=launch.exp_dir,
-        timeout_s=launch.timeout_s,
-        env=dict(launch.env),
-        launcher_args=list(launch.launcher_args),
-    )
-    return run_experiment(experiment, on_progress)
+    return run_experiment(launch, on_progress)
