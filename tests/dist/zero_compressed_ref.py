@@ -53,7 +53,7 @@ class ZeroOneBitAdamReference:
                 self.v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
             update = self.m / (self.v.sqrt() + self.eps)
             if self.wd > 0.0:
-                update.add_(self.flat, alpha=self.wd)
-            self.flat.add_(update, alpha=-self.lr)
+                update += self.wd * self.flat
+            self.flat.add_(-self.lr * update)
             if self.step_count >= self.freeze_step:
                 self.frozen = True

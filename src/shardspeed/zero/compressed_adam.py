@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import Collectives
+from shardspeed.compression.onebit_adam import adam_moments_, apply_update_, momentum_
 from shardspeed.topology import AxisGroup
 from shardspeed.zero.compressed_grads import (
     CompressorFactory,
@@ -53,15 +54,14 @@ def onebit_adam_update(
     weight_decay: float,
     frozen: bool,
 ) -> None:
-    """One OnebitAdam update in place (pure tensor math, no communication)."""
+    """One OnebitAdam update in place (pure tensor math, no communication): the stage-0 optimizer's own pieces
+    (compression/onebit_adam.py), so both paths run DeepSpeed's float operations in DeepSpeed's order."""
     beta1, beta2 = betas
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-    if not frozen:
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    update = exp_avg / (exp_avg_sq.sqrt() + eps)
-    if weight_decay > 0.0:
-        update.add_(param, alpha=weight_decay)
-    param.add_(update, alpha=-lr)
+    if frozen:
+        momentum_(exp_avg, grad, beta1)
+    else:
+        adam_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
+    apply_update_(param, exp_avg, exp_avg_sq, lr, eps, weight_decay)
 
 
 class ZeroOneBitAdam(torch.optim.Optimizer):
