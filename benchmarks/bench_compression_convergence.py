@@ -94,8 +94,8 @@ def run_job(variant: str, world: int, args: argparse.Namespace, out: Path) -> di
         "--master_port", str(free_port()), str(WORKER), "--variant", variant, "--steps", str(args.steps),
         "--seeds", str(args.seeds), "--seq", str(args.seq), "--layers", str(args.layers), "--dim", str(args.dim),
         "--global-batch", str(args.global_batch), "--bucket", str(args.bucket), "--freeze-frac", str(args.freeze_frac),
-        "--out", str(result),
-    ]  # fmt: skip
+        "--schedule", args.schedule, "--out", str(result),
+    ] + (["--lr", str(args.lr)] if args.lr else [])  # fmt: skip
     subprocess.run(cmd, env=child_env(force_one_thread=True), cwd=REPO_ROOT, check=True)
     return json.loads(result.read_text())
 
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--freeze-frac", type=float, default=0.15)
     p.add_argument("--bucket", type=int, default=500_000_000, help="reduce_bucket_size (1-bit scale granularity)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate for every variant (default: each's)")
+    p.add_argument("--schedule", choices=("warmup", "decay"), default="warmup", help="WarmupLR or WarmupDecayLR")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "compression-convergence")
     args = p.parse_args(argv)
     sys.path.insert(0, str(WORKER.parent))

@@ -65,8 +65,17 @@ def available(variant: str) -> bool:
     return True
 
 
-def _config(variant: str, compressed: bool, steps: int, freeze: int, micro: int, bucket: int) -> dict[str, Any]:
-    spec = VARIANTS[variant]
+def _config(
+    variant: str,
+    compressed: bool,
+    steps: int,
+    freeze: int,
+    micro: int,
+    bucket: int,
+    lr: float | None = None,
+    schedule: str = "warmup",
+) -> dict[str, Any]:
+    spec = {**VARIANTS[variant], **({"lr": lr} if lr else {})}
     # β2 0.95 (the demo's): 1/(1-β2) = 20 steps ≤ freeze_step, so the variance has settled when it freezes. With
     # DeepSpeed's default 0.999 it is ~5% grown at step 45 and, without bias correction, frozen 4-5x too small:
     # the frozen run then diverges even with no compression at all (seen at world 1).
@@ -78,13 +87,19 @@ def _config(variant: str, compressed: bool, steps: int, freeze: int, micro: int,
     return {
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": spec["type"], "params": params},
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": spec["lr"], "warmup_num_steps": max(1, steps // 10)},
-        },
+        "scheduler": _schedule(schedule, spec["lr"], steps),
         "zero_optimization": {"stage": spec["stage"], "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "steps_per_print": 10**9,
     }
+
+
+def _schedule(kind: str, lr: float, steps: int) -> dict[str, Any]:
+    """``warmup``: DeepSpeed's WarmupLR (10% warm-up, then hold); ``decay``: WarmupDecayLR (then linear to 0 at the
+    last step, as BERT/GPT pre-training schedules do)."""
+    params: dict[str, Any] = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, steps // 10)}
+    if kind == "decay":
+        return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": steps}}
+    return {"type": "WarmupLR", "params": params}
 
 
 def _engine(variant: str, model: GPT, config: dict[str, Any], compressed: bool) -> Any:
@@ -120,7 +135,10 @@ def train(args: argparse.Namespace, seed: int, compressed: bool, windows: ByteWi
     model = GPT(GPTConfig(context_length=args.seq, n_layer=args.layers, d_model=args.dim, n_head=2))
     freeze = max(1, round(args.freeze_frac * args.steps))
     engine = _engine(
-        args.variant, model, _config(args.variant, compressed, args.steps, freeze, micro, args.bucket), compressed
+        args.variant,
+        model,
+        _config(args.variant, compressed, args.steps, freeze, micro, args.bucket, args.lr, args.schedule),
+        compressed,
     )
     g = torch.Generator().manual_seed(1000 + seed)  # the same global batches for on and off, any world size
     losses = []
@@ -149,6 +167,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--freeze-frac", type=float, default=0.15)
     p.add_argument("--bucket", type=int, default=500_000_000)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the variant's)")
+    p.add_argument("--schedule", choices=("warmup", "decay"), default="warmup")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

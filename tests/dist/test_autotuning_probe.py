@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import shardspeed
-from shardspeed.autotuning.probe import AutotuningExit
+from shardspeed.autotuning.probe import PROFILE_STEPS, AutotuningExit
 from shardspeed.demo.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, context_length=16, n_layer=2, d_model=32, n_head=2)
@@ -63,14 +63,14 @@ def test_metric_json_and_the_same_clean_exit_on_every_rank(dist_run, tmp_path: P
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in records)
 
 
-def test_model_info_profile_counts_saved_activations_and_exits_after_one_step(dist_run, tmp_path: Path) -> None:
+def test_model_info_profile_counts_saved_activations_and_exits_after_its_steps(dist_run, tmp_path: Path) -> None:
     section = {
         "model_info": {"profile": True},
         "model_info_path": str(tmp_path / "info.json"),
         "progress_path": str(tmp_path / "progress.jsonl"),
     }
     results = dist_run(_trial, 2, str(tmp_path), section, {})
-    assert [(r["code"], r["steps"]) for r in results] == [(0, 1), (0, 1)]
+    assert [(r["code"], r["steps"]) for r in results] == [(0, PROFILE_STEPS)] * 2
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["num_params"] == GPT(CFG).num_parameters() and info["micro_batch"] == MB
     # at least the embeddings' output and the logits of each sample are saved (fp32)

@@ -371,3 +371,46 @@ def test_released_units_are_not_pinned_by_saved_views(dist_run) -> None:
     opt.step()
     for name, value in reference.state_dict().items():
         assert (results[0]["state"][name] - value).abs().max().item() <= 1e-6, name
+
+
+def _outer_saved_hooks(rank: int, world: int) -> dict:
+    """A saved-tensor hook pair around the engine's forward (``save_on_cpu``, the autotuner's counter) keeps working
+    under ZeRO-3's own pair ([Note: outer saved-tensor hooks]): activations go through it, parameters do not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    config = _config("sgd", stage3_param_persistence_threshold=0)
+    config["gradient_accumulation_steps"] = 1
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    packed, unpacked = [], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(t.shape))
+        return t.clone()  # as save_on_cpu does: backward must use what unpack returns
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(tuple(t.shape))
+        return t
+
+    x = torch.randn(MB, 32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return {"packed": packed, "unpacked": unpacked, "state": engine.module_state_dict()}
+
+
+def test_outer_saved_tensor_hooks_still_see_activations_under_zero3(dist_run) -> None:
+    results = dist_run(_outer_saved_hooks, 2)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    x = torch.randn(MB, 32)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR * 10, momentum=0.9)
+    reference(x).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+    opt.step()
+    for r in results:
+        # each Linear saves its input (MB × 32), pow its own input: 5; no gathered weight (32 × 32) reaches the pair
+        assert r["packed"].count((MB, 32)) == 5 and (32, 32) not in r["packed"], r["packed"]
+        assert sorted(r["unpacked"]) == sorted(r["packed"])
+        for name, value in reference.state_dict().items():
+            assert (r["state"][name] - value).abs().max().item() <= 1e-6, name

@@ -48,13 +48,30 @@ def test_prune_counts_every_point_that_cannot_fit_and_says_why() -> None:
 
 def test_fit_recovers_scale_and_offset_from_trials() -> None:
     truth = Correction(1.7, 2.5e8)
-    samples = [(s, a, truth.offset + s + truth.scale * a) for s, a in [(1e7, 1e6), (2e7, 8e6), (5e6, 3e7)]]
+    samples = [(s, a, truth.offset + s + truth.scale * a, False) for s, a in [(1e7, 1e6), (2e7, 8e6), (5e6, 3e7)]]
     fitted = fit_correction(samples, Correction(1.0, 0.0))
     assert fitted.scale == pytest.approx(1.7) and fitted.offset == pytest.approx(2.5e8) and fitted.trials == 3
 
 
+def test_checkpointed_points_get_their_own_scale() -> None:
+    """Checkpointed points hold several times their counted bytes (one block recomputed): one shared scale fits
+    neither kind (the demo's tune: 9.5 for both, +70% on a plain point)."""
+    truth = Correction(1.3, 3.5e8, checkpointed_scale=6.0)
+    plain = [(1e7, a, truth.offset + 1e7 + 1.3 * a, False) for a in (4e6, 7e7, 2e7)]
+    ac = [(1e7, a, truth.offset + 1e7 + 6.0 * a, True) for a in (5e5, 3e7, 8e6)]
+    fitted = fit_correction(plain + ac, Correction(1.0, 0.0))
+    assert fitted.scale == pytest.approx(1.3) and fitted.checkpointed_scale == pytest.approx(6.0)
+    assert fitted.offset == pytest.approx(3.5e8)
+    assert fitted.scale_for(Point(0, 8, 1, checkpoint_activations=True)) == pytest.approx(6.0)
+    assert fitted.scale_for(Point(0, 8, 1)) == pytest.approx(1.3)
+    # fewer than MIN_FIT_TRIALS checkpointed trials: its scale stays the prior's (the profiles'), the plain one is
+    # fitted (two trials differing in stage and offload too would give a slope of their runtime buffers)
+    fitted = fit_correction(plain + ac[:2], Correction(1.0, 0.0, checkpointed_scale=5.0))
+    assert fitted.scale == pytest.approx(1.3, rel=0.2) and fitted.checkpointed_scale == 5.0
+
+
 def test_fit_with_one_activation_size_only_moves_the_offset() -> None:
-    fitted = fit_correction([(1e7, 1e6, 3e8), (2e7, 1e6, 3.1e8)], Correction(1.2, 0.0))
+    fitted = fit_correction([(1e7, 1e6, 3e8, False), (2e7, 1e6, 3.1e8, False)], Correction(1.2, 0.0))
     assert fitted.scale == 1.2 and fitted.offset == pytest.approx(3.05e8 - 1.5e7 - 1.2e6)
     assert fit_correction([], Correction(1.2, 5.0)) == Correction(1.2, 5.0)
 

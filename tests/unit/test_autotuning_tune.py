@@ -50,7 +50,7 @@ class FakeRunner:
         mb = config["train_micro_batch_size_per_gpu"]
         if config["autotuning"].get("model_info"):
             info = {"trainable_num_params": PARAMS, "activation_bytes": ACT_PER_SAMPLE * mb, "micro_batch": mb}
-            info["host_peak_bytes"] = int(TRUE_OFFSET + 16 * PARAMS + ACT_PER_SAMPLE * mb)
+            info["host_peak_bytes"] = int(TRUE_OFFSET + 16 * PARAMS + TRUE_SCALE * ACT_PER_SAMPLE * mb)
             Path(config["autotuning"]["model_info_path"]).write_text(json.dumps(info))
             return ExperimentResult(exp.name, "ok", None, {}, 0.1, None, exp.exp_dir / "log.txt")
         if exp.name in self.fail:
@@ -75,8 +75,10 @@ def test_a_tune_profiles_prunes_runs_and_writes_deepspeeds_files(tmp_path: Path)
         plot=False,
     )
     report = tune(request, run=runner)
-    profile, *trials = runner.calls
+    profile, second, *trials = runner.calls
     assert profile.num_procs == 1 and profile.ds_config["train_micro_batch_size_per_gpu"] == 1
+    # [Note: two-point profile]: (30 MB - 3.2 MB of states) / 2 leaves room for 13 samples: micro-batch 8
+    assert second.num_procs == 1 and second.ds_config["train_micro_batch_size_per_gpu"] == 8
     assert all(t.num_procs == 2 for t in trials)
     statuses = {r.name: r.status for r in report.rows}
     assert statuses["z0_mb32_gas1"] == "pruned" and statuses["z0_mb64_gas1"] == "pruned"
@@ -88,6 +90,8 @@ def test_a_tune_profiles_prunes_runs_and_writes_deepspeeds_files(tmp_path: Path)
     assert report.correction.offset == pytest.approx(TRUE_OFFSET, rel=1e-6)
     ran = [r for r in report.rows if r.status == "ok"]
     assert ran and all(abs(r.prediction_error(fitted=True)) < 0.01 for r in ran)
+    # ... and so is every prediction made before its trial ran: the two profiles gave the scale
+    assert all(abs(r.prediction_error()) < 0.01 for r in ran)
     results = tmp_path / "results"
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["train_micro_batch_size_per_gpu"] == 16 and "autotuning" not in optimal
@@ -103,6 +107,7 @@ def test_a_tune_profiles_prunes_runs_and_writes_deepspeeds_files(tmp_path: Path)
     summary = (results / "summary.txt").read_text()
     assert "model err" in summary
     assert "pruned without running" in summary and "activation correction: scale 1.300" in summary
+    assert "activation scale 1.300 from profiles at micro-batch 1 and 8" in summary
     assert sum(1 for _ in (results / "trials.jsonl").open()) == len(report.rows)
 
 
@@ -143,3 +148,20 @@ def test_arg_mappings_put_config_values_on_the_script_command_line() -> None:
         "activation_checkpointing": "--ac",
     }
     assert script_args_for(["--bs", "1", "--x"], config, point, mappings) == ["--bs", "8", "--x", "--gas", "2", "--ac"]
+
+
+def test_a_failed_second_profile_keeps_scale_one_and_the_tune_goes_on(tmp_path: Path) -> None:
+    runner = FakeRunner(fail={"profile_mb8"})
+    inner = runner.__call__
+
+    def run(exp: Experiment) -> ExperimentResult:
+        if exp.name == "profile_mb8":
+            runner.calls.append(exp)
+            return ExperimentResult(exp.name, "failed", None, {}, 0.1, "exit status 1: OOM", exp.exp_dir / "log")
+        return inner(exp)
+
+    request = TuneRequest(_config(tmp_path, tuner_type="gridsearch"), "t.py", [], 2, device_memory_gb=0.03, plot=False)
+    report = tune(request, run=run)
+    assert report.best is not None and report.best.name == "z1_mb16_gas1"
+    summary = (tmp_path / "results" / "summary.txt").read_text()
+    assert "activation scale 1 (one profile only)" in summary

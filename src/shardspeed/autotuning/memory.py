@@ -11,11 +11,12 @@ On a CPU-only machine the "device" is simulated (``--device_memory_gb``): the bu
 impose; everything really lives in the process's RSS, so what a trial measures is the peak RSS and the fit is
 ``peak RSS = offset + all model states + scale × activations`` (offset: the interpreter, torch, buffers).
 
-[Note: the correction] Before any trial the correction comes from the profile run itself (scale 1; offset = its
-peak minus its model states and activations). After each trial that ran, ``fit_correction`` refits scale and
-offset by least squares over (predicted parts, measured peak) of every "ok" trial (offset alone while fewer than
-two distinct activation sizes ran). Predictions recorded per trial are those made *before* it ran; the summary
-also gives the final fit's error for every trial.
+[Note: the correction] Before any trial the correction comes from the profile runs themselves (scales and
+offset from two micro-batch sizes: profile_run.py's [Note: two-point profile]). After each trial that ran,
+``fit_correction`` refits them by least squares over (predicted parts, measured peak) of every "ok" trial: one
+offset, one activation scale for plain points and one for checkpointed points (a scale moves only once its kind
+of point ran ``MIN_FIT_TRIALS`` times, at two activation sizes or more). Predictions recorded per trial are those
+made *before* it ran; the summary also gives the final fit's error for every trial.
 """
 
 from __future__ import annotations
@@ -70,7 +71,16 @@ class Correction:
     scale: float = 1.0
     offset: float = 0.0
     trials: int = 0
-    """How many measured trials the fit used (0: the profile run's figure only)."""
+    """How many measured trials the fit used (0: the profile runs' figures only)."""
+    checkpointed_scale: float | None = None
+    """The scale of points with activation checkpointing (None: ``scale``). Their saved tensors are only the
+    blocks' inputs, while the step's peak also holds one block's recomputed activations: per counted byte that is
+    several times the plain points' scale, so one scale for both fits neither."""
+
+    def scale_for(self, point: Point) -> float:
+        if point.checkpoint_activations and self.checkpointed_scale is not None:
+            return self.checkpointed_scale
+        return self.scale
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ def predict(
     """[Note: the prediction]."""
     states = states_for(point, profile, dp_world, precision, optimizer_state_bytes)
     act = activation_bytes(point, profile)
-    corrected = correction.scale * act
+    corrected = correction.scale_for(point) * act
     if on_cpu:
         device = states.total() + corrected
         host = states.cpu + correction.offset
@@ -162,20 +172,48 @@ def prune(
     return kept, pruned
 
 
-def fit_correction(samples: Sequence[tuple[float, float, float]], prior: Correction) -> Correction:
-    """Least-squares ``measured - states = offset + scale × activations`` over (states, activations, measured)
-    triples of trials that ran ([Note: the correction]). A negative scale (noise on a flat activation term) falls
-    back to fitting the offset with the prior's scale."""
+MIN_FIT_TRIALS = 3
+"""Trials of one kind (plain / checkpointed) before its scale is refitted. Two trials that differ in stage and
+offload as well as in micro-batch give a slope that is mostly the difference of their runtime buffers (the demo's
+tune: a ZeRO-3 + offload point at micro-batch 64 and a ZeRO-0 point at 32 made the checkpointed scale 13 and the next
+prediction 39% low); the profiles' scale holds until a third."""
+
+
+def fit_correction(samples: Sequence[tuple[float, float, float, bool]], prior: Correction) -> Correction:
+    """Least squares ``measured - states = offset + scale × plain activations + checkpointed_scale × checkpointed
+    activations`` over (states, activations, measured, checkpointed) of the trials that ran ([Note: the
+    correction]). A scale is fitted only where its kind of point ran ``MIN_FIT_TRIALS`` times at two activation
+    sizes or more (else the prior's is kept and only the offset moves), and a non-positive one (noise on a flat
+    term) falls back to the prior's."""
     if not samples:
         return prior
     states = np.array([s[0] for s in samples], dtype=float)
     acts = np.array([s[1] for s in samples], dtype=float)
-    measured = np.array([s[2] for s in samples], dtype=float)
-    residual = measured - states
-    if len(set(acts.tolist())) >= 2:
-        design = np.stack([np.ones_like(acts), acts], axis=1)
-        (offset, scale), *_ = np.linalg.lstsq(design, residual, rcond=None)
-        if scale > 0:
-            return Correction(float(scale), float(offset), len(samples))
-    offset = float(np.mean(residual - prior.scale * acts))
-    return Correction(prior.scale, offset, len(samples))
+    residual = np.array([s[2] for s in samples], dtype=float) - states
+    checkpointed = np.array([bool(s[3]) for s in samples])
+    priors = {
+        False: prior.scale,
+        True: prior.checkpointed_scale if prior.checkpointed_scale is not None else prior.scale,
+    }
+    free: list[bool] = []
+    for kind in (False, True):
+        column = acts[checkpointed == kind]
+        if len(column) >= MIN_FIT_TRIALS and len(set(column.tolist())) >= 2:
+            free.append(kind)
+        else:
+            residual = residual - np.where(checkpointed == kind, priors[kind] * acts, 0.0)
+    scales = dict(priors)
+    if free:
+        design = np.stack([np.ones_like(acts)] + [np.where(checkpointed == k, acts, 0.0) for k in free], axis=1)
+        solution, *_ = np.linalg.lstsq(design, residual, rcond=None)
+        if all(value > 0 for value in solution[1:]):
+            scales.update({k: float(v) for k, v in zip(free, solution[1:])})
+            return _correction(scales, float(solution[0]), len(samples), prior)
+        for k in free:  # refit the offset alone with the prior scales
+            residual = residual - np.where(checkpointed == k, priors[k] * acts, 0.0)
+    return _correction(scales, float(np.mean(residual)), len(samples), prior)
+
+
+def _correction(scales: dict[bool, float], offset: float, trials: int, prior: Correction) -> Correction:
+    checkpointed = scales[True] if (prior.checkpointed_scale is not None or scales[True] != scales[False]) else None
+    return Correction(scales[False], offset, trials, checkpointed)

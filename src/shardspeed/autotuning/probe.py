@@ -13,8 +13,8 @@ the failure guard neither publishes it nor fails the engine. An unmodified train
 status 0 and no traceback right after the measured window, on every rank.
 
 Model-info profile (DeepSpeed's ``model_info.profile``): the first training forward runs under a
-``SavedTensorCounter`` (activation.py); after the first step rank 0 writes ``model_info_path`` (parameter counts, saved
-activation bytes of one micro-batch, peak memory) and every rank exits the same way.
+``SavedTensorCounter`` (activation.py); after ``PROFILE_STEPS`` steps rank 0 writes ``model_info_path`` (parameter
+counts, saved activation bytes of one micro-batch, peak memory over those steps) and every rank exits the same way.
 
 Accounted memory ([Note: accounted memory]): on CPU a trial's peak RSS is mostly the runtime's own (~350 MB of
 interpreter and torch), so comparing a prediction with it says little about the model's part. Each rank therefore
@@ -24,8 +24,12 @@ training forward (``SavedTensorCounter``) over the forwards before the measured 
 timed steps). The tuner compares its prediction (model states + activations, no fitted offset) with that figure.
 
 Measured window: from the end of step ``start_profile_step`` to the end of step ``end_profile_step``; latency is
-seconds per optimizer step, throughput samples per second (the whole data-parallel group's), flops the model FLOPs
-per second per rank from the flops profiler (the trial's config enables it on an earlier step).
+the median of the window's step times (seconds per optimizer step; the mean, DeepSpeed's figure, is kept as
+``mean_latency``), throughput the samples of one step (the whole data-parallel group's) over that median, flops
+the model FLOPs per second per rank from the flops profiler (the trial's config enables it on an earlier step).
+[Note: median step time] A trial's window is a few seconds at most, and on a shared host one descheduled step
+moves its mean by tens of percent (the demo's tune on 2 cores: the same config measured 80 and 101 samples/s);
+the median of the steps ignores such a step, so the tuner ranks configurations, not interruptions.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import time
 import weakref
 from pathlib import Path
@@ -52,6 +57,9 @@ __all__ = ["AutotuningExit", "AutotuningProbe", "attach_autotuning_probe", "loss
 DEFAULT_METRIC_FILE = "autotuning_metric.json"  # DeepSpeed's default names, in the working directory
 DEFAULT_MODEL_INFO_FILE = "autotuning_model_info.json"
 PROGRESS_FILE = "progress.jsonl"
+PROFILE_STEPS = 3
+"""Steps of a model-info profile: its peak memory is over these (the first step's alone misses what the allocator
+keeps from step to step: on CPU the demo's checkpointed trials peaked ~2x above a one-step profile's slope)."""
 
 
 class AutotuningExit(SystemExit):
@@ -62,6 +70,7 @@ def metric_record(
     *,
     latency_s: float,
     samples_per_s: float,
+    mean_latency_s: float | None = None,
     world_size: int,
     flops_per_sample: float | None,
     memory: list[dict[str, int | None]],  # per rank; model_state_bytes / activation_bytes: accounted
@@ -76,6 +85,7 @@ def metric_record(
     return {
         "latency": latency_s,
         "throughput": samples_per_s,
+        "mean_latency": latency_s if mean_latency_s is None else mean_latency_s,
         "flops": flops,
         "FLOPS_per_gpu": flops,
         "window_steps": window_steps,
@@ -109,6 +119,7 @@ class AutotuningProbe:
         self.progress_path = Path(config.progress_path) if config.progress_path else metric.with_name(PROGRESS_FILE)
         self._last = (time.perf_counter(), 0)
         self._window_start: tuple[float, int] | None = None
+        self._step_seconds: list[float] = []  # each step's wall time inside the window
         self.profiling = bool(config.enabled and config.model_info and config.model_info.get("profile"))
         self.model_info_path = Path(config.model_info_path or DEFAULT_MODEL_INFO_FILE)
         self._counter: SavedTensorCounter | None = None
@@ -167,8 +178,10 @@ class AutotuningProbe:
             self.progress_path.parent.mkdir(parents=True, exist_ok=True)
             with self.progress_path.open("a") as out:  # one line per step, flushed: the runner tails it
                 out.write(json.dumps(record) + "\n")
-        if self.profiling:
+        if self.profiling and report.global_step >= PROFILE_STEPS:
             self._write_model_info(engine)
+        if self._window_start is not None:
+            self._step_seconds.append(now - then)
         if report.global_step == self.config.start_profile_step:
             self._window_start = (now, report.global_samples)
         if report.global_step >= self.config.end_profile_step and self._window_start is not None:
@@ -188,9 +201,11 @@ class AutotuningProbe:
         memory = engine.collectives.all_gather_object(mine, engine.topology.world)  # every rank, same step
         profiler = getattr(engine, "flops_profiler", None)
         predicted = engine.predicted_memory
+        latency = statistics.median(self._step_seconds) if self._step_seconds else (now - t0) / steps
         record = metric_record(
-            latency_s=(now - t0) / steps,
-            samples_per_s=(samples - s0) / max(now - t0, 1e-9),
+            latency_s=latency,
+            samples_per_s=(samples - s0) / steps / max(latency, 1e-9),
+            mean_latency_s=(now - t0) / steps,
             world_size=engine.topology.world.size,
             flops_per_sample=getattr(profiler, "model_flops_per_sample", None),
             memory=list(memory),  # type: ignore[arg-type]

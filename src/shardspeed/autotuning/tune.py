@@ -3,10 +3,11 @@ order through the experiment runner, refit the memory correction, write the resu
 
 ``shardspeed --autotuning tune ...`` calls ``tune``; ``--autotuning run`` then launches the script with
 ``ds_config_optimal.json`` (``cmd_optimal.txt``'s command). The flow, and where we differ from DeepSpeed:
-1. Profile run: one process, ZeRO 0, micro-batch 1, the engine's ``model_info.profile`` (autotuning/probe.py): the
-   parameter count and the saved-tensor bytes of one micro-batch (once more with the script's activation
-   checkpointing when ``arg_mappings`` maps it). DeepSpeed also profiles first, but then learns memory from
-   trials; we predict every point from the model-state model (zero/memory.py) + these bytes.
+1. Profile runs (profile_run.py): one process, ZeRO 0, micro-batch 1, the engine's ``model_info.profile``
+   (autotuning/probe.py): the parameter count and the saved-tensor bytes of one micro-batch (once more with the
+   script's activation checkpointing when ``arg_mappings`` maps it), and once at a larger micro-batch for the
+   activation scale and the runtime's offset ([Note: two-point profile]). DeepSpeed also profiles first, but then
+   learns memory from trials; we predict every point from the model-state model (zero/memory.py) + these bytes.
 2. Space (space.py), every point validated by the strict config; the memory model prunes every point that cannot
    fit the device budget (real, or ``--device_memory_gb`` on CPU) or the host budget — before anything runs.
 3. ``num_tuning_micro_batch_sizes`` micro-batches per group of otherwise equal points, spread over the feasible.
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shardspeed.autotuning.args import script_args_for
-from shardspeed.autotuning.memory import Budgets, Correction, ModelProfile, Prediction, fit_correction, predict, prune
+from shardspeed.autotuning.memory import Budgets, Correction, Prediction, fit_correction, predict, prune
+from shardspeed.autotuning.profile_run import ProfileError, profile_model
 from shardspeed.autotuning.results import ProgressBar, TrialRow, rank_rows, write_results
 from shardspeed.autotuning.runner import Experiment, ExperimentResult, run_experiment, with_config_arg
-from shardspeed.autotuning.space import AC_ARG, Point, expand, materialize, thin_micro_batches
+from shardspeed.autotuning.space import Point, expand, materialize, thin_micro_batches
 from shardspeed.autotuning.tuners import build_tuner, score
 from shardspeed.config.autotuning import AutotuningConfig
 from shardspeed.config.errors import ConfigError
@@ -94,57 +96,6 @@ def _budgets(request: TuneRequest, tuning: AutotuningConfig) -> Budgets:
     return Budgets(device, host, ranks_per_node=request.num_procs, on_cpu=on_cpu)
 
 
-def _profile(
-    request: TuneRequest,
-    user: dict[str, Any],
-    tuning: AutotuningConfig,
-    exps: Path,
-    run: Runner,
-    precision: str,
-    opt_bytes: int | None,
-) -> ModelProfile:
-    """Step 1 of the module docstring."""
-    figures: dict[bool, dict[str, Any]] = {}
-    ac_flag = (tuning.arg_mappings or {}).get(AC_ARG)
-    for checkpointed in (False, True) if ac_flag else (False,):
-        point = Point(0, 1, 1, checkpoint_activations=checkpointed)
-        config = materialize(user, point, 1)
-        section = dict(config.get("autotuning") or {})
-        info_path = exps / f"profile{'_ac' if checkpointed else ''}" / "model_info.json"
-        section.update(model_info={"profile": True}, model_info_path=str(info_path))
-        config["autotuning"] = section
-        args = script_args_for(request.script_args, config, point, tuning.arg_mappings)
-        result = run(
-            Experiment(
-                info_path.parent.name,
-                request.script,
-                args,
-                config,
-                1,
-                info_path.parent,
-                tuning.trial_timeout_s,
-                launcher_args=request.launcher_args,
-            )
-        )
-        try:
-            figures[checkpointed] = json.loads(info_path.read_text())
-        except (OSError, ValueError):
-            raise TuneError(
-                f"the profile run ({info_path.parent}) failed: {result.status}: {result.error}; see {result.log_path}"
-            ) from None
-    plain = figures[False]
-    num_params = int((tuning.model_info or {}).get("num_params") or plain["trainable_num_params"])
-    per_sample = plain["activation_bytes"] / plain["micro_batch"]
-    checkpointed = figures[True]["activation_bytes"] / figures[True]["micro_batch"] if True in figures else None
-    profile = ModelProfile(num_params, per_sample, checkpointed, 0)
-    peak = plain.get("device_peak_bytes") or plain["host_peak_bytes"]
-    base_point = Point(0, 1, 1)
-    states_total = predict(
-        base_point, profile, 1, Correction(1.0, 0.0), precision=precision, optimizer_state_bytes=opt_bytes
-    ).measured_equivalent
-    return ModelProfile(num_params, per_sample, checkpointed, int(max(peak - states_total, 0)))
-
-
 def _precision(config: dict[str, Any], world: int) -> tuple[str, int | None]:
     typed = load_config(config, dp_world_size=world)
     optimizer = typed.optimizer.type.lower() if typed.optimizer else "adam"
@@ -170,8 +121,21 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
     budgets = _budgets(request, tuning)
     dp = max(1, request.num_procs // tuning.mp_size)
     precision, opt_bytes = _precision(materialize(user, space.points[0], dp), dp)
-    profile = _profile(request, user, tuning, exps, run, precision, opt_bytes)
-    correction = Correction(1.0, float(profile.baseline_bytes), 0)
+    try:
+        profile, correction, profile_note = profile_model(
+            script=request.script,
+            script_args=request.script_args,
+            launcher_args=request.launcher_args,
+            user=user,
+            tuning=tuning,
+            exps=exps,
+            run=run,
+            budgets=budgets,
+            precision=precision,
+            opt_bytes=opt_bytes,
+        )
+    except ProfileError as error:
+        raise TuneError(str(error)) from None
 
     def predictions(points: Sequence[Point]) -> list[Prediction]:
         return [
@@ -241,7 +205,9 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
             row.accounted_bytes = result.metrics.get("max_accounted_bytes")  # probe.py [Note: accounted memory]
             if row.measured_bytes:
                 states = prediction.states.total() + (prediction.states.cpu if budgets.on_cpu else 0)
-                samples.append((states, prediction.activation_bytes, row.measured_bytes))
+                samples.append(
+                    (states, prediction.activation_bytes, row.measured_bytes, bool(point.checkpoint_activations))
+                )
                 correction = fit_correction(samples, correction)
                 _reprune(tuner, predictions, budgets, rows)
         rows[point] = row
@@ -258,8 +224,10 @@ def tune(request: TuneRequest, *, run: Runner = run_experiment, stream: TextIO |
         f"pruned without running: {n_pruned} (memory model); invalid: {len(invalid_rows)}",
         f"budgets: device {_gb(budgets.device_bytes)} per rank{' (simulated)' if budgets.on_cpu else ''}, "
         f"host {_gb(budgets.host_bytes)} per node",
-        f"activation correction: scale {correction.scale:.3f}, offset {correction.offset / 1e6:.1f} MB "
-        f"(fitted on {correction.trials} trials)",
+        f"activation correction: scale {correction.scale:.3f}"
+        + (f" ({correction.checkpointed_scale:.3f} checkpointed)" if correction.checkpointed_scale is not None else "")
+        + f", offset {correction.offset / 1e6:.1f} MB "
+        f"(fitted on {correction.trials} trials; before any trial: {profile_note})",
         f"profile: {profile.num_params} parameters, {profile.activation_bytes_per_sample / 1e6:.3f} MB saved "
         f"activations per sample"
         + (
@@ -294,7 +262,7 @@ def _row(point: Point, status: str, prediction: Prediction, error: str | None) -
         status,
         predicted_bytes=prediction.measured_equivalent,
         predicted_device_bytes=prediction.device_bytes,
-        predicted_accounted_bytes=prediction.states.total() + prediction.activation_bytes,
+        predicted_accounted_bytes=prediction.states.total() + prediction.states.cpu + prediction.activation_bytes,
         error=error,
     )
 

@@ -3,11 +3,22 @@
 that many trials). Pure: a tuner proposes points and is told results; ``tune.py`` runs them.
 
 [Note: the model_based regressor] DeepSpeed fits XGBoost on its trials. Ours is ridge regression in numpy on a
-handful of features (stage one-hot, log2 micro-batch and its square, log2 GAS, offload flags, activation
-checkpointing, log bucket sizes, overlap) predicting log(score): with a few dozen points and at most ~10 trials a
-boosted-tree model has nothing to learn that this cannot, and numpy is already a dependency (no new package).
-It starts from ``INITIAL`` points spread over the candidates, then always runs the untried point with the best
-predicted score.
+handful of features (ZeRO stage, log2 micro-batch and its square, log2 GAS, offload flags, activation
+checkpointing, log bucket sizes, overlap) predicting log(score): with a few dozen points and about ten noisy trials
+a boosted-tree model has nothing to learn that this cannot, and numpy is already a dependency (no new package).
+The stage is one ordinal feature, not a one-hot: three stage coefficients would need more trials than the budget to
+be told apart from the noise of a short trial (±10% on CPU), while a higher stage costs throughput over the range a
+tune sees (more communication); the micro-batch keeps its square (throughput saturates, or peaks, in it).
+It starts from an initial design, then always runs the untried point with the best predicted score.
+
+[Note: the initial design] The first trials must vary every dimension independently of the others, or the fit
+confounds them: with the grid's first, last and middle points the largest micro-batch was seen only with
+activation checkpointing on, the fit credited checkpointing with the micro-batch's gain, and the tuner kept to
+checkpointed points (the demo on CPU: 78% of the grid's best). So the design is greedy D-optimal: over the
+candidates' features, standardized, each next point is the one with the largest leverage ``xᵀ A⁻¹ x`` against
+``A = λI + Σ x xᵀ`` of the points tried so far (the point that most increases ``det A``), until there are as many
+trials as the features that vary plus one (the intercept) — at least ``INITIAL``. ``tuner_early_stopping``
+counts the trials after the design (the design's are not the model's choices).
 """
 
 from __future__ import annotations
@@ -39,9 +50,9 @@ def features(point: Point) -> list[float]:
     mb = math.log2(point.micro_batch)
     return [
         1.0,
-        *(float(point.stage == s) for s in (1, 2, 3)),
+        float(point.stage),
         mb,
-        mb * mb,
+        mb * mb,  # throughput saturates (or peaks) in the micro-batch
         math.log2(point.gas),
         float(point.offload_optimizer != "none"),
         float(point.offload_param != "none"),
@@ -107,23 +118,43 @@ class RandomTuner(Tuner):
 class ModelBasedTuner(Tuner):
     """[Note: the model_based regressor]."""
 
+    def __post_init__(self) -> None:
+        self._design = _standardized([features(p) for p in self.points])
+        self.design_size = max(INITIAL, self._design.shape[1] + 1)
+
+    def record(self, point: Point, metric: float | None) -> None:
+        super().record(point, metric)
+        if len(self.tried) <= self.design_size:
+            self.since_best = 0  # early stopping counts the model's own picks, not the initial design's
+
     def _propose(self, untried: list[Point]) -> Point:
         measured = [(p, v) for p, v in self.tried if v is not None and v > 0]
-        if len(self.tried) < INITIAL or len(measured) < 2:
-            return self._spread(untried)
+        if len(self.tried) < self.design_size or len(measured) < 2:
+            return self._most_informative(untried, self._design)
         x = np.array([features(p) for p, _ in measured])
         y = np.log(np.array([v for _, v in measured]))
         coef = np.linalg.solve(x.T @ x + RIDGE * np.eye(x.shape[1]), x.T @ y)
         predicted = np.array([features(p) for p in untried]) @ coef
         return untried[int(np.argmax(predicted))]
 
-    def _spread(self, untried: list[Point]) -> Point:
-        """The initial design: points spread evenly over the candidate list (first, last, middle, ...)."""
-        order = [0, len(self.points) - 1, len(self.points) // 2]
-        for index in order[len(self.tried) :]:
-            if self.points[index] in untried:
-                return self.points[index]
-        return untried[len(untried) // 2]
+    def _most_informative(self, untried: list[Point], design: np.ndarray) -> Point:
+        """[Note: the initial design]."""
+        row = {p: i for i, p in enumerate(self.points)}
+        a = RIDGE * np.eye(design.shape[1])
+        for p, _ in self.tried:
+            x = design[row[p]]
+            a += np.outer(x, x)
+        inverse = np.linalg.inv(a)
+        leverage = [float(design[row[p]] @ inverse @ design[row[p]]) for p in untried]
+        return untried[int(np.argmax(leverage))]  # ties: the first in grid order
+
+
+def _standardized(rows: list[list[float]]) -> np.ndarray:
+    """Feature columns that vary over the candidates, each centred and scaled to unit spread."""
+    x = np.array(rows, dtype=float)
+    spread = x.std(axis=0)
+    varying = spread > 1e-12
+    return (x[:, varying] - x[:, varying].mean(axis=0)) / spread[varying]
 
 
 TUNERS: dict[str, type[Tuner]] = {

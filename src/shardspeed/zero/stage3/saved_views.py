@@ -8,6 +8,14 @@ linear function for this. Here, during the root module's forward, a ``saved_tens
 saved tensor that lives in a gathered (non-persistent) unit's buffer by a small reference (unit, offset, size,
 stride); in backward the reference is resolved against the unit's buffer as re-gathered by its pre-backward hook.
 No torch function is patched: this is the public saved-tensor hook API.
+
+[Note: outer saved-tensor hooks] Saved-tensor hooks do not nest: autograd calls only the innermost pair. A pair
+already active around the forward — the user's ``torch.autograd.graph.save_on_cpu``, the autotuner's
+``SavedTensorCounter`` — would be silently switched off by ours. So ``enter`` reads the pair on top of the stack
+(``torch._C._autograd._top_saved_tensors_default_hooks``, the stack ``saved_tensors_hooks`` pushes to) and every
+saved tensor that is not a gathered parameter goes through it: packed by the outer pack hook, unpacked by its unpack
+hook. Gathered-parameter views stay references (parameters are not activations: moving or counting them would be
+wrong either way).
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ from typing import Any
 import torch
 
 from shardspeed.zero.stage3.unit import ParamUnit, UnitState
+
+
+@dataclass(frozen=True)
+class _OuterPacked:
+    """What the outer pack hook returned for a saved tensor, with the unpack hook of the same pair (a later
+    forward may run under another pair before this one's backward) ([Note: outer saved-tensor hooks])."""
+
+    packed: Any
+    unpack: Any
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,7 @@ class SavedViewHooks:
     def __init__(self, units: Sequence[ParamUnit]) -> None:
         self.units = list(units)
         self._active: Any = None
+        self._outer: tuple[Any, Any] | None = None  # the pair active around the forward, if any
 
     def pack(self, tensor: torch.Tensor) -> Any:
         # Tensors kept as they are go back detached: a pack hook returning the tensor itself closes a reference
@@ -50,9 +68,13 @@ class SavedViewHooks:
                 continue
             if full.untyped_storage().data_ptr() == ptr:
                 return UnitRef(index, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+        if self._outer is not None:
+            return _OuterPacked(self._outer[0](tensor), self._outer[1])
         return tensor.detach()
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _OuterPacked):
+            return packed.unpack(packed.packed)
         if not isinstance(packed, UnitRef):
             return packed
         unit = self.units[packed.unit]
@@ -63,6 +85,7 @@ class SavedViewHooks:
     def enter(self) -> None:
         self.leave()  # a forward that raised never reached its post-hook: drop the stale context first
         if torch.is_grad_enabled():
+            self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             self._active = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._active.__enter__()
 
