@@ -1,7 +1,7 @@
 """Step 1 of a tune (tune.py): the profile runs that measure the model before any trial.
 
 One process, ZeRO 0, the engine's ``model_info.profile`` (probe.py): the parameter count, the saved-tensor bytes
-of one micro-batch and the peak memory of the first step.
+of one micro-batch and the peak memory over the profile's few steps (``PROFILE_STEPS``).
 
 [Note: two-point profile] Saved tensors are not all of a step's activation memory (backward's transient gradients
 of activations, non-saved intermediates: activation.py's [Note: what the count misses]), so the memory a trial
@@ -60,10 +60,9 @@ def two_point_correction(first: dict[str, Any], second: dict[str, Any] | None, s
         rise, saved = _peak(second) - peak1, second["activation_bytes"] - first["activation_bytes"]
         scale = rise / saved if saved > 0 else math.nan
         if SCALE_RANGE[0] < scale < SCALE_RANGE[1]:
-            note = f"activation scale {scale:.3f} from profiles at micro-batch {first['micro_batch']} and "
-            return Correction(scale, peak1 - states - scale * first["activation_bytes"], 0), (
-                note + f"{second['micro_batch']}"
-            )
+            sizes = f"{first['micro_batch']} and {second['micro_batch']}"
+            note = f"activation scale {scale:.3f} from profiles at micro-batch {sizes}"
+            return Correction(scale, peak1 - states - scale * first["activation_bytes"], 0), note
         why = f"the two profiles' slope {scale:.3g} is outside {SCALE_RANGE}"
     else:
         why = "one profile only"
