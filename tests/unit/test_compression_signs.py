@@ -169,3 +169,25 @@ def test_compensated_compression_equals_compress_and_loaded_negative_zero_is_nor
     rs = CompressedReduceScatter(16, _One(), None, device=torch.device("cpu"))  # type: ignore[arg-type]
     rs.load_state_dict({**rs.state_dict(), "worker_error": torch.full((16,), -0.0)})
     assert not torch.signbit(rs.worker_error).any()
+
+
+@pytest.mark.parametrize("numel", [64, 65536, 3 * 65536 + 40])
+def test_cpu_numpy_sweep_equals_the_torch_sweep_bit_for_bit(numel: int) -> None:
+    """[Note: CPU sweep in numpy]: the numpy sweep CPU fp32 takes packs the same bytes and leaves the same error
+    bits as the torch sweep other devices take, across block boundaries, with zeros, infinities and a NaN."""
+    from shardspeed.compression import signs
+
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g)
+    x[::13], x[5], x[9], x[10] = 0.0, float("nan"), float("inf"), -float("inf")
+    results = []
+    for sweep in (signs._sweep_numpy_, signs._sweep_torch_):
+        xs, packed = x.clone(), torch.empty(numel // 8, dtype=torch.uint8)
+        bits, scratch = torch.empty(min(numel, signs.BLOCK), dtype=torch.bool), torch.empty(min(numel, signs.BLOCK))
+        sweep(xs, packed, bits, scratch, torch.tensor([0.75]))
+        results.append((packed, xs.view(torch.int32)))
+    (np_packed, np_error), (t_packed, t_error) = results
+    assert torch.equal(np_packed, t_packed)
+    nan = torch.isnan(x)
+    assert torch.equal(np_error[~nan], t_error[~nan]) and torch.isnan(results[0][1].view(torch.float32)[nan]).all()
+    assert torch.equal(np_packed, pack_signs(x))  # and both are the plain packer's bytes

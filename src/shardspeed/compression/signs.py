@@ -16,6 +16,7 @@ import functools
 import math
 import sys
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,7 +116,8 @@ def compress_compensated_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tens
     input into its error buffer in place and passes that buffer): ``packed`` <- signs of ``x``, then ``x`` <- the
     new error ``x - scale · sign(x)``. Returns the scale. ``bits`` (bool) and ``scratch`` (fp32) are buffers of at
     least ``min(x.numel(), BLOCK)`` elements reused across calls; ``x.numel()`` is a multiple of 8. One norm pass,
-    then one blocked sweep (sign test, packing, copysign, subtract per block of ``BLOCK`` elements).
+    then one blocked sweep (sign test, packing, copysign, subtract per block of ``BLOCK`` elements); on CPU the
+    sweep runs in numpy ([Note: CPU sweep in numpy]).
 
     [Note: no negative zero] ``compress_`` adds 0.0 to turn -0.0 into +0.0 (so ``copysign`` agrees with ``x >= 0``,
     DeepSpeed's +1 for a zero). This path skips that pass: ``x`` here is input + error, which is -0.0 only when
@@ -123,6 +125,15 @@ def compress_compensated_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tens
     round-to-nearest (it would need ``a = -0.0`` with ``copysign(s, a) = +0.0``), and loaded buffers are
     normalized (``_ErrorFed.load_state_dict``)."""
     scale = scale_of(x)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and scratch.dtype == torch.float32:
+        _sweep_numpy_(x, packed, bits, scratch, scale)
+    else:
+        _sweep_torch_(x, packed, bits, scratch, scale)
+    return scale
+
+
+def _sweep_torch_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tensor, scale: Tensor) -> None:
+    """``compress_compensated_``'s sweep in torch ops (any device and dtype)."""
     numel = x.numel()
     for start in range(0, numel, BLOCK):
         xb = x[start : start + BLOCK]
@@ -132,7 +143,35 @@ def compress_compensated_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tens
         pack_bits_(bb, packed[start // 8 : (start + size) // 8])
         torch.copysign(scale, xb, out=sb)  # scale · (±1) is exactly ±scale: DeepSpeed's ``x - scale * sign``
         xb.sub_(sb)
-    return scale
+
+
+_SIGN_BIT = np.int32(-(1 << 31))
+
+
+def _sweep_numpy_(x: Tensor, packed: Tensor, bits: Tensor, scratch: Tensor, scale: Tensor) -> None:
+    """``compress_compensated_``'s sweep on CPU fp32, through numpy views of the same memory.
+
+    [Note: CPU sweep in numpy] On one CPU thread torch's element-wise calls on a cache-resident block cost several
+    times numpy's (measured on 2^16-element blocks, 6.3M elements: ``ge`` to bool 3.2 ms vs 1.0, the int64
+    multiply packer 1.4 ms vs ``np.packbits`` 0.3), and the sweep is most of a compressed call's work. The result
+    is the same bits: ``>= 0`` the same test, ``np.packbits`` the same MSB-first order, and ``copysign(scale, x)``
+    is built from the bits (``x``'s sign bit OR the bits of ``scale``, which is >= 0): exactly ``torch.copysign``'s
+    value, NaN included; the subtraction is the same IEEE operation."""
+    xn = x.detach().numpy()
+    pn = packed.numpy()
+    scale_bits = scale.detach().reshape(1).numpy().view(np.int32)[0]
+    bn, sn = bits.numpy(), scratch.detach().numpy()
+    si = sn.view(np.int32)
+    numel = xn.shape[0]
+    for start in range(0, numel, BLOCK):
+        xb = xn[start : start + BLOCK]
+        size = xb.shape[0]
+        bb, sb, ib = bn[:size], sn[:size], si[:size]
+        np.greater_equal(xb, 0, out=bb)
+        pn[start // 8 : (start + size) // 8] = np.packbits(bb)
+        np.bitwise_and(xb.view(np.int32), _SIGN_BIT, out=ib)
+        np.bitwise_or(ib, scale_bits, out=ib)  # copysign(scale, x): scale >= 0 has a clear sign bit
+        np.subtract(xb, sb, out=xb)
 
 
 def compress_(x: Tensor, error: Tensor) -> tuple[Tensor, Tensor]:
