@@ -138,3 +138,28 @@ def feed(seed: int, shapes: tuple[tuple[int, ...], ...], world: int) -> Callable
         return [sum(parts[1:], parts[0].clone()) / world for parts in zip(*per_rank, strict=True)]
 
     return grads
+
+
+def load_with_warnings(config: dict, ckpt: str) -> tuple[Any, list[str]]:
+    """A fresh engine on the parity model with ``ckpt`` loaded, and the warnings shardspeed logged meanwhile (the
+    error-buffer reset at another world size is one)."""
+    import logging
+
+    from parity import make_model
+
+    import shardspeed
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("shardspeed").addHandler(handler)
+    try:
+        engine, *_ = shardspeed.initialize(model=make_model(), config=config)
+        engine.load_checkpoint(ckpt)
+    finally:
+        logging.getLogger("shardspeed").removeHandler(handler)
+    return engine, records

@@ -5,12 +5,12 @@ checkpoint resume with the error buffers (bit for bit), and at another world siz
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from onebit_workers import load_with_warnings
 from parity import global_batches, make_model, rank_slice
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -178,17 +178,7 @@ def _resume(rank: int, world: int, ckpt: str, save_at: int) -> tuple[list[torch.
 
 
 def _load_elsewhere(rank: int, world: int, ckpt: str) -> tuple[list[str], float, bool]:
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("shardspeed").addHandler(handler)
-    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
-    engine.load_checkpoint(ckpt)
-    logging.getLogger("shardspeed").removeHandler(handler)
+    engine, records = load_with_warnings(_config(), ckpt)
     state = engine.optimizer.compression_state_dict()
     return records, sum(t.abs().sum().item() for t in state.values()), engine.optimizer.owns_communication
 
@@ -251,17 +241,7 @@ def _save_compressed(rank: int, world: int, ckpt: str) -> None:
 
 
 def _load_at_world_and_step(rank: int, world: int, ckpt: str) -> dict:
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("shardspeed").addHandler(handler)
-    engine, *_ = shardspeed.initialize(model=make_model(), config=_config())
-    engine.load_checkpoint(ckpt)
-    logging.getLogger("shardspeed").removeHandler(handler)
+    engine, records = load_with_warnings(_config(), ckpt)
     error_sum = sum(t.abs().sum().item() for t in engine.optimizer.compression_state_dict().values())
     owns = engine.optimizer.owns_communication
     engine.comms_log.reset()

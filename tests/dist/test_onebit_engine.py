@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from onebit_workers import simulate
+from onebit_workers import load_with_warnings, simulate
 from parity import global_batches, make_model, rank_slice
 from torch.func import functional_call
 from torch.nn.utils import parameters_to_vector
@@ -156,19 +156,7 @@ def test_bf16_ranks_agree_wherever_synchronized(dist_run, name: str) -> None:
 
 
 def _load_only(rank: int, world: int, name: str, ckpt: str) -> tuple[torch.Tensor, list[str]]:
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("shardspeed").addHandler(handler)
-    engine, *_ = shardspeed.initialize(model=make_model(), config=_config(name))
-    engine.load_checkpoint(ckpt)
-    logging.getLogger("shardspeed").removeHandler(handler)
+    engine, records = load_with_warnings(_config(name), ckpt)
     out = _flat(engine)
     engine.destroy()
     return out, records

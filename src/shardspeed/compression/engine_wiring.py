@@ -28,6 +28,12 @@ def check_compressed_setup(config: Any, optimizer: Any, topology: Topology) -> N
     name = compressed_optimizer_name(optimizer)
     if name is None:
         return
+    _refuse_mesh_and_offload(name, config, topology)
+    check_compression_combination(optimizer, config.zero_optimization.stage)
+
+
+def _refuse_mesh_and_offload(name: str, config: Any, topology: Topology) -> None:
+    """The two setups no 1-bit optimizer runs under: a tensor or pipeline axis, an offloaded optimizer."""
     zero = config.zero_optimization
     if topology.tensor.size > 1 or topology.pipe.size > 1:
         raise NotImplementedError(
@@ -36,7 +42,6 @@ def check_compressed_setup(config: Any, optimizer: Any, topology: Topology) -> N
         )
     if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
         raise NotImplementedError(f"{name} with zero_optimization.offload_optimizer is not supported")
-    check_compression_combination(optimizer, zero.stage)
 
 
 def bind_compressed_optimizer(
@@ -48,14 +53,8 @@ def bind_compressed_optimizer(
     if not getattr(type(optimizer), "shardspeed_owns_communication", False):
         return
     name = type(optimizer).__name__
+    _refuse_mesh_and_offload(name, config, topology)
     zero = config.zero_optimization
-    if topology.tensor.size > 1 or topology.pipe.size > 1:
-        raise NotImplementedError(
-            f"{name} with a tensor or pipeline axis (mesh pipe {topology.pipe.size} × data {topology.data.size} × "
-            f"tensor {topology.tensor.size}) is not supported: 1-bit optimizers run over the data axis only"
-        )
-    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
-        raise NotImplementedError(f"{name} with zero_optimization.offload_optimizer is not supported")
     let = getattr(states, "let_optimizer_communicate", None)
     if let is None:
         raise NotImplementedError(f"{name} under ZeRO stage {zero.stage} is not supported (stage 0 only)")
