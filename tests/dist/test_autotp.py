@@ -167,10 +167,13 @@ def test_indivisible_heads_are_an_error_naming_the_numbers(  # the same check wi
     assert numbers in messages[0] and "tensor-parallel size 2" in messages[0], messages[0]
 
 
-def _dense_reference(family: str, kind: str, clip: float, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain torch on the dense model, the same batches (every tensor rank sees the whole batch)."""
+def _dense_reference(
+    family: str, kind: str, clip: float, steps: int, dtype: torch.dtype = torch.float32
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain torch on the dense model, the same batches (every tensor rank sees the whole batch); ``dtype``
+    float64 gives the exact-arithmetic yardstick (parameters returned in float32)."""
     torch.manual_seed(0)
-    model = build(family)
+    model = build(family).to(dtype)
     opt = torch_optimizer(kind, model.parameters(), LR)
     losses = []
     for step in range(steps):
@@ -182,7 +185,11 @@ def _dense_reference(family: str, kind: str, clip: float, steps: int) -> tuple[d
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+    return {n: p.detach().float() for n, p in model.named_parameters()}, losses
+
+
+def _worst(params: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> tuple[float, str]:
+    return max(((params[n] - exact[n]).abs().max().item(), n) for n in exact)
 
 
 LR, STEPS = 1e-2, 5
@@ -192,6 +199,7 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, s
     from shardspeed.engine import ShardSpeedEngine
 
     reference, ref_losses = _dense_reference(family, kind, clip, STEPS)
+    exact, _ = _dense_reference(family, kind, clip, STEPS, torch.float64)
     torch.manual_seed(0)
     model = build(family)
     topology, tp = _tp(world, sp)
@@ -213,12 +221,19 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, s
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    worst, where = 0.0, ""
+    ours: dict[str, torch.Tensor] = {}
+    sliced: dict[str, torch.Tensor] = {}
     for name, p in engine.module.named_parameters():
         spec = engine.param_specs.of(p, name)
-        diff = (p.detach() - spec.slice_global(reference[name], tp.rank, tp.size)).abs().max().item()
-        worst, where = max((worst, where), (diff, name))
-    return {"params": worst, "where": where, "losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
+        ours[name] = p.detach()
+        sliced[name] = spec.slice_global(exact[name], tp.rank, tp.size)
+    worst, where = _worst(ours, sliced)
+    return {
+        "params": worst,
+        "where": where,
+        "dense_fp32": _worst(reference, exact)[0],  # the whole dense model's: a property of the computation
+        "losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+    }
 
 
 # GPT-2 runs SGD only: its attention key bias has an analytically zero gradient (softmax ignores a constant added
@@ -241,8 +256,14 @@ def _engine_parity(rank: int, world: int, family: str, kind: str, clip: float, s
     ],
 )
 def test_engine_five_steps_match_dense_reference(dist_run, family: str, kind: str, clip: float, sp: bool) -> None:
+    """Parameters against a float64 run of the dense model: within 1e-5, or within twice the dense fp32 run's own
+    distance from it where that is larger. [Note: AdamW's round-off floor] AdamW divides every gradient by its
+    own RMS, so a gradient that is pure round-off still moves its element by up to lr: after 5 steps at lr 1e-2 the
+    dense fp32 run itself sits 2.8e-5 (AVX2 kernels) to 7.1e-5 (AVX-512) from float64 on the LLaMA case, and the
+    dense fp32 runs under the two kernel sets differ by 4.3e-5, so a fixed 1e-5 between two fp32 runs passed or
+    failed by the CPU's kernels. Losses stay within 1e-5 of the dense fp32 run."""
     for r in dist_run(_engine_parity, 2, family, kind, clip, sp):
-        assert r["params"] <= 1e-5 and r["losses"] <= 1e-5, r
+        assert r["params"] <= max(1e-5, 2 * r["dense_fp32"]) and r["losses"] <= 1e-5, r
 
 
 def _traffic(rank: int, world: int, sp: bool) -> dict[str, tuple[int, int]]:
@@ -311,6 +332,9 @@ def _engine_parity_dp(rank: int, world: int, stage: int, sp: bool, kind: str) ->
     torch.manual_seed(0)
     dense = build("llama")
     opt = torch_optimizer(kind, dense.parameters(), LR)
+    torch.manual_seed(0)
+    exact_model = build("llama").double()  # the float64 yardstick ([Note: AdamW's round-off floor])
+    exact_opt = torch_optimizer(kind, exact_model.parameters(), LR)
     topology = Topology.build(MeshShape(data=data, tensor=tensor))
     tp = TensorParallel.from_topology(topology, sequence_parallel=sp)
     torch.manual_seed(0)
@@ -327,21 +351,20 @@ def _engine_parity_dp(rank: int, world: int, stage: int, sp: bool, kind: str) ->
     apply_tensor_parallel(model, tp, config.tensor_parallel)
     engine = ShardSpeedEngine(model, config, topology)
     for step in range(STEPS):
-        opt.zero_grad()
-        for d in range(data):  # the mean over data-parallel ranks of each rank's mean loss, as the engine averages
-            ids = batch(seed=100 * step + d)
-            (dense(input_ids=ids, labels=ids).loss / data).backward()
-        opt.step()
+        for net, optimizer in ((dense, opt), (exact_model, exact_opt)):
+            optimizer.zero_grad()
+            for d in range(data):  # the mean over data-parallel ranks of each rank's mean loss, as the engine does
+                ids = batch(seed=100 * step + d)
+                (net(input_ids=ids, labels=ids).loss / data).backward()
+            optimizer.step()
         mine = batch(seed=100 * step + topology.data.rank)
         engine.backward(engine(input_ids=mine, labels=mine).loss)
         engine.step()
-    reference = dict(dense.named_parameters())
-    worst, where = 0.0, ""
-    for name, value in engine.module_state_dict().items():  # the dense model's tensors
-        expected = reference[name].detach()
-        diff = (value.float() - expected).abs().max().item()
-        worst, where = max((worst, where), (diff, name))
-    return {"params": worst, "where": where}
+    exact = {n: p.detach().float() for n, p in exact_model.named_parameters()}
+    ours = {n: v.float() for n, v in engine.module_state_dict().items()}  # the dense model's tensors
+    worst, where = _worst(ours, exact)
+    dense_fp32 = _worst({n: p.detach() for n, p in dense.named_parameters()}, exact)[0]
+    return {"params": worst, "where": where, "dense_fp32": dense_fp32}
 
 
 @pytest.mark.slow
@@ -350,9 +373,9 @@ def _engine_parity_dp(rank: int, world: int, stage: int, sp: bool, kind: str) ->
     ("stage", "kind"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"), (1, "adamw"), (3, "adamw")]
 )
 def test_tp2_dp2_engine_matches_dense_reference(dist_run, stage: int, kind: str, sp: bool) -> None:
-    # AdamW at TP=2 × DP=2 ends 1.38e-5 from the reference (one gate_proj element), the same figure at every ZeRO
-    # stage with and without SP, and SGD on the same runs is within 1e-5: Adam's normalisation amplifying round-off
-    # of near-zero gradient elements, not a sharding difference (which would vary with the stage). Bound: 2e-5.
-    tolerance = 1e-5 if kind == "sgd" else 2e-5
+    """Against a float64 run of the dense model: within 1e-5, or twice the dense fp32 run's own distance from it
+    where that is larger ([Note: AdamW's round-off floor]: AdamW here ends 1.4e-5 (AVX2) to 3.8e-5 (AVX-512) from
+    the dense fp32 run, one gate_proj element, the same figure at every ZeRO stage with and without SP, while SGD
+    stays within 1e-5: round-off of near-zero gradients amplified, not a sharding difference)."""
     for r in dist_run(_engine_parity_dp, 4, stage, sp, kind):
-        assert r["params"] <= tolerance, r
+        assert r["params"] <= max(1e-5, 2 * r["dense_fp32"]), r
