@@ -111,19 +111,54 @@ class _ErrorFed:
             error.zero_()
 
 
+class Workspace:
+    """Element-wise work buffers (sign bools, float rows, gather indices) that compressed collectives use only
+    while the host runs their math, never while bytes are in flight: one optimizer's collectives (one per
+    parameter, several launched before any is waited) share one, so their number does not multiply this memory.
+    Each buffer grows to the largest request and is kept ([Note: compressed hot path])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The first ``numel`` elements of the buffer ``name`` (contents undefined)."""
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+
 class _Scratch:
     """The buffers one compressed collective reuses on every call ([Note: compressed hot path]): allocated on the
-    first call, kept (fresh multi-megabyte temporaries cost page faults on every call on CPU)."""
+    first call, kept (fresh multi-megabyte temporaries cost page faults on every call on CPU). The wire buffers
+    are the instance's own (they are in flight between launch and wait); the work buffers come from the shared
+    ``Workspace``, fetched at each use."""
 
-    def __init__(self, padded: int, n: int, device: torch.device) -> None:
-        nbytes = padded // 8
+    def __init__(self, padded: int, n: int, workspace: Workspace) -> None:
+        nbytes, device = padded // 8, workspace.device
         self.packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.received = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.bits = torch.empty(min(padded, BLOCK), dtype=torch.bool, device=device)
-        self.floats = torch.empty(min(padded, n * BLOCK), device=device)  # copysign scratch, then server rows
-        self.index = torch.empty(nbytes, dtype=torch.int32, device=device)
         self.scales = torch.empty(n, device=device)
         self.server_scales = torch.empty(n, device=device)
+        self._padded, self._n, self._workspace = padded, n, workspace
+
+    @property
+    def bits(self) -> Tensor:
+        return self._workspace.get("bits", min(self._padded, BLOCK), torch.bool)
+
+    @property
+    def floats(self) -> Tensor:
+        """copysign scratch, then the server's rows"""
+        return self._workspace.get("floats", min(self._padded, self._n * BLOCK))
+
+    @property
+    def index(self) -> Tensor:
+        return self._workspace.get("index", self._padded // 8, torch.int32)
 
     def rows(self, n: int) -> Tensor:
         """The server's (N, block) rows, in the float scratch."""
@@ -131,7 +166,8 @@ class _Scratch:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+        """The instance's own wire buffers (the shared work buffers: ``Workspace.nbytes``)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.received, self.scales, self.server_scales))
 
 
 class CompressedAllReduce(_ErrorFed):
@@ -148,9 +184,17 @@ class CompressedAllReduce(_ErrorFed):
     results (and error buffers) equal ``compression/reference.py`` and DeepSpeed 0.19.6 bit for bit."""
 
     def __init__(
-        self, numel: int, axis: AxisGroup, collectives: Collectives, *, device: torch.device, tag: str = "compressed"
+        self,
+        numel: int,
+        axis: AxisGroup,
+        collectives: Collectives,
+        *,
+        device: torch.device,
+        tag: str = "compressed",
+        workspace: Workspace | None = None,
     ) -> None:
         self.numel, self.axis, self.collectives, self.device, self.tag = numel, axis, collectives, device, tag
+        self.workspace = workspace or Workspace(device)
         n = axis.size
         self.padded = padded_numel(numel, n) if n > 1 else numel
         self.chunk = self.padded // n
@@ -158,13 +202,12 @@ class CompressedAllReduce(_ErrorFed):
         self.server_error = torch.zeros(self.chunk if n > 1 else 0, device=device)
         self._errors = {"worker_error": self.worker_error, "server_error": self.server_error}
         self._scratch: _Scratch | None = None
-        self._mean: Tensor | None = None
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
-        extra = 0 if self._mean is None else self._mean.numel() * 4
-        return (0 if self._scratch is None else self._scratch.nbytes) + extra
+        """Bytes of this instance's reused wire buffers (allocated at the first call; not state, not checkpointed);
+        the work buffers it shares are ``workspace.nbytes``."""
+        return 0 if self._scratch is None else self._scratch.nbytes
 
     def __call__(self, tensor: Tensor) -> None:
         self.launch(tensor).wait()
@@ -193,8 +236,7 @@ class CompressedAllReduce(_ErrorFed):
         if n == 1:
             return Work(None)
         if self._scratch is None:
-            self._scratch = _Scratch(self.padded, n, self.device)
-            self._mean = torch.empty(self.chunk, device=self.device)
+            self._scratch = _Scratch(self.padded, n, self.workspace)
         s = self._scratch
         offset = 0
         for part in parts:  # padding: zeros + error = error
@@ -210,9 +252,10 @@ class CompressedAllReduce(_ErrorFed):
     def _serve(self, parts: list[Tensor], worker_scale: Tensor) -> None:
         """Steps 3-4: average this rank's chunk, compress it with the server error, gather every rank's."""
         n, c, s, chunk = self.axis.size, self.collectives, self._scratch, self.chunk
-        assert s is not None and self._mean is not None
+        assert s is not None
         # the mean, and the server error += mean (DeepSpeed's mean + server error), in one blocked sweep
-        average_rows_(s.received.view(n, -1), s.scales, s.rows(n), self._mean, s.index, add_to=self.server_error)
+        mean = self.workspace.get("mean", chunk)
+        average_rows_(s.received.view(n, -1), s.scales, s.rows(n), mean, s.index, add_to=self.server_error)
         cb = chunk // 8
         own = s.packed[:cb]  # the worker's packed signs went out in phase one: reuse the bytes
         scale = compress_compensated_(self.server_error, own, s.bits[:chunk], s.floats[:chunk])
@@ -258,12 +301,20 @@ class CompressedReduceScatter(_ErrorFed):
     size 1."""
 
     def __init__(
-        self, numel: int, axis: AxisGroup, collectives: Collectives, *, device: torch.device, tag: str = "compressed"
+        self,
+        numel: int,
+        axis: AxisGroup,
+        collectives: Collectives,
+        *,
+        device: torch.device,
+        tag: str = "compressed",
+        workspace: Workspace | None = None,
     ) -> None:
         n = axis.size
         if numel % n:
             raise ValueError(f"CompressedReduceScatter: {numel} elements do not split over the {axis.name} axis' {n}")
         self.numel, self.axis, self.collectives, self.device, self.tag = numel, axis, collectives, device, tag
+        self.workspace = workspace or Workspace(device)
         self.slice = numel // n
         self.chunk = -(-self.slice // 8) * 8
         self.worker_error = torch.zeros(n * self.chunk if n > 1 else 0, device=device)
@@ -272,7 +323,8 @@ class CompressedReduceScatter(_ErrorFed):
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the reused work buffers (allocated at the first call; not state, not checkpointed)."""
+        """Bytes of this instance's reused wire buffers (allocated at the first call; not state, not checkpointed);
+        the work buffers it shares are ``workspace.nbytes``."""
         return 0 if self._scratch is None else self._scratch.nbytes
 
     def __call__(self, shard: Tensor, unsharded: Tensor) -> None:
@@ -289,7 +341,7 @@ class CompressedReduceScatter(_ErrorFed):
             shard.view(-1).copy_(unsharded.view(-1))
             return Work(None)
         if self._scratch is None:
-            self._scratch = _Scratch(n * self.chunk, n, self.device)
+            self._scratch = _Scratch(n * self.chunk, n, self.workspace)
         s = self._scratch
         self.worker_error.view(n, self.chunk)[:, : self.slice].add_(unsharded.view(n, self.slice))
         scale = compress_compensated_(self.worker_error, s.packed, s.bits, s.floats)

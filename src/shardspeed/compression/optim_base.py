@@ -57,7 +57,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     """Base class of optimizers that own communication after a warm-up ([Note: optimizer-owned communication]).
 
     Subclasses implement ``step`` and ``owns_communication`` and create their compressors with
-    ``compressor(key, numel)`` (one per flat param-group buffer); the base keeps them, binds them to the engine's
+    ``compressor(key, numel)`` (one per flat buffer: OneBitAdam one per parameter); the base keeps them, binds them to the engine's
     collectives and saves/loads/resets their error buffers.
     """
 
@@ -69,6 +69,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._axis: AxisGroup | None = None
         self._device: torch.device | None = None
         self._compressors: dict[str, Any] = {}
+        self._workspace: Any = None  # work buffers every compressor shares (compression/collective.py: Workspace)
         self._pending_state: dict[str, dict[str, Tensor]] = {}  # loaded before the compressor exists
 
     # --- the engine's side ---------------------------------------------------------------------------------------
@@ -103,12 +104,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fp32 elements, created on first use (its error buffers start at zero, or from a loaded checkpoint)."""
         comp = self._compressors.get(key)
         if comp is None:
-            from shardspeed.compression.collective import CompressedAllReduce
+            from shardspeed.compression.collective import CompressedAllReduce, Workspace
 
             if self._collectives is None:
                 raise RuntimeError(f"{type(self).__name__} is not bound to an engine: call bind(collectives, axis)")
             device = self._device or torch.device("cpu")
-            comp = CompressedAllReduce(numel, self.axis, self._collectives, device=device, tag=f"compressed:{key}")
+            if self._workspace is None:
+                self._workspace = Workspace(device)
+            comp = CompressedAllReduce(
+                numel, self.axis, self._collectives, device=device, tag=f"compressed:{key}", workspace=self._workspace
+            )
             pending = self._pending_state.pop(key, None)
             if pending is not None:
                 comp.load_state_dict(pending)
@@ -158,6 +163,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 comp.load_state_dict(tensors)
             else:  # created at the next compressed step (its size is known then)
                 self._pending_state[key] = tensors
+
+    def drop_unclaimed_compression_state(self) -> None:
+        """After a compressed step has created every compressor it uses: error buffers loaded under keys no
+        compressor claimed (a checkpoint from another buffer layout, e.g. an older release's one buffer per param
+        group) are dropped with a warning instead of lingering, and the compressors run from zero errors."""
+        if self._pending_state:
+            logger.warning(
+                "%s: the checkpoint's error-feedback buffers %s match no compressor of this run (another buffer "
+                "layout); they are dropped and the compression errors restart at zero",
+                type(self).__name__,
+                sorted(self._pending_state),
+            )
+            self._pending_state = {}
 
     def reset_compression(self) -> None:
         """Forget every error buffer (they restart at zero at the next compressed step)."""
