@@ -8,6 +8,7 @@ groups and an ``exp_avg_mask``: the compressed phase is DeepSpeed's algorithm, o
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -73,3 +74,37 @@ def test_onebit_adam_equals_deepspeed_through_the_compressed_phase(tmp_path: Any
         assert result["phases"] == [False] * FREEZE + [True] * (STEPS - FREEZE), result["phases"]
         assert result["worst"] == 0.0, result
         assert result["moved"] > 0.05  # the steps did something
+
+
+def _old_layout(rank: int, world: int) -> dict[str, Any]:
+    """Error buffers saved under keys this run's compressors do not use (an older release's one buffer per param
+    group) are dropped with a warning at the first compressed step; the parameters' own buffers are kept."""
+    records: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("shardspeed").addHandler(handler)
+    try:
+        params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+        opt = OneBitAdam(params, lr=0.01, freeze_step=2)
+        opt.bind(Collectives(CommsLog(enabled=False)), AxisGroup("data", dist.group.WORLD, tuple(range(world)), rank))
+        stale = {"group0/meta": torch.tensor([10, world]), "group0/worker_error": torch.ones(16)}
+        opt.load_compression_state_dict(stale, same_world=True)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, float(step + rank))
+            opt.step()
+        keys = sorted(opt.compression_state_dict())
+    finally:
+        logging.getLogger("shardspeed").removeHandler(handler)
+    return {"keys": keys, "warnings": [r for r in records if "match no compressor" in r]}
+
+
+def test_error_buffers_of_another_layout_are_dropped_with_a_warning(tmp_path: Any) -> None:
+    for result in run_ranks(_old_layout, 2, tmp_path):
+        assert len(result["warnings"]) == 1 and "group0" in result["warnings"][0], result
+        assert not any(k.startswith("group0/") for k in result["keys"]), result["keys"]
+        assert {k.split("/")[0] for k in result["keys"]} == {f"group0.{j}" for j in range(len(SHAPES))}
