@@ -5,6 +5,7 @@ an exact zero and they drift by the compression error)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -56,3 +57,28 @@ def test_masked_momentum_rows_stay_zero(tmp_path: Any, name: str) -> None:
     assert all(m == 0 for m in moved), moved
     unmasked = run_ranks(_train, 2, tmp_path, name, False)
     assert all(m > 0 for m in unmasked), unmasked  # the case the mask exists for
+
+
+def _starved_warnings(rank: int, world: int, masked: bool) -> list[str]:
+    records: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("shardspeed").addHandler(handler)
+    try:
+        _train(rank, world, "OneBitAdam", masked)
+    finally:
+        logging.getLogger("shardspeed").removeHandler(handler)
+    return [r for r in records if "frozen variance is below eps" in r]
+
+
+def test_onebit_adam_warns_once_about_unmasked_zero_gradient_elements(tmp_path: Any) -> None:
+    """[Note: starved elements]: rows whose gradient was zero through the warm-up are named at the first
+    compressed step (once, on the data axis' rank 0), unless the exp_avg_mask zeroes them."""
+    unmasked = run_ranks(_starved_warnings, 2, tmp_path, False)
+    assert len(unmasked[0]) == 1 and "group 0 parameter 0 (8, 4): 16 of 32" in unmasked[0][0], unmasked
+    assert unmasked[1] == []  # rank 1 of the data axis stays quiet
+    assert run_ranks(_starved_warnings, 2, tmp_path, True) == [[], []]

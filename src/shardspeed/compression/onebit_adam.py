@@ -29,6 +29,7 @@ every compressed mean over more than one rank, as in DeepSpeed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +37,8 @@ import torch
 from torch import Tensor
 
 from shardspeed.compression.optim_base import CompressedOptimizer, mask_exp_avg_
+
+logger = logging.getLogger("shardspeed")
 
 COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed")
 """DeepSpeed's ``comm_backend_name`` values (any of them runs on the process group's own backend here)."""
@@ -85,6 +88,15 @@ def apply_update_(
     p.add_(update.mul_(-lr))
 
 
+def starved_elements(v: Tensor, eps: float, mask: Tensor | None = None) -> int:
+    """Elements whose frozen variance is below ``eps²`` (gradient ~0 through the warm-up), not zeroed by the
+    ``exp_avg_mask``: [Note: starved elements]."""
+    starved = v < eps * eps
+    if mask is not None:
+        starved &= mask.to(v.device) != 0
+    return int(starved.sum())
+
+
 class OneBitAdam(CompressedOptimizer):
     """DeepSpeed's ``OneBitAdam`` ([Note: 1-bit Adam's phases]); config ``"type": "OneBitAdam"``."""
 
@@ -115,6 +127,7 @@ class OneBitAdam(CompressedOptimizer):
         self.eps_inside_sqrt = eps_inside_sqrt
         self._denoms: dict[Tensor, tuple[Any, Tensor]] = {}  # [Note: frozen denominators]
         self._update_scratch: Tensor | None = None
+        self._starvation_checked = False  # [Note: starved elements], once per run (or resume)
         self.max_grad_norm = max_grad_norm  # DeepSpeed 0.19.6 accepts it and never reads it (clipping: the engine's)
 
     def steps_done(self) -> int:
@@ -135,6 +148,9 @@ class OneBitAdam(CompressedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         compressed = self.owns_communication  # decided by the steps before this one, on every rank alike
+        if compressed and not self._starvation_checked:
+            self._starvation_checked = True
+            self._warn_starved()
         first = self.steps_done() == 0
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
@@ -168,6 +184,33 @@ class OneBitAdam(CompressedOptimizer):
                     p, state["exp_avg"], state["exp_avg_sq"], group["lr"], group["eps"], group["weight_decay"]
                 )
         return loss
+
+    def _warn_starved(self) -> None:
+        """[Note: starved elements] 1-bit compression cannot send a zero: every element's averaged momentum is
+        ±(its chunk's scale) plus error feedback, so an element whose frozen variance is ~0 (an attention key
+        bias, whose gradient softmax's shift invariance makes exactly zero; embedding rows of tokens never seen)
+        moves by about ``lr · scale / eps`` per step instead of ~0. Measured on the demo GPT (β2 0.95,
+        ``freeze_step`` 450): the key biases' sqrt(v) was 1e-10, their steps 5e4 × lr, and the run overflowed
+        within 6 compressed steps. DeepSpeed's remedy is an ``exp_avg_mask`` of 0 for such elements; one warning
+        at the first compressed step names the parameters that have them (rank 0 of the data axis; every rank's
+        variance is the same there)."""
+        if self._axis is not None and self._axis.rank != 0:
+            return
+        found = []
+        for index, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                v = self.state[p].get("exp_avg_sq") if p in self.state else None
+                count = 0 if v is None else starved_elements(v, group["eps"], group.get("exp_avg_mask"))
+                if count:
+                    found.append(f"group {index} parameter {j} {tuple(p.shape)}: {count} of {p.numel()}")
+        if found:
+            logger.warning(
+                "OneBitAdam: entering the compressed phase with elements whose frozen variance is below eps² "
+                "(their gradient was ~0 through the warm-up): %s. 1-bit compression cannot send their momentum as "
+                "zero, so each step moves them by about lr × scale / eps; if their gradient is structurally zero "
+                "(attention key biases, unused embedding rows) give them an exp_avg_mask of 0 (DeepSpeed's remedy)",
+                "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else ""),
+            )
 
     def _frozen_update(self, params: list[Tensor], group: dict[str, Any]) -> None:
         """The compressed phase's update ([Note: frozen denominators]): one scratch buffer for every parameter's
