@@ -65,6 +65,25 @@ def _check_input(what: str, tensor: Tensor, numel: int) -> None:
         )
 
 
+def unpack_range_(out: Tensor, start: int, chunk: int, packed: Tensor, scales: Tensor, index: Tensor) -> None:
+    """``out`` <- elements ``[start, start + out.numel())`` of a compressed result whose rank r's ``chunk`` elements
+    are ``packed[r]`` (``chunk / 8`` bytes, rows may be strided) decompressed with ``scales[r]``: the whole bytes are
+    gathered straight into ``out``, a partial byte at either end goes through an 8-element buffer."""
+    end = start + out.numel()
+    for r in range(start // chunk, -(-end // chunk)):
+        lo, hi = max(start, r * chunk), min(end, (r + 1) * chunk)
+        lo8, hi8 = -(-lo // 8) * 8, hi // 8 * 8
+        if hi8 > lo8:
+            first = lo8 // 8 - r * chunk // 8
+            cut = packed[r, first : first + (hi8 - lo8) // 8]
+            unpack_scaled_(cut, scales[r], out[lo8 - start : hi8 - start], index[: cut.numel()])
+        for a, b in ((lo, min(lo8, hi)), (max(lo8, hi8), hi)):  # the head and tail bytes' elements
+            if b > a:  # a partial byte: unpack it whole, keep the needed elements
+                byte, last = a // 8 - r * chunk // 8, torch.empty(8, device=out.device)
+                unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
+                out[a - start : b - start].copy_(last[a % 8 : a % 8 + b - a])
+
+
 class _ErrorFed:
     """Error buffers (named) with state_dict / load_state_dict / reset / error_bytes. The state also carries
     ``meta`` = [numel, axis size]: buffer shapes alone do not identify the layout (a reduce-scatter's worker error
@@ -92,11 +111,11 @@ class _ErrorFed:
             raise ValueError(
                 f"{type(self).__name__}: state keys {sorted(sd)} != expected {sorted({'meta', *self._errors})}"
             )
-        saved = [int(v) for v in sd["meta"].reshape(-1).tolist()]
-        if saved != [self.numel, self.axis.size]:
+        saved, expected = [int(v) for v in sd["meta"].reshape(-1).tolist()], self._meta().tolist()
+        if saved != expected:
             raise ValueError(
-                f"{type(self).__name__}: error buffers saved for [numel, axis size] = {saved}, this one is "
-                f"{[self.numel, self.axis.size]} (saved at another size or axis size: reset() the buffers instead)"
+                f"{type(self).__name__}: error buffers saved for [numel, axis size, ...] = {saved}, this one is "
+                f"{expected} (saved at another size or axis size: reset() the buffers instead)"
             )
         for name, error in self._errors.items():
             if sd[name].shape != error.shape:
@@ -270,28 +289,10 @@ class CompressedAllReduce(_ErrorFed):
         for part in parts:  # straight into each piece where it is a contiguous fp32 tensor
             direct = part.dtype == torch.float32 and part.is_contiguous()
             dest = part.view(-1) if direct else torch.empty(part.numel(), device=self.device)
-            self._unpack_range(dest, offset, packed, s.server_scales, s.index)
+            unpack_range_(dest, offset, chunk, packed, s.server_scales, s.index)
             if not direct:
                 part.copy_(dest.view_as(part))
             offset += part.numel()
-
-    def _unpack_range(self, out: Tensor, start: int, packed: Tensor, scales: Tensor, index: Tensor) -> None:
-        """``out`` <- elements ``[start, start + out.numel())`` of the result (rank r's chunk decompressed with
-        scale r): the whole bytes are gathered straight into ``out``, a partial byte at either end goes through an
-        8-element buffer."""
-        end, chunk = start + out.numel(), self.chunk
-        for r in range(start // chunk, -(-end // chunk)):
-            lo, hi = max(start, r * chunk), min(end, (r + 1) * chunk)
-            lo8, hi8 = -(-lo // 8) * 8, hi // 8 * 8
-            if hi8 > lo8:
-                first = lo8 // 8 - r * chunk // 8
-                cut = packed[r, first : first + (hi8 - lo8) // 8]
-                unpack_scaled_(cut, scales[r], out[lo8 - start : hi8 - start], index[: cut.numel()])
-            for a, b in ((lo, min(lo8, hi)), (max(lo8, hi8), hi)):  # the head and tail bytes' elements
-                if b > a:  # a partial byte: unpack it whole, keep the needed elements
-                    byte, last = a // 8 - r * chunk // 8, torch.empty(8, device=out.device)
-                    unpack_scaled_(packed[r, byte : byte + 1], scales[r], last)
-                    out[a - start : b - start].copy_(last[a % 8 : a % 8 + b - a])
 
 
 class CompressedReduceScatter(_ErrorFed):

@@ -13,12 +13,12 @@ step, with ``freeze_step`` = F and ``k`` the 1-based step count:
 The switch happens after the step whose count reaches F (DeepSpeed: ``state['step'] >= freeze_step``, checked
 from step 2 on: its first step returns early), so ``owns_communication`` is ``steps done >= max(F, 2)``.
 [Note: one compressor per parameter] As DeepSpeed, each parameter's momentum is compressed apart (padded to its
-own size, its own worker and server errors, one scale per rank chunk of *that* tensor). One flat buffer per param
-group would be one collective instead of one per parameter, but one scale for tensors whose momenta differ by
+own size, its own worker and server errors, one scale per rank chunk of *that* tensor), the wire data of a param group's
+tensors side by side in one set of four collectives ([Note: partwise compressed all-reduce]: DeepSpeed makes
+four per parameter). One flat buffer per param group, one scale for tensors whose momenta differ by
 orders of magnitude (embeddings, biases, norms) gives the small ones ±(the bucket's RMS) every step: measured on
 the demo GPT, 1-bit Adam then ends ~5% *below* its compression-off loss at 1000 steps, further from Adam than
-DeepSpeed's granularity (benchmarks/bench_compression_convergence.py). The launches overlap: every parameter's
-first phase (signs out) is issued before any second phase is waited. Unlike DeepSpeed, a parameter without a
+DeepSpeed's granularity (benchmarks/bench_compression_convergence.py). Unlike DeepSpeed, a parameter without a
 gradient still takes part (its momentum decays and is compressed): every rank must issue the same collectives,
 and a gradient missing on one rank only would otherwise hang the others. DeepSpeed's
 ``bias_correction``, ``eps_inside_sqrt``, ``cuda_aware`` are accepted and have no effect there either;
@@ -242,17 +242,17 @@ class OneBitAdam(CompressedOptimizer):
 
     def _compressed_momentum(self, index: int, params: list[Tensor], beta1: float) -> None:
         """Fold each rank's local gradient into the momentum, then average every parameter's momentum over the data
-        axis with its own error-fed 1-bit all-reduce ([Note: one compressor per parameter]). A parameter without
-        gradient adds nothing (its momentum still decays, as the others')."""
-        works = []
-        for j, p in enumerate(params):
+        axis, each compressed apart ([Note: one compressor per parameter]) in one set of collectives for the group
+        (``PartwiseCompressedAllReduce``). A parameter without gradient adds nothing (its momentum still decays, as
+        the others')."""
+        moments = []
+        for p in params:
             m = self.state[p]["exp_avg"]
             if p.grad is None:
                 m.mul_(beta1)
             else:
                 momentum_(m, p.grad, beta1)
-            # launched before the next parameter's momentum is formed: its first phase runs meanwhile
-            works.append(self.compressor(f"group{index}.{j}", m.numel()).launch_parts([m]))
-        for work in works:  # in launch order on every rank: the second phases' collectives match
-            work.wait()
+            moments.append(m)
+        compressor = self.partwise_compressor(f"group{index}.params", [m.numel() for m in moments])
+        compressor.launch(moments).wait()
         self.drop_unclaimed_compression_state()

@@ -57,8 +57,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     """Base class of optimizers that own communication after a warm-up ([Note: optimizer-owned communication]).
 
     Subclasses implement ``step`` and ``owns_communication`` and create their compressors with
-    ``compressor(key, numel)`` (one per flat buffer: OneBitAdam one per parameter); the base keeps them, binds them to the engine's
-    collectives and saves/loads/resets their error buffers.
+    ``compressor(key, numel)`` (one flat buffer) or ``partwise_compressor(key, sizes)`` (several tensors, each
+    compressed apart: OneBitAdam's parameters); the base keeps them, binds them to the engine's collectives and
+    saves/loads/resets their error buffers.
     """
 
     shardspeed_owns_communication = True  # what engine wiring and the step core look for (inherited by subclasses)
@@ -102,18 +103,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def compressor(self, key: str, numel: int) -> Any:
         """The error-fed compressed all-reduce (MEAN over the bound axis) for the flat buffer ``key`` of ``numel``
         fp32 elements, created on first use (its error buffers start at zero, or from a loaded checkpoint)."""
+        from shardspeed.compression.collective import CompressedAllReduce
+
+        return self._get_compressor(key, lambda c, device, tag, ws: CompressedAllReduce(
+            numel, self.axis, c, device=device, tag=tag, workspace=ws
+        ))  # fmt: skip
+
+    def partwise_compressor(self, key: str, sizes: list[int]) -> Any:
+        """``compressor`` for several tensors of ``sizes`` compressed each apart in one set of collectives
+        (``PartwiseCompressedAllReduce``, [Note: partwise compressed all-reduce])."""
+        from shardspeed.compression.partwise import PartwiseCompressedAllReduce
+
+        return self._get_compressor(key, lambda c, device, tag, ws: PartwiseCompressedAllReduce(
+            sizes, self.axis, c, device=device, tag=tag, workspace=ws
+        ))  # fmt: skip
+
+    def _get_compressor(self, key: str, build: Any) -> Any:
         comp = self._compressors.get(key)
         if comp is None:
-            from shardspeed.compression.collective import CompressedAllReduce, Workspace
+            from shardspeed.compression.collective import Workspace
 
             if self._collectives is None:
                 raise RuntimeError(f"{type(self).__name__} is not bound to an engine: call bind(collectives, axis)")
             device = self._device or torch.device("cpu")
             if self._workspace is None:
                 self._workspace = Workspace(device)
-            comp = CompressedAllReduce(
-                numel, self.axis, self._collectives, device=device, tag=f"compressed:{key}", workspace=self._workspace
-            )
+            comp = build(self._collectives, device, f"compressed:{key}", self._workspace)
             pending = self._pending_state.pop(key, None)
             if pending is not None:
                 comp.load_state_dict(pending)
