@@ -191,7 +191,7 @@ class OneBitAdam(CompressedOptimizer):
         bias, whose gradient softmax's shift invariance makes exactly zero; embedding rows of tokens never seen)
         moves by about ``lr · scale / eps`` per step instead of ~0. Measured on the demo GPT (β2 0.95,
         ``freeze_step`` 450): the key biases' sqrt(v) was 1e-10, their steps 5e4 × lr, and the run overflowed
-        within 6 compressed steps. DeepSpeed's remedy is an ``exp_avg_mask`` of 0 for such elements; one warning
+        within 15 compressed steps. DeepSpeed's remedy is an ``exp_avg_mask`` of 0 for such elements; one warning
         at the first compressed step names the parameters that have them (rank 0 of the data axis; every rank's
         variance is the same there)."""
         if self._axis is not None and self._axis.rank != 0:
