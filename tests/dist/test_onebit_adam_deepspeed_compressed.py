@@ -3,8 +3,8 @@ same gloo ranks: DeepSpeed's optimizer and its ``CompressedBackend`` run from th
 (tests/dist/deepspeed_onebit_source.py), ours bound to ``Collectives`` directly. Both get the same gradients: the
 mean of the ranks' gradients during warm-up (what an engine's all-reduce gives them), each rank's own once
 compression owns communication. Parameters agree bit for bit at every step, with weight decay, several parameter
-groups and an ``exp_avg_mask``: the compressed phase is DeepSpeed's algorithm, one compressor per parameter
-([Note: one compressor per parameter] in compression/onebit_adam.py), not merely its warm-up."""
+groups and an ``exp_avg_mask``: the compressed phase is DeepSpeed's algorithm, each parameter compressed apart
+([Note: per-parameter compression] in compression/onebit_adam.py), not merely its warm-up."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def _reference(world: int) -> list[torch.Tensor]:
     flat = parameters_to_vector(params).detach().clone()
     n = flat.numel()
     m, v = torch.zeros(n), torch.zeros(n)
-    sizes = [p.numel() for p in params]  # one compressor per parameter ([Note: one compressor per parameter])
+    sizes = [p.numel() for p in params]  # one compressor per parameter ([Note: per-parameter compression])
     errors = [
         ([torch.zeros(padded_numel(s, world)) for _ in range(world)],
          [torch.zeros(padded_numel(s, world) // world) for _ in range(world)])

@@ -191,3 +191,41 @@ def test_cpu_numpy_sweep_equals_the_torch_sweep_bit_for_bit(numel: int) -> None:
     nan = torch.isnan(x)
     assert torch.equal(np_error[~nan], t_error[~nan]) and torch.isnan(results[0][1].view(torch.float32)[nan]).all()
     assert torch.equal(np_packed, pack_signs(x))  # and both are the plain packer's bytes
+
+
+@pytest.mark.parametrize("n,numel", [(1, 100), (2, 3 * 65536 + 13), (2, 1003), (2, 70000)])
+def test_cpu_numpy_server_average_equals_the_torch_one_bit_for_bit(n: int, numel: int) -> None:
+    """``average_rows_`` on CPU fp32 with N ≤ 2 (numpy) gives the torch path's mean and server-error bits, over
+    strided packed rows, a partial last block and a partial byte; more rows are refused (torch's dim-0 sum of 8+
+    rows is not sequential, so larger N stay on torch)."""
+    from shardspeed.compression import signs
+
+    g = torch.Generator().manual_seed(n * numel)
+    nbytes = -(-numel // 8)
+    wide = torch.randint(0, 256, (n, nbytes + 5), dtype=torch.uint8, generator=g)
+    packed = wide[:, 3 : 3 + nbytes]  # rows strided, as a partwise call's column range
+    scales = torch.rand(n, generator=g) * 10
+    weights = scales.mul(1 / n)
+    tables = [signs._bit_table(torch.float32, torch.device("cpu")) * weights[r] for r in range(n)]
+    results = []
+    for numpy_path in (True, False):
+        rows, out = torch.empty(n, signs.BLOCK), torch.empty(numel)
+        error = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+        if numpy_path:
+            signs._average_rows_numpy_(packed, tables, rows, out, error)
+        else:
+            signs._average_rows_torch_(packed, tables, rows, out, torch.empty(nbytes, dtype=torch.int32), error)
+        results.append((out.view(torch.int32), error.view(torch.int32)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    expected = (unpack_signs(packed.contiguous().view(-1), n * nbytes * 8).view(n, -1) * weights.view(n, 1)).sum(0)
+    assert torch.equal(results[0][0].view(torch.float32), expected[:numel])  # DeepSpeed's unpack · w, then sum(0)
+
+
+def test_numpy_server_average_refuses_more_than_two_rows() -> None:
+    from shardspeed.compression import signs
+
+    tables = [signs._bit_table(torch.float32, torch.device("cpu"))] * 3
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        signs._average_rows_numpy_(
+            torch.zeros(3, 1, dtype=torch.uint8), tables, torch.empty(3, 8), torch.empty(8), None
+        )

@@ -2,7 +2,7 @@
 error buffers and scales, but the four collectives of one call carry all of them.
 
 [Note: partwise compressed all-reduce] DeepSpeed's OnebitAdam compresses each parameter's momentum with its own
-``compressed_allreduce`` ([Note: one compressor per parameter] in onebit_adam.py): four collectives per parameter,
+``compressed_allreduce`` ([Note: per-parameter compression] in onebit_adam.py): four collectives per parameter,
 so a model of many small tensors is bound by the collectives' latency (measured on the demo GPT, 28 tensors, gloo
 on 2 CPU cores: 112 waits per step, ~2/3 of the step spent in them). ``PartwiseCompressedAllReduce`` does the same
 math per part — tensor j padded to ``padded_numel(n_j, N)``, its worker scale, error and chunks, its server's

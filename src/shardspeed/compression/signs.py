@@ -204,14 +204,32 @@ def average_rows_(
     """The server step into preallocated buffers: ``out`` (numel fp32, at most 8 × bytes) <- the mean over N
     workers of their decompressed copies. ``packed``: (N, bytes); ``rows``: an (N, W) fp32 scratch, W a multiple
     of 8 (the block width). Per block of columns, each worker's row is one gather through a table of ±scale_r / N,
-    then one ``sum(0)``: the values and reduction DeepSpeed's ``unpack · (scales / N)`` then ``sum(0)`` computes
-    (a column's sum does not depend on the blocking), so the bits agree for any N. ``add_to``: a buffer like
-    ``out`` that receives ``+= mean`` in the same sweep (the server error: DeepSpeed's ``mean + error``, addition
-    commutes bit for bit)."""
-    n, width = packed.shape[0], rows.shape[1]
+    then one ``sum(0)`` (DeepSpeed's ``unpack · (scales / N)`` then ``sum(0)``; a column's sum does not depend on
+    the blocking), so the bits agree for any N. ``add_to``: a buffer like ``out`` that receives ``+= mean`` in the
+    same sweep (the server error: DeepSpeed's ``mean + error``, addition commutes bit for bit). On CPU fp32 with
+    N ≤ 2 the sweep runs in numpy ([Note: CPU sweep in numpy]: ``np.take`` of the table rows, one ``np.add``):
+    two rows' sum is one IEEE addition whatever the order, while torch's dim-0 sum of 8 or more rows does not add
+    them in sequence (measured), so larger N keep torch's own reduction."""
+    n = packed.shape[0]
     weights = scales.reshape(n).float().mul(1 / n)
     tables = [_bit_table(out.dtype, out.device) * weights[r] for r in range(n)]
-    numel = out.numel()
+    buffers = (rows, out) if add_to is None else (rows, out, add_to)
+    if (
+        n <= 2
+        and packed.device.type == "cpu"
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in buffers)
+    ):
+        _average_rows_numpy_(packed, tables, rows, out, add_to)
+    else:
+        _average_rows_torch_(packed, tables, rows, out, index, add_to)
+    return out
+
+
+def _average_rows_torch_(
+    packed: Tensor, tables: list[Tensor], rows: Tensor, out: Tensor, index: Tensor | None, add_to: Tensor | None
+) -> None:
+    """``average_rows_``'s sweep in torch ops (any device and dtype)."""
+    n, width, numel = packed.shape[0], rows.shape[1], out.numel()
     for start in range(0, numel, width):
         size = min(width, numel - start)
         nbytes = -(-size // 8)
@@ -224,7 +242,33 @@ def average_rows_(
         mean = torch.sum(block[:, :size], 0, out=out[start : start + size])
         if add_to is not None:
             add_to[start : start + size].add_(mean)
-    return out
+
+
+def _average_rows_numpy_(
+    packed: Tensor, tables: list[Tensor], rows: Tensor, out: Tensor, add_to: Tensor | None
+) -> None:
+    """``average_rows_``'s sweep on CPU fp32 for N ≤ 2 through numpy views: the same table values gathered
+    (``np.take``; uint8 indices, no copy to int32), the two rows added (one IEEE addition, torch's ``sum(0)`` bit
+    for bit), the same addition into ``add_to``. ``packed`` may have strided rows."""
+    if len(tables) > 2:
+        raise ValueError(f"_average_rows_numpy_ sums at most 2 rows in torch's order, got {len(tables)}")
+    pn, on, rn = packed.numpy(), out.detach().numpy(), rows.detach().numpy()
+    tn = [t.numpy() for t in tables]
+    an = None if add_to is None else add_to.detach().numpy()
+    n, width, numel = rn.shape[0], rn.shape[1], on.shape[0]
+    for start in range(0, numel, width):
+        size = min(width, numel - start)
+        nbytes = -(-size // 8)
+        for r in range(n):
+            dest = rn[r, : nbytes * 8].reshape(nbytes, 8)
+            np.take(tn[r], pn[r, start // 8 : start // 8 + nbytes], axis=0, out=dest, mode="clip")
+        mean = on[start : start + size]
+        if n == 1:
+            np.copyto(mean, rn[0, :size])
+        else:
+            np.add(rn[0, :size], rn[1, :size], out=mean)
+        if an is not None:
+            np.add(an[start : start + size], mean, out=an[start : start + size])
 
 
 def average_chunks(packed: Tensor, scales: Tensor, numel: int) -> Tensor:
