@@ -8,8 +8,10 @@ keep theirs. The optimizer code under test is the same code the ranks run.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -140,26 +142,31 @@ def feed(seed: int, shapes: tuple[tuple[int, ...], ...], world: int) -> Callable
     return grads
 
 
-def load_with_warnings(config: dict, ckpt: str) -> tuple[Any, list[str]]:
-    """A fresh engine on the parity model with ``ckpt`` loaded, and the warnings shardspeed logged meanwhile (the
-    error-buffer reset at another world size is one)."""
-    import logging
-
-    from parity import make_model
-
-    import shardspeed
-
+@contextlib.contextmanager
+def shardspeed_messages(level: int = logging.WARNING) -> Iterator[list[str]]:
+    """The messages shardspeed's logger emits at ``level`` or above inside the block, as a list filled in place."""
     records: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    handler = Keep(level=logging.WARNING)
+    handler = Keep(level=level)
     logging.getLogger("shardspeed").addHandler(handler)
     try:
-        engine, *_ = shardspeed.initialize(model=make_model(), config=config)
-        engine.load_checkpoint(ckpt)
+        yield records
     finally:
         logging.getLogger("shardspeed").removeHandler(handler)
+
+
+def load_with_warnings(config: dict, ckpt: str) -> tuple[Any, list[str]]:
+    """A fresh engine on the parity model with ``ckpt`` loaded, and the warnings shardspeed logged meanwhile (the
+    error-buffer reset at another world size is one)."""
+    from parity import make_model
+
+    import shardspeed
+
+    with shardspeed_messages() as records:
+        engine, *_ = shardspeed.initialize(model=make_model(), config=config)
+        engine.load_checkpoint(ckpt)
     return engine, records

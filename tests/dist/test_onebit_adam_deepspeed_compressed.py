@@ -8,7 +8,6 @@ groups and an ``exp_avg_mask``: the compressed phase is DeepSpeed's algorithm, e
 
 from __future__ import annotations
 
-import logging
 import types
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from deepspeed_onebit_source import ONEBIT_ADAM, onebit_adam_class
+from onebit_workers import shardspeed_messages
 
 from harness import run_ranks
 from shardspeed.comm import Collectives, CommsLog
@@ -79,15 +79,7 @@ def test_onebit_adam_equals_deepspeed_through_the_compressed_phase(tmp_path: Any
 def _old_layout(rank: int, world: int) -> dict[str, Any]:
     """Error buffers saved under keys this run's compressors do not use (an older release's one buffer per param
     group) are dropped with a warning at the first compressed step; the parameters' own buffers are kept."""
-    records: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Catch()
-    logging.getLogger("shardspeed").addHandler(handler)
-    try:
+    with shardspeed_messages() as records:
         params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
         opt = OneBitAdam(params, lr=0.01, freeze_step=2)
         opt.bind(Collectives(CommsLog(enabled=False)), AxisGroup("data", dist.group.WORLD, tuple(range(world)), rank))
@@ -98,8 +90,6 @@ def _old_layout(rank: int, world: int) -> dict[str, Any]:
                 p.grad = torch.full_like(p, float(step + rank))
             opt.step()
         keys = sorted(opt.compression_state_dict())
-    finally:
-        logging.getLogger("shardspeed").removeHandler(handler)
     return {"keys": keys, "warnings": [r for r in records if "match no compressor" in r]}
 
 

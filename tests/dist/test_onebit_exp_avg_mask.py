@@ -5,12 +5,12 @@ an exact zero and they drift by the compression error)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from onebit_workers import shardspeed_messages
 
 from harness import run_ranks
 from shardspeed.comm import Collectives, CommsLog
@@ -60,18 +60,8 @@ def test_masked_momentum_rows_stay_zero(tmp_path: Any, name: str) -> None:
 
 
 def _starved_warnings(rank: int, world: int, masked: bool) -> list[str]:
-    records: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Catch()
-    logging.getLogger("shardspeed").addHandler(handler)
-    try:
+    with shardspeed_messages() as records:
         _train(rank, world, "OneBitAdam", masked)
-    finally:
-        logging.getLogger("shardspeed").removeHandler(handler)
     return [r for r in records if "frozen variance is below eps" in r]
 
 
