@@ -92,6 +92,7 @@ class _ErrorFed:
     _errors: dict[str, Tensor]
     numel: int
     axis: AxisGroup
+    _meta_fields = "[numel, axis size]"  # what ``_meta`` lists, for the load error
 
     @property
     def error_bytes(self) -> int:
@@ -114,7 +115,7 @@ class _ErrorFed:
         saved, expected = [int(v) for v in sd["meta"].reshape(-1).tolist()], self._meta().tolist()
         if saved != expected:
             raise ValueError(
-                f"{type(self).__name__}: error buffers saved for [numel, axis size, ...] = {saved}, this one is "
+                f"{type(self).__name__}: error buffers saved for {self._meta_fields} = {saved}, this one is "
                 f"{expected} (saved at another size or axis size: reset() the buffers instead)"
             )
         for name, error in self._errors.items():

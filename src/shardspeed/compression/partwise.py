@@ -70,6 +70,8 @@ class PartwiseCompressedAllReduce(_ErrorFed):
         self._errors = {"worker_error": self.worker_error, "server_error": self.server_error}
         self._wire: dict[str, Tensor] | None = None
 
+    _meta_fields = "[numel, axis size, *part sizes]"
+
     def _meta(self) -> Tensor:
         return torch.tensor([self.numel, self.axis.size, *self.sizes], dtype=torch.int64)
 
