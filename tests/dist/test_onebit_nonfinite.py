@@ -1,7 +1,8 @@
 """A NaN on one rank only, while the optimizer owns communication (fp32, no clipping, the default non-finite
 policy: nothing else asks for the gradient norm): the step core must still agree on the verdict, so both ranks
-skip the step and stay identical. Without the agreement (``training/step_core.py``: ``computed = computed or
-owns_communication(...)``) rank 1 would fold NaN into its momentum and spread it through the compressed mean."""
+skip the step and stay identical. Without the agreement (``training/step_core.py``: the local verdict in the step
+checks) rank 1 would fold NaN into its momentum and spread it through the compressed mean. The verdict costs no
+collective of its own: a clean compressed step issues the step checks and the compressed all-reduce only."""
 
 from __future__ import annotations
 
@@ -25,18 +26,22 @@ def _train(rank: int, world: int, name: str) -> dict:
         "train_micro_batch_size_per_gpu": MB,
         "optimizer": {"type": name, "params": CASES[name]},
         "steps_per_print": 1000,
+        "comms_logger": {"enabled": True},
     }
     engine, *_ = shardspeed.initialize(model=make_model(), config=config)
-    params = []
+    params, ops = [], []
     for step, (x, y) in enumerate(global_batches(STEPS, MB * world), start=1):
         xs = rank_slice(x, 0, rank, world, MB)
         if step == NAN_AT and rank == 1:
             xs = xs.clone()
             xs[0, 0] = float("nan")
+        engine.comms_log.reset()
         engine.backward(F.mse_loss(engine(xs), rank_slice(y, 0, rank, world, MB)))
         engine.step()
+        ops.append(sorted(engine.comms_log.rows()))
         params.append(parameters_to_vector([p.detach() for p in engine.module.parameters()]).clone())
-    out = {"params": params, "skipped": engine.skipped_steps, "owns": engine.optimizer.owns_communication}
+    out = {"params": params, "skipped": engine.skipped_steps, "owns": engine.optimizer.owns_communication, "ops": ops}
+    out["norm"] = engine.get_global_grad_norm()  # nothing computed it: the verdict alone does not make a norm
     engine.destroy()
     return out
 
@@ -51,3 +56,7 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(dist_run, name: str) -> None
         assert torch.equal(r0["params"][step], r1["params"][step]), step + 1
     assert torch.equal(r0["params"][NAN_AT - 1], r0["params"][NAN_AT - 2])  # the step was skipped
     assert not torch.equal(r0["params"][-1], r0["params"][NAN_AT - 1])  # and training went on
+    last = r0["ops"][-1]  # a clean compressed step: no gradient all-reduce, no norm all-reduce
+    assert "all_reduce:step_checks" in last and not {"all_reduce:grads", "all_reduce:grad_norm"} & set(last), last
+    assert any("compressed" in op for op in last), last
+    assert r0["norm"] is None

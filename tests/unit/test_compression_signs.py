@@ -139,8 +139,12 @@ def test_hot_path_kernels_equal_the_plain_forms() -> None:
     plain = (bits.view(-1, 8).to(torch.int64) * (1 << torch.arange(7, -1, -1))).sum(1).to(torch.uint8)
     assert torch.equal(pack_bits_(bits, torch.empty(123, dtype=torch.uint8)), plain)
     scale = torch.tensor([0.37])
-    out = unpack_scaled_(plain, scale, torch.empty(8 * 123)).view(-1)
+    out = unpack_scaled_(plain, scale, torch.empty(8 * 123)).view(-1)  # CPU fp32: numpy's take
     assert torch.equal(out, torch.where(bits, scale, -scale))
+    wide = torch.stack([plain, plain.flip(0)], 1)  # (123, 2): column 0 is a strided view of the same bytes
+    assert torch.equal(unpack_scaled_(wide[:, 0], scale, torch.empty(8 * 123)).view(-1), out)
+    out64 = unpack_scaled_(plain, scale.double(), torch.empty(8 * 123, dtype=torch.float64)).view(-1)  # torch's
+    assert torch.equal(out64, torch.where(bits, scale.double(), -scale.double()))
     for n in (2, 3, 5):
         packed = torch.randint(0, 256, (n, 17), dtype=torch.uint8, generator=g)
         scales = torch.rand(n, generator=g)

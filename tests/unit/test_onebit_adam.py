@@ -16,7 +16,7 @@ from shardspeed.compression.engine_wiring import (
     check_compressed_setup,
     owns_communication,
 )
-from shardspeed.compression.onebit_adam import OneBitAdam, apply_update_
+from shardspeed.compression.onebit_adam import UPDATE_BLOCK, OneBitAdam, apply_update_
 from shardspeed.compression.onebit_lamb import OneBitLamb
 from shardspeed.compression.zero_one_adam import ZeroOneAdam
 from shardspeed.config.errors import ConfigError
@@ -90,6 +90,29 @@ def test_frozen_denominator_and_scratch_keep_the_bits() -> None:
     assert torch.equal(p, deepspeed)
     v.mul_(2.0)  # an in-place write (e.g. a loaded checkpoint): recomputed
     assert torch.equal(opt._denominator(p, v, 1e-8), v.sqrt() + 1e-8)
+
+
+def test_blocked_frozen_update_keeps_deepspeeds_bits() -> None:
+    """The compressed phase's update runs in blocks of ``UPDATE_BLOCK`` elements (a parameter of two blocks and a
+    partial one, weight decay on, and a non-contiguous one that takes the whole-tensor path): the bits of
+    DeepSpeed's whole-tensor ``p.add_(-lr * (m / (v.sqrt() + eps) + wd * p))``."""
+    g = torch.Generator().manual_seed(11)
+    big = torch.nn.Parameter(torch.randn(2 * UPDATE_BLOCK + 77, generator=g))
+    strided = torch.nn.Parameter(torch.randn(40, 6, generator=g).t())  # not contiguous
+    opt = OneBitAdam([big, strided], lr=0.01, weight_decay=0.1, freeze_step=2)
+    for p in (big, strided):
+        opt.state[p].update(
+            step=5, exp_avg=torch.randn(p.shape, generator=g), exp_avg_sq=torch.rand(p.shape, generator=g)
+        )
+    expected = []
+    for p in (big, strided):
+        m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+        ds = p.detach().clone()
+        ds.add_(-0.01 * (m / (v.sqrt() + 1e-8) + 0.1 * ds))
+        expected.append(ds)
+    with torch.no_grad():  # as inside step()
+        opt._frozen_update([big, strided], opt.param_groups[0])
+    assert torch.equal(big.detach(), expected[0]) and torch.equal(strided.detach(), expected[1])
 
 
 def test_config_builds_onebit_adam_with_deepspeed_defaults() -> None:

@@ -14,7 +14,7 @@ The switch happens after the step whose count reaches F (DeepSpeed: ``state['ste
 from step 2 on: its first step returns early), so ``owns_communication`` is ``steps done >= max(F, 2)``.
 [Note: per-parameter compression] As DeepSpeed, each parameter's momentum is compressed apart (padded to its own
 size, its own worker and server errors, one scale per rank chunk of *that* tensor), the wire data of a param group's
-tensors side by side in one set of four collectives ([Note: partwise compressed all-reduce]: DeepSpeed makes four
+tensors side by side in one pair of collectives ([Note: partwise compressed all-reduce]: DeepSpeed makes four
 per parameter). One flat buffer per param group, one scale for tensors whose momenta differ by orders of magnitude
 (embeddings, biases, norms) gives the small ones ±(the bucket's RMS) every step: measured on the demo GPT at 1000
 steps, 1-bit Adam then ends 5.0% *below* its compression-off loss at world 2 and 4, against 4.3% and 3.1% with
@@ -60,6 +60,12 @@ def adam_moments_(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float) -
     """Warm-up moments, in place, in DeepSpeed's operation order."""
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+UPDATE_BLOCK = 1 << 18
+"""Elements per block of the compressed phase's update (1 MiB of fp32 per operand): the update's division,
+scaling and addition run on a block while it is in cache (measured on one thread, 6.3M elements: 6.2 ms whole
+vs 4.3 ms in blocks of 2^18; 2^16 pays torch's per-call overhead, 2^20 spills the 2 MiB L2)."""
 
 
 def momentum_(m: Tensor, g: Tensor, beta1: float) -> None:
@@ -213,19 +219,25 @@ class OneBitAdam(CompressedOptimizer):
             )
 
     def _frozen_update(self, params: list[Tensor], group: dict[str, Any]) -> None:
-        """The compressed phase's update ([Note: frozen denominators]): one scratch buffer for every parameter's
-        update, ``sqrt(v) + eps`` computed once per frozen variance."""
-        largest = max(p.numel() for p in params)
-        if self._update_scratch is None or self._update_scratch.numel() < largest:
-            self._update_scratch = torch.empty(largest, device=params[0].device)
+        """The compressed phase's update ([Note: frozen denominators]), in blocks of ``UPDATE_BLOCK`` elements
+        through one small scratch buffer, ``sqrt(v) + eps`` computed once per frozen variance."""
+        if self._update_scratch is None:
+            self._update_scratch = torch.empty(UPDATE_BLOCK, device=params[0].device)
         for p in params:
             state = self.state[p]
             m, v = state["exp_avg"], state["exp_avg_sq"]
             if self._axis is not None and self._axis.size > 1:  # DeepSpeed: the mask after the compressed mean
                 mask_exp_avg_(group, m)
-            scratch = self._update_scratch[: m.numel()].view_as(m) if m.dtype == torch.float32 else None
             denom = self._denominator(p, v, group["eps"])
-            apply_update_(p, m, v, group["lr"], group["eps"], group["weight_decay"], denom=denom, scratch=scratch)
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            if not (m.dtype == p.dtype == torch.float32 and all(t.is_contiguous() for t in (p, m, denom))):
+                apply_update_(p, m, v, lr, eps, wd, denom=denom)
+                continue
+            flat_p, flat_m, flat_d = p.detach().view(-1), m.view(-1), denom.view(-1)
+            for a in range(0, p.numel(), UPDATE_BLOCK):  # element-wise: the bits do not depend on the blocks
+                b = min(p.numel(), a + UPDATE_BLOCK)
+                scratch = self._update_scratch[: b - a]
+                apply_update_(flat_p[a:b], flat_m[a:b], v, lr, eps, wd, denom=flat_d[a:b], scratch=scratch)
 
     def _denominator(self, p: Tensor, v: Tensor, eps: float) -> Tensor:
         """``sqrt(v) + eps`` for the frozen ``v``, cached. [Note: frozen denominators] In the compressed phase the

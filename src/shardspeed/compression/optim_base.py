@@ -20,10 +20,11 @@ compressed. Here the switch is a question the stage asks, never an attribute the
    follows from the per-parameter ``step`` counts, saved with the optimizer's other states.
 
 What the step core must agree on in the compressed phase ([Note: agreed step] in training/step_core.py): local
-gradients differ between ranks, so the norm (non-finite verdict, fp16 overflow, clipping) is one scalar
-all-reduce of the local sums of squares over the data axis (``zero/replicated.py``); the reported norm and the
-clip coefficient then use the root mean square of the ranks' local norms, one value everywhere (DeepSpeed clips
-each rank's local gradient by its own local norm).
+gradients differ between ranks, so the norm (fp16 overflow, clipping, a report) is one scalar all-reduce of the
+local sums of squares over the data axis (``zero/replicated.py``); the reported norm and the clip coefficient
+then use the root mean square of the ranks' local norms, one value everywhere (DeepSpeed clips each rank's local
+gradient by its own local norm). Where nothing needs the norm, only the non-finite verdict is agreed, inside the
+step checks' all-reduce ([Note: agreed step]).
 """
 
 from __future__ import annotations

@@ -82,14 +82,20 @@ def pack_signs(x: Tensor) -> Tensor:
 def unpack_scaled_(packed: Tensor, scale: Tensor | float, out: Tensor, index: Tensor | None = None) -> Tensor:
     """``out`` (fp32, ``8 · packed.numel()`` elements, contiguous) <- ``scale · sign``, one gather pass through a
     256-entry table of ±scale rows: ``±1 · scale`` is exactly ``±scale``, the bits DeepSpeed's ``unpack · scale``
-    gives. ``index``: an optional int32 buffer of ``packed.numel()`` (reused across calls)."""
+    gives. On CPU fp32 the gather is numpy's ``take`` with the bytes as indices (1.6× faster than
+    ``index_select`` measured on one thread, and no int32 copy of the indices); elsewhere ``index``: an optional
+    int32 buffer of ``packed.numel()`` (reused across calls)."""
     if out.numel() != packed.numel() * 8:
         raise ValueError(f"unpack_scaled_: {packed.numel()} bytes give {packed.numel() * 8} values, not {out.numel()}")
     table = _bit_table(out.dtype, out.device) * scale
+    rows = out.view(-1, 8)
+    if packed.device.type == "cpu" and out.dtype == torch.float32:  # [Note: CPU sweep in numpy]: np.take, uint8
+        np.take(table.numpy(), packed.reshape(-1).numpy(), axis=0, out=rows.detach().numpy(), mode="clip")
+        return rows
     if index is None:
         index = torch.empty(packed.numel(), dtype=torch.int32, device=packed.device)
     index.copy_(packed.reshape(-1))
-    return torch.index_select(table, 0, index, out=out.view(-1, 8))
+    return torch.index_select(table, 0, index, out=rows)
 
 
 def unpack_signs(packed: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -12,9 +12,12 @@ stage 0, one scalar all-reduce over the data axis at stages 1-3. So the overflow
 are identical everywhere; the unused-parameter check, the count of gradient clearings since the last step, whether
 every rank reduced this step's gradients and a pending preemption stop are one small all-reduce over the world.
 Nothing in the step may depend on a rank-local value that was not agreed first. An optimizer that owns
-communication (1-bit Adam's compressed phase) steps on local gradients: the norm is then always computed, from
-one all-reduce of the local sums of squares ([Note: optimizer-owned communication] in
-compression/optim_base.py). The non-finite verdict (fp32/bf16
+communication (1-bit Adam's compressed phase) steps on local gradients, which differ between ranks: a norm is one
+all-reduce of the local sums of squares ([Note: optimizer-owned communication] in compression/optim_base.py).
+When nothing computes the norm the verdict must still be agreed (one rank's NaN folded into its momentum would
+reach every rank through the compressed mean, and stay in its error buffers), so each rank classifies its local
+sum of squares (finite / inf / NaN) and the kind rides in the step checks' MAX all-reduce: no collective, no
+norm of its own (the reported norm stays None). The non-finite verdict (fp32/bf16
 skip, fp16 overflow) follows from the agreed norm, so the consecutive-skip counters advance alike everywhere;
 locating the first offending parameter is one more small collective over the world, issued only on that path
 ([Note: non-finite steps] in ``nonfinite.py``).
@@ -119,17 +122,19 @@ class StepCore:
         # [Note: overlapped parameter gather]: the last step's gathers (stages 1/2) land before anything here; fp32
         # steps the parameter buffer's own slices, which a pending gather is still writing
         self.states.wait_params()
-        self._agree_before_step(clearings)
-        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         scaler = self.loss_scaler
         loss_scale = scaler.scale if scaler else 1.0
         computed = want_norm or self.gradient_clipping > 0 or scaler is not None or self.nonfinite.forces_norm
-        computed = computed or owns_communication(self.optimizer)  # local gradients: the verdict must be agreed
-        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else 0.0
+        # local gradients, and nothing computes the norm: the verdict rides in the step checks ([Note: agreed step])
+        local_verdict = not computed and owns_communication(self.optimizer)
+        here = _nonfinite_kind(self.states.local_grad_sq_sum()) if local_verdict else 0.0
+        anywhere = self._agree_before_step(clearings, here)
+        self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
+        norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else _KIND_NORM[anywhere]
         step, error = step_index + 1, None  # 1-based in reports, as global_steps after the step
         if scaler is None:  # fp32/bf16: [Note: non-finite steps] in nonfinite.py
             skipped, error = self.nonfinite.fp32_verdict(
-                norm, computed, step, self._first_nonfinite, self.logger, self.global_rank == 0
+                norm, computed or local_verdict, step, self._first_nonfinite, self.logger, self.global_rank == 0
             )
         else:
             skipped = not math.isfinite(norm)
@@ -171,9 +176,10 @@ class StepCore:
         if self.host_grads:
             self.optimizer.forget_grads()
 
-    def _agree_before_step(self, clearings: int) -> None:
+    def _agree_before_step(self, clearings: int, nonfinite: float = 0.0) -> float:
         """One small all-reduce (MAX) issued on every rank, so all ranks raise together instead of some hanging or
-        stepping on different gradients:
+        stepping on different gradients; returns the agreed ``nonfinite`` kind (0 finite, 1 inf, 2 NaN somewhere:
+        this rank's local gradients' kind, for an optimizer that owns communication when no norm is computed):
         - ``ignore_unused_parameters: false``: whether any rank saw a trainable parameter without gradient;
         - gradient clearings since the last step: a rank that zeroed (possibly reduced, agreed) gradients the
           others kept would step on different gradients, silently at stage 0 (replicated parameters);
@@ -183,10 +189,11 @@ class StepCore:
         unreduced = not self.states.reducer.reduced
         stop = float(self.stop_requested())
         flags = torch.tensor(
-            [float(len(unused)), float(clearings), -float(clearings), float(unreduced), stop], device=self.device
+            [float(len(unused)), float(clearings), -float(clearings), float(unreduced), stop, nonfinite],
+            device=self.device,
         )
         self.collectives.all_reduce_max(flags, self.axis, tag="step_checks")
-        any_unused, most, neg_least, any_unreduced, agreed_stop = flags.tolist()  # one host read, not five
+        any_unused, most, neg_least, any_unreduced, agreed_stop, agreed_nonfinite = flags.tolist()  # one host read
         least = -neg_least
         self.agreed_stop = int(agreed_stop)
         if most != least:
@@ -217,3 +224,13 @@ class StepCore:
                     "ignore_unused_parameters is false; set it to true (the default) to give them zero gradients"
                 )
             )
+        return agreed_nonfinite
+
+
+_KIND_NORM = {0.0: 0.0, 1.0: math.inf, 2.0: math.nan}
+"""The norm an agreed non-finite kind stands for (what an all-reduce of the ranks' sums would give: NaN wins)."""
+
+
+def _nonfinite_kind(sq_sum: float) -> float:
+    """0 for a finite sum of squares, 1 for inf (overflow or an inf gradient), 2 for NaN: MAX-reducible."""
+    return 0.0 if math.isfinite(sq_sum) else (2.0 if math.isnan(sq_sum) else 1.0)

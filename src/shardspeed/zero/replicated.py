@@ -144,6 +144,9 @@ class ReplicatedStates(FlatLayoutStates):
             self.ctx.collectives.all_reduce(partial, scope.whole_grads, tag="grad_norm")
         return partial.item()
 
+    def local_grad_sq_sum(self) -> float:
+        return sum_of_squares([self.grad_buffer.flat]).item()
+
     def nonfinite_grad_names(self) -> list[str]:
         return [name for name, view in zip(self.packed.names, self.grad_buffer.views) if has_nonfinite(view)]
 
