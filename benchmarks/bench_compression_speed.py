@@ -2,6 +2,7 @@
 
     python benchmarks/bench_compression_speed.py [--nproc 2] [--bandwidths 0.1,1,10] [--rounds 5] [--steps 4]
                                                  [--model mlp] [--micro-batch N] [--latency-us 50]
+                                                 [--device cpu|cuda]
 
 SIMULATION: a CPU host's gloo over shared memory is not a network, so every collective is made to complete only
 after its algorithmic bytes would have crossed the rank's one link of the given bandwidth (calls in flight,
@@ -19,6 +20,14 @@ CPU. Each round times ``--steps`` steps of
 each row (rows alternate within a round, so drifts in machine load hit both); a round's figure is its median
 step. Printed: per bandwidth, each row's median step time (IQR over rounds) and the per-round ratio
 onebit / adam (median and IQR), plus each row's data-axis bytes per rank per step from the comms log.
+
+``--device cuda`` (``make gpu-check``'s ``bench-compression-cuda``): the same rows with the model, gradients,
+optimizer states and the compression's element-wise work on the GPU — where that work costs ~100× less per
+element than on one CPU thread, which is what decides the 10 Gbit/s row ([Note: simulated link]). With a GPU per
+rank the ranks run NCCL; with fewer GPUs than ranks (one GPU: NCCL refuses two ranks on a device) they run gloo,
+both on ``cuda:0``, gloo staging each collective through host memory (it implements all-reduce, all-gather and
+all-to-all for CUDA tensors). The link is simulated either way, so the figures compare the rows, not a network.
+Not yet run on a GPU: no session had one when it was written.
 
 Run plainly, this script is the launcher: it starts itself under ``torch.distributed.run``.
 """
@@ -60,12 +69,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="rows per rank for the mlp (default: the model's 32); 1 makes the step communication-bound",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (see above)")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.nproc < 2 or args.rounds < 1 or args.steps < 1:
         parser.error("--nproc must be at least 2, --rounds and --steps at least 1")
     if args.micro_batch is not None and (args.micro_batch < 1 or not isinstance(MODEL_SIZES[args.model], MLPSize)):
         parser.error("--micro-batch takes a positive row count, for the mlp model only")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__})")
     args.bandwidth_list = [float(b) for b in args.bandwidths.split(",") if b.strip()]
     return args
 
@@ -83,13 +95,13 @@ def launcher_main(args: argparse.Namespace, argv: list[str]) -> None:
             *argv,
             *("--result-file", str(result)),
         ]
-        if subprocess.run(command, env=child_env(), check=False).returncode != 0:
+        if subprocess.run(command, env=child_env(cpu_only=args.device == "cpu"), check=False).returncode != 0:
             raise SystemExit("bench_compression_speed: the run failed; see its output above")
         report = json.loads(result.read_text())
     print(
-        f"\nbench_compression_speed — SIMULATED LINK (not a real network): {report['model']}, fp32, stage 0, gloo on "
-        f"CPU, world {report['world']}, latency {args.latency_us:g} µs/call, {args.rounds} rounds × {args.steps} "
-        f"steps, torch {torch.__version__}\n"
+        f"\nbench_compression_speed — SIMULATED LINK (not a real network): {report['model']}, fp32, stage 0, "
+        f"{report['placement']}, world {report['world']}, latency {args.latency_us:g} µs/call, {args.rounds} rounds × "
+        f"{args.steps} steps, torch {torch.__version__}\n"
     )
     print(f"{report['params']:,} parameters.")
     print(
@@ -143,19 +155,42 @@ def _step(engine: Any, setup: BenchSetup) -> float:
     loss = engine(setup.inputs, setup.targets)
     engine.backward(loss)
     engine.step()
+    if setup.device.type == "cuda":  # the step's kernels finished, not just queued
+        torch.cuda.synchronize(setup.device)
     return (time.perf_counter() - started) * 1e3
+
+
+def placement(device: str, world: int, gpus: int) -> tuple[str, str, int | None]:
+    """(backend, a label, the local GPU index every rank uses or None for its own) for ``--device``: gloo on CPU;
+    NCCL with a GPU per rank; else gloo with every rank on ``cuda:0`` (NCCL refuses two ranks on one GPU)."""
+    if device == "cpu":
+        return "gloo", "gloo on CPU", None
+    if gpus < 1:
+        raise SystemExit("bench_compression_speed --device cuda: no CUDA device is visible")
+    if gpus >= world:
+        return "nccl", "NCCL, one GPU per rank", None
+    return "gloo", f"gloo, all {world} ranks on cuda:0 ({gpus} GPU)", 0
 
 
 def rank_main(args: argparse.Namespace) -> None:
     import shardspeed
 
-    dist.init_process_group("gloo")
+    world = int(os.environ["WORLD_SIZE"])
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    backend, label, shared = placement(args.device, world, gpus)
+    if shared is not None:  # the engine places each rank on its LOCAL_RANK's GPU: make it the shared one
+        os.environ["LOCAL_RANK"] = str(shared)
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     size = MODEL_SIZES[args.model]
     if args.micro_batch is not None:
         size = dataclasses.replace(size, micro_batch=args.micro_batch)
-    setup = make_setup(size, rank)
+    setup = make_setup(size, rank, device)
     params = sum(p.numel() for p in setup.fresh_model().parameters())
     links: dict[str, Any] = {}
     for gbps in args.bandwidth_list:
@@ -183,7 +218,13 @@ def rank_main(args: argparse.Namespace) -> None:
             engines[row].destroy()
         links[f"{gbps:g}"] = block
     if rank == 0 and args.result_file:
-        report = {"model": setup.model_description, "params": params, "world": dist.get_world_size(), "links": links}
+        report = {
+            "model": setup.model_description,
+            "params": params,
+            "world": dist.get_world_size(),
+            "placement": label,
+            "links": links,
+        }
         Path(args.result_file).write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()

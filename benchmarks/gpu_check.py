@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--quick] [--json OUT] [--budget-s 470]
 
-Four checks, each a subprocess with its own timeout, all inside one overall budget (default 470 s, so the whole
+Five checks, each a subprocess with its own timeout, all inside one overall budget (default 470 s, so the whole
 command stays under 8 minutes on one GPU):
 
 1. ``cuda-world1``   ``pytest -m cuda`` over ``tests/cuda/`` and the existing CUDA-only unit tests: engines on CUDA
@@ -13,6 +13,9 @@ command stays under 8 minutes on one GPU):
 3. ``nccl``          ``tests/cuda/test_nccl.py``: one rank per GPU under NCCL (ZeRO 0-3 parity, TP=2, PP=2); only
                      with ≥ 2 GPUs (NCCL refuses two ranks on one GPU).
 4. ``bench-cuda``    ``benchmarks/bench_engine.py --device cuda --rounds 3``.
+5. ``bench-compression-cuda``  ``benchmarks/bench_compression_speed.py --device cuda --micro-batch 1``: 1-bit Adam
+                     against Adam on a SIMULATED 1 and 10 Gbit/s link with the element-wise work on the GPU
+                     (issue 18's 10 Gbit/s row, which one CPU thread per rank cannot show).
 
 Then one summary table: check, result, figures, seconds. On a CPU-only machine every check is skipped with its
 reason (``skipped: torch.cuda.is_available() is False (torch 2.13.0+cpu)``) and the exit status is 0; a failed or
@@ -156,7 +159,7 @@ def bench_has_device_flag(python: str = sys.executable) -> bool:
 
 # --- the checks ---------------------------------------------------------------------------------------------------
 def plan_checks(python: str = sys.executable, *, quick: bool = False) -> list[Check]:
-    """The four checks in order. ``--quick``: stop each pytest at its first failure, skip the slow tests and time one
+    """The five checks in order. ``--quick``: stop each pytest at its first failure, skip the slow tests and time one
     short benchmark round."""
     pytest = (python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=")
     marks = ("-m", "cuda and not slow") if quick else ("-m", "cuda")
@@ -172,11 +175,14 @@ def plan_checks(python: str = sys.executable, *, quick: bool = False) -> list[Ch
     )
     bench = (python, "benchmarks/bench_engine.py", "--device", "cuda")
     bench += ("--rounds", "1", "--steps", "3", "--warmup", "1") if quick else ("--rounds", "3")
+    compression = (python, "benchmarks/bench_compression_speed.py", "--device", "cuda", "--micro-batch", "1")
+    compression += ("--bandwidths", "1,10", *(("--rounds", "1", "--steps", "2") if quick else ("--rounds", "5")))
     return [
         Check("cuda-world1", world1, 200.0, ("cuda",)),
         Check("gloo-cuda", (*pytest, *marks, *stop, GLOO_CUDA_TESTS), 120.0, ("cuda",)),
         Check("nccl", (*pytest, *marks, *stop, NCCL_TESTS), 150.0, ("cuda", "multi_gpu")),
         Check("bench-cuda", bench, 240.0, ("cuda", "bench_device"), kind="bench"),
+        Check("bench-compression-cuda", compression, 180.0, ("cuda",), kind="bench"),
     ]
 
 

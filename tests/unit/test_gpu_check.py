@@ -33,14 +33,14 @@ def test_cpu_host_skips_every_check_with_its_reason_and_exits_0(capsys: pytest.C
     out = capsys.readouterr().out
     assert status == 0
     names = [c.name for c in gpu_check.plan_checks()]
-    assert names == ["cuda-world1", "gloo-cuda", "nccl", "bench-cuda"]
+    assert names == ["cuda-world1", "gloo-cuda", "nccl", "bench-cuda", "bench-compression-cuda"]
     for name in names:  # one clear line per skipped check, then the same reason in the table
         assert f"{name}: skipped: torch.cuda.is_available() is False (torch 2.13.0+cpu)\n" in out
     assert out.rstrip().endswith("total 0.0 s; exit status 0")
 
 
 def test_skip_reasons_for_one_gpu_no_nccl_and_no_bench_flag() -> None:
-    nccl, bench = gpu_check.plan_checks()[2:]
+    nccl, bench, _ = gpu_check.plan_checks()[2:]
     assert gpu_check.skip_reason(nccl, ONE_GPU, bench_has_device=_never) == (
         "1 CUDA device(s); NCCL needs one GPU per rank, so its multi-rank tests need ≥ 2"
     )
@@ -58,12 +58,15 @@ def test_skip_reasons_for_one_gpu_no_nccl_and_no_bench_flag() -> None:
 
 
 def test_plan_runs_the_multi_rank_files_apart_and_quick_is_shorter() -> None:
-    world1, gloo, nccl, bench = gpu_check.plan_checks("py")
+    world1, gloo, nccl, bench, compression = gpu_check.plan_checks("py")
     assert "--ignore=tests/cuda/test_gloo_cuda.py" in world1.argv and "--ignore=tests/cuda/test_nccl.py" in world1.argv
     assert all(path in world1.argv for path in gpu_check.EXISTING_CUDA_TESTS)
     assert gloo.argv[-1] == "tests/cuda/test_gloo_cuda.py" and nccl.argv[-1] == "tests/cuda/test_nccl.py"
     assert bench.argv == ("py", "benchmarks/bench_engine.py", "--device", "cuda", "--rounds", "3")
+    assert compression.argv[:4] == ("py", "benchmarks/bench_compression_speed.py", "--device", "cuda")
+    assert compression.argv[-2:] == ("--rounds", "5") and compression.requires == ("cuda",)
     quick = gpu_check.plan_checks("py", quick=True)
+    assert quick[4].argv[-4:] == ("--rounds", "1", "--steps", "2")
     assert "cuda and not slow" in quick[0].argv and "-x" in quick[0].argv
     assert quick[3].argv[-6:] == ("--rounds", "1", "--steps", "3", "--warmup", "1")
     assert gpu_check.DEFAULT_BUDGET_S <= 8 * 60 - 10  # the 8 minutes, whatever each check's own timeout
@@ -178,12 +181,14 @@ def test_the_real_checks_run_their_commands(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: `make gpu-check` runs the checks for real")
     results = gpu_check.run_checks(gpu_check.plan_checks(quick=True), ONE_GPU, echo=lambda _: None)
-    world1, gloo, nccl, bench = results
+    world1, gloo, nccl, bench, compression = results
     for r in (world1, gloo):
         assert r.result == "skipped" and "torch.cuda.is_available() is False" in r.reason, r
     assert "skipped" in world1.figures and int(world1.figures.split()[0]) >= 29  # tests/cuda + the unit ones
     assert nccl.reason.startswith("1 CUDA device(s)")
     assert bench.result == "skipped" if bench.reason else bench.result in ("passed", "failed", "timeout")
+    # the compression bench runs (the host claims a GPU) and refuses at once, naming why
+    assert compression.result == "failed" and "torch.cuda.is_available() is False" in compression.output_tail
 
 
 def test_the_cpu_suite_hides_cuda_unless_asked() -> None:
