@@ -70,6 +70,10 @@ class SimulatedComm:
 
         tensor.copy_(self.hub.meet(self.rank, tensor, combine).view_as(tensor))
 
+    def compressed_means(self, key: str, tensors: list[torch.Tensor]) -> None:
+        for i, tensor in enumerate(tensors):  # each compressed apart, its own errors: the partwise call's math
+            self.compressed_mean(f"{key}.{i}", tensor)
+
     def reset_errors(self) -> None:
         def combine(_: list[Any]) -> list[Any]:
             for we, se in self.hub.errors.values():

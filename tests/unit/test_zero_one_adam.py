@@ -65,6 +65,11 @@ class RecordingComm:
         self.calls.append(f"compressed:{key}")
         tensor.mul_(0.5)
 
+    def compressed_means(self, key, tensors):
+        self.calls.append(f"compressed:{key}:{len(tensors)}")
+        for tensor in tensors:
+            tensor.mul_(0.5)
+
     def reset_errors(self):
         self.resets += 1
 
@@ -94,8 +99,8 @@ def test_each_step_asks_for_the_means_its_kind_needs() -> None:
         opt.step()
         want = {
             "variance": ["exact"],
-            "compressed": ["compressed:0.0", "compressed:0.1"],
-            "sync": ["compressed:0.0", "compressed:0.1"],
+            "compressed": ["compressed:params:2"],  # both parameters, each compressed apart, in one call
+            "sync": ["compressed:params:2"],
             "local": [],
         }[kind]
         assert comm.calls == want, kind
@@ -160,7 +165,7 @@ def test_a_parameter_without_gradient_takes_part_in_every_mean() -> None:
         kinds.append(step_kind(opt.schedule(), opt.var_freeze_step))
         opt.step()
         if kinds[-1] in ("compressed", "sync"):
-            assert comm.calls == ["compressed:0.0", "compressed:0.1"], kinds[-1]
+            assert comm.calls == ["compressed:params:2"], kinds[-1]
     assert {"compressed", "sync"} <= set(kinds)
     assert (idle.detach() < 1).all()  # a zero gradient: weight decay still applies
 
@@ -178,6 +183,10 @@ class KnownMeanComm:
 
     def compressed_mean(self, key, tensor):
         tensor.copy_(self.value.view_as(tensor))
+
+    def compressed_means(self, key, tensors):
+        for tensor in tensors:
+            self.compressed_mean(key, tensor)
 
     def reset_errors(self):
         return None
@@ -227,3 +236,28 @@ def test_local_phase_rows_restore_at_the_same_world_and_reset_elsewhere() -> Non
     assert torch.equal(p.detach(), own_p) and torch.equal(state["exp_avg"], own_m) and state["lrs"] == lrs
     opt.load_compression_state_dict(rows, same_world=False)
     assert torch.equal(p.detach(), state["synced_param"]) and state["lrs"] == 0.0
+
+
+def test_error_buffers_of_the_per_parameter_layout_are_dropped_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checkpoint from the releases that kept one compressor per parameter (keys ``"0.0"``, ``"0.1"``) holds
+    error buffers no compressor of this layout claims (one ``"params"`` compressor): the first 1-bit step drops
+    them with one warning naming them, and the errors restart at zero (nothing lingers in the next save)."""
+    live = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    opt = ZeroOneAdam(live, lr=0.01, var_freeze_step=50, var_update_scaler=1)
+    opt.bind_comm(RecordingComm())
+    old = {f"0.{j}/{name}": torch.zeros(16) for j in range(2) for name in ("worker_error", "server_error")}
+    opt.load_compression_state_dict(old, same_world=True)
+    assert set(opt.compression_state_dict()) == set(old)  # kept as loaded until a step shows the layout
+    kinds = []
+    with caplog.at_level("WARNING", logger="shardspeed"):
+        for _ in range(4):
+            for p in live:
+                p.grad = torch.ones_like(p)
+            kinds.append(step_kind(opt.schedule(), opt.var_freeze_step))
+            opt.step()
+    assert "compressed" in kinds
+    dropped = [r.getMessage() for r in caplog.records if "match no compressor" in r.getMessage()]
+    assert len(dropped) == 1 and "'0.0'" in dropped[0] and "'0.1'" in dropped[0], dropped
+    assert opt.compression_state_dict() == {}

@@ -3,7 +3,9 @@
 [Note: optimizer-owned means] ``ZeroOneAdam`` and ``OneBitLamb`` receive each rank's *local* gradients (the
 engine does not all-reduce them while the optimizer owns communication) and decide per step what crosses the
 wire: an exact mean of the gradients (0/1 Adam's variance steps), a compressed mean of gradients or of the
-accumulated momentum (error-fed, one error-buffer pair per ``key``), or nothing (0/1 Adam's local steps). The
+accumulated momentum (error-fed, one error-buffer pair per ``key``; ``compressed_means`` compresses several
+tensors each apart — its own padding, errors and scales, DeepSpeed's per-tensor granularity — in one set of
+collectives), or nothing (0/1 Adam's local steps). The
 optimizer math is written against ``MeanComm`` so it runs unchanged on one process (``LocalComm``: every mean
 is the identity, as on a data axis of size 1), on the engine's data axis (``BoundComm``: the
 ``CompressedOptimizer`` base's compressors and collectives, so its error buffers are the ones checkpoints keep)
@@ -31,6 +33,11 @@ class MeanComm(Protocol):
 
     def compressed_mean(self, key: str, tensor: torch.Tensor) -> None: ...
 
+    def compressed_means(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Each tensor's compressed mean, each compressed apart, as one call (the same tensors, in the same order,
+        at every call with this ``key``)."""
+        ...
+
     def reset_errors(self) -> None: ...
 
 
@@ -45,13 +52,17 @@ class LocalComm:
     def compressed_mean(self, key: str, tensor: torch.Tensor) -> None:
         return None
 
+    def compressed_means(self, key: str, tensors: list[torch.Tensor]) -> None:
+        return None
+
     def reset_errors(self) -> None:
         return None
 
 
 class BoundComm:
-    """Means over ``axis``: one flat fp32 all-reduce for exact means, the base class's error-fed compressor
-    (``CompressedAllReduce``, one per key, created on first use) for compressed ones."""
+    """Means over ``axis``: one flat fp32 all-reduce for exact means, the base class's error-fed compressors
+    (one per key, created on first use) for compressed ones: ``CompressedAllReduce`` for one tensor,
+    ``PartwiseCompressedAllReduce`` for several ([Note: partwise compressed all-reduce])."""
 
     def __init__(
         self,
@@ -60,9 +71,10 @@ class BoundComm:
         compressor: Callable[[str, int], Any],
         reset: Callable[[], None],
         tag: str,
+        partwise: Callable[[str, list[int]], Any],
     ) -> None:
         self.collectives, self.axis, self.world = collectives, axis, axis.size
-        self._compressor, self._reset, self.tag = compressor, reset, tag
+        self._compressor, self._reset, self.tag, self._partwise = compressor, reset, tag, partwise
 
     def exact_mean(self, tensors: list[torch.Tensor]) -> None:
         if self.world == 1 or not tensors:
@@ -82,6 +94,11 @@ class BoundComm:
         flat = tensor.detach().reshape(-1).float().clone()
         self._compressor(key, flat.numel())(flat)
         tensor.copy_(flat.view_as(tensor))
+
+    def compressed_means(self, key: str, tensors: list[torch.Tensor]) -> None:
+        if self.world == 1 or not tensors:
+            return
+        self._partwise(key, [t.numel() for t in tensors]).launch([t.detach() for t in tensors]).wait()
 
     def reset_errors(self) -> None:
         self._reset()
@@ -107,5 +124,7 @@ class MeanCommOptimizer(CompressedOptimizer):
             return LocalComm()
         assert self._collectives is not None
         tag = f"{type(self).__name__}:exact"
-        self._mean_comm = BoundComm(self._collectives, self.axis, self.compressor, self.reset_compression, tag)
+        self._mean_comm = BoundComm(
+            self._collectives, self.axis, self.compressor, self.reset_compression, tag, self.partwise_compressor
+        )
         return self._mean_comm

@@ -24,11 +24,12 @@ on a data axis of size 1 DeepSpeed skips the momentum update on compressed steps
 take the (exact) mean as on any axis. The error buffers are kept in checkpoints (restored at the same world
 size; DeepSpeed always resets them). AMSGrad is not supported. A param group's ``exp_avg_mask`` multiplies the
 compressed means (of gradients in the variance phase, of the accumulated update at a sync) on more than one
-rank, as in DeepSpeed. Each parameter is
-compressed on its own (its own scale), as DeepSpeed does. A parameter without ``.grad`` (but with states,
-i.e. after the first step) counts as a zero gradient, as in ``OneBitLamb``: it still takes part in every mean
-(so ranks that differ in which parameters got a gradient still make the same calls), its momentum decays and
-weight decay applies (DeepSpeed skips such a parameter).
+rank, as in DeepSpeed. Each parameter is compressed on its own (its own padding, errors and scales), as
+DeepSpeed does, but every parameter's 1-bit mean of a step travels in one set of collectives ([Note: partwise
+compressed all-reduce]; DeepSpeed makes four per parameter). A parameter without ``.grad`` (but with states, i.e.
+after the first step) counts as a zero gradient, as in ``OneBitLamb``: it still takes part in every mean (so ranks
+that differ in which parameters got a gradient still make the same calls), its momentum decays and weight decay
+applies (DeepSpeed skips such a parameter).
 
 [Note: 0/1 Adam's accumulator] DeepSpeed sums the local updates into an accumulator ``acc`` and at a sync
 undoes them (``w -= acc``) before adding the mean; in floating point ``(w - lr*u) - (-lr*u)`` is not ``w``, so
@@ -64,6 +65,7 @@ from shardspeed.compression.optim_base import mask_exp_avg_
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 _LOCAL = "local/"  # compression-state keys of the local phase's per-rank parameter and momentum rows
+_MEANS_KEY = "params"  # the one compressor (and error-buffer key) of every parameter's 1-bit mean
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter")
 
 
@@ -165,9 +167,14 @@ def local_phase_update(
     param.add_(update, alpha=-lr)
 
 
-def sync_payload(param: torch.Tensor, synced: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
-    """What a sync compresses: the update accumulated since the last sync, in momentum units (``acc * d``)."""
-    return (param - synced).mul_(exp_avg_sq.sqrt() + eps)
+def sync_payload(
+    param: torch.Tensor, synced: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What a sync compresses: the update accumulated since the last sync, in momentum units (``acc * d``).
+    ``out``: a buffer of the parameter's dtype to write it into (the step's spent gradient copy)."""
+    if out is None or out.dtype != param.dtype:
+        return (param - synced).mul_(exp_avg_sq.sqrt() + eps)
+    return torch.sub(param, synced, out=out).mul_(exp_avg_sq.sqrt() + eps)
 
 
 def sync_finish(
@@ -325,14 +332,14 @@ class ZeroOneAdam(MeanCommOptimizer):
         ]
         if kind == "variance":
             self.comm.exact_mean(grads)
-        for (group, key, p), grad in zip(members, grads, strict=True):
+        elif kind == "compressed":  # every parameter compressed apart, in one set of collectives
+            self._compressed_means(grads)
+        for (group, _, p), grad in zip(members, grads, strict=True):
             state = self._state(p)
             hyper = {"lr": group["lr"], "betas": group["betas"], "eps": group["eps"]}
             if kind in ("variance", "compressed"):
-                if kind == "compressed":
-                    self.comm.compressed_mean(key, grad)
-                    if self.comm.world > 1:  # DeepSpeed masks the 1-bit mean (on more than one rank only)
-                        mask_exp_avg_(group, grad)
+                if kind == "compressed" and self.comm.world > 1:  # DeepSpeed masks the 1-bit mean (world > 1)
+                    mask_exp_avg_(group, grad)
                 variance_phase_update(
                     p, grad, state["exp_avg"], state["exp_avg_sq"], update_variance=kind == "variance",
                     weight_decay=group["weight_decay"], **hyper,
@@ -344,12 +351,17 @@ class ZeroOneAdam(MeanCommOptimizer):
                 p, grad, state["exp_avg"], state["exp_avg_sq"], weight_decay=group["weight_decay"], **hyper
             )
             state["lrs"] += group["lr"]
-            if kind == "sync":
-                synced = state["synced_param"]
-                payload = sync_payload(p, synced, state["exp_avg_sq"], group["eps"])
-                self.comm.compressed_mean(key, payload)
+        if kind == "sync":  # the spent gradient copies hold the payloads: no extra memory
+            payloads = [
+                sync_payload(p, self.state[p]["synced_param"], self.state[p]["exp_avg_sq"], group["eps"], out=grad)
+                for (group, _, p), grad in zip(members, grads, strict=True)
+            ]
+            self._compressed_means(payloads)
+            for (group, _, p), payload in zip(members, payloads, strict=True):
+                state = self.state[p]
                 if self.comm.world > 1:
                     mask_exp_avg_(group, payload)
+                synced = state["synced_param"]
                 sync_finish(p, synced, payload, state["exp_avg"], state["exp_avg_sq"], group["eps"], state["lrs"])
                 state["lrs"] = 0.0
         after = advance(schedule, *self._args())
@@ -362,3 +374,10 @@ class ZeroOneAdam(MeanCommOptimizer):
             # The errors tracked gradients; from now on they track accumulated updates (DeepSpeed resets too).
             self.comm.reset_errors()
         return loss
+
+    def _compressed_means(self, tensors: list[torch.Tensor]) -> None:
+        """The 1-bit mean of every parameter's tensor, each compressed apart (DeepSpeed's per-parameter scales),
+        in one set of collectives (``PartwiseCompressedAllReduce``); gradients in the variance phase and the
+        sync payloads in the local phase share the error buffers, as DeepSpeed's (reset between the phases)."""
+        self.comm.compressed_means(_MEANS_KEY, tensors)
+        self.drop_unclaimed_compression_state()
