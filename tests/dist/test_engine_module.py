@@ -286,3 +286,4 @@ def test_torch_compile_of_the_engine() -> None:
     engine.backward(F.mse_loss(engine(x), y))
     engine.step()
     assert engine.global_steps == 2 and engine.was_step_applied()
+    engine.destroy()  # in this process: its preemption handler must not outlive the test (forked tests inherit it)
