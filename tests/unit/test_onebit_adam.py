@@ -255,3 +255,28 @@ def test_deepspeeds_max_grad_norm_constructor_argument_is_accepted_and_ignored(n
     assert cls([torch.nn.Parameter(torch.zeros(2))], max_grad_norm=1.0).max_grad_norm == 1.0
     with pytest.raises(ConfigError, match="gradient_clipping"):
         validate_optimizer_params(name.lower(), {"lr": 1e-3, "max_grad_norm": 1.0})
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (OneBitAdam, {"freeze_step": 2}),
+        (ZeroOneAdam, {"var_freeze_step": 3, "var_update_scaler": 1}),
+        (OneBitLamb, {"freeze_step": 2}),
+    ],
+)
+def test_frozen_parameters_take_no_part(cls, kwargs: dict) -> None:
+    """A frozen ``nn.Parameter`` in the groups (LoRA: the engine hands every parameter over, as DeepSpeed's does)
+    gets no state and never moves, weight decay on, through warm-up and the compressed phase; a plain tensor
+    without ``requires_grad`` (the engine's fp32 masters) is still stepped."""
+    g = torch.Generator().manual_seed(3)
+    frozen = torch.nn.Parameter(torch.randn(5, generator=g), requires_grad=False)
+    live = torch.nn.Parameter(torch.randn(6, generator=g))
+    master = torch.randn(4, generator=g)  # a plain tensor, as a master weight
+    start = [frozen.detach().clone(), live.detach().clone(), master.clone()]
+    opt = cls([frozen, live, master], lr=0.01, weight_decay=0.1, **kwargs)
+    for _ in range(6):
+        live.grad, master.grad = torch.randn(6, generator=g), torch.randn(4, generator=g)
+        opt.step()
+    assert frozen not in opt.state and torch.equal(frozen.detach(), start[0])
+    assert not torch.equal(live.detach(), start[1]) and not torch.equal(master, start[2])

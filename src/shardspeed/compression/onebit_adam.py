@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from shardspeed.compression.optim_base import CompressedOptimizer, mask_exp_avg_
+from shardspeed.compression.optim_base import CompressedOptimizer, mask_exp_avg_, trained
 
 logger = logging.getLogger("shardspeed")
 
@@ -139,7 +139,7 @@ class OneBitAdam(CompressedOptimizer):
     def steps_done(self) -> int:
         """Optimizer steps taken (the first parameter's ``step``; every parameter steps together)."""
         for group in self.param_groups:
-            for p in group["params"]:
+            for p in trained(group["params"]):
                 return int(self.state[p].get("step", 0)) if p in self.state else 0
         return 0
 
@@ -160,7 +160,9 @@ class OneBitAdam(CompressedOptimizer):
         first = self.steps_done() == 0
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            params = list(group["params"])
+            params = trained(group["params"])
+            if not params:
+                continue
             for p in params:
                 state = self.state[p]
                 if len(state) == 0:

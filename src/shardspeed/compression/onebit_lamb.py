@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from shardspeed.compression.onebit_adam import check_comm_backend_name
-from shardspeed.compression.optim_base import mask_exp_avg_
+from shardspeed.compression.optim_base import mask_exp_avg_, trained
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 
@@ -163,7 +163,7 @@ class OneBitLamb(MeanCommOptimizer):
 
     # -- state -----------------------------------------------------------------------------------------------
     def _members(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.numel() > 0]
+        return [(g, p) for g in self.param_groups for p in trained(g["params"]) if p.numel() > 0]
 
     def _counter(self) -> int:
         for _, p in self._members():

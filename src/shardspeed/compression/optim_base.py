@@ -41,6 +41,16 @@ from shardspeed.topology import AxisGroup
 logger = logging.getLogger("shardspeed")
 
 
+def trained(params: Any) -> list[Tensor]:
+    """The tensors a 1-bit optimizer steps: all but frozen ``nn.Parameter``s (``requires_grad`` False: LoRA's base
+    weights, which the engine hands over with the rest, as DeepSpeed's does). The fp32 masters the engine swaps in
+    under bf16/fp16 are plain tensors without ``requires_grad`` and are stepped. A frozen parameter is frozen on
+    every rank alike, so leaving it out keeps the ranks' collectives identical; it gets no state, takes no part in
+    any mean and no weight decay (DeepSpeed's optimizers skip it through its missing ``.grad``). A *trainable*
+    parameter without a gradient this step still takes part: another rank may have one."""
+    return [p for p in params if p.requires_grad or not isinstance(p, torch.nn.Parameter)]
+
+
 def mask_exp_avg_(group: dict[str, Any], tensor: Tensor) -> None:
     """DeepSpeed's ``exp_avg_mask`` param-group key: multiply the averaged momentum (or what becomes it) by the
     group's mask after a compressed mean. 1-bit compression cannot send an exact zero, so momentum that should

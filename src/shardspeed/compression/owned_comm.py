@@ -98,7 +98,7 @@ class BoundComm:
     def compressed_means(self, key: str, tensors: list[torch.Tensor]) -> None:
         if self.world == 1 or not tensors:
             return
-        self._partwise(key, [t.numel() for t in tensors]).launch([t.detach() for t in tensors]).wait()
+        self._partwise(key, [t.numel() for t in tensors]).launch(tensors).wait()
 
     def reset_errors(self) -> None:
         self._reset()

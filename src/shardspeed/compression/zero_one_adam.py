@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from shardspeed.compression.onebit_adam import check_comm_backend_name
-from shardspeed.compression.optim_base import mask_exp_avg_
+from shardspeed.compression.optim_base import mask_exp_avg_, trained
 from shardspeed.compression.owned_comm import MeanCommOptimizer
 
 _LOCAL = "local/"  # compression-state keys of the local phase's per-rank parameter and momentum rows
@@ -255,7 +255,13 @@ class ZeroOneAdam(MeanCommOptimizer):
 
     # -- state -----------------------------------------------------------------------------------------------
     def _params(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-        return [(g, f"{i}.{j}", p) for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])]
+        stepped = {id(p) for g in self.param_groups for p in trained(g["params"])}  # not frozen parameters
+        return [
+            (g, f"{i}.{j}", p)
+            for i, g in enumerate(self.param_groups)
+            for j, p in enumerate(g["params"])
+            if id(p) in stepped
+        ]
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -269,9 +275,9 @@ class ZeroOneAdam(MeanCommOptimizer):
         return state
 
     def schedule(self) -> ZeroOneSchedule:
-        """The interval policy state (read from the first parameter; every parameter holds the same)."""
-        first = self.param_groups[0]["params"][0]
-        state = self.state.get(first) or {}
+        """The interval policy state (read from the first stepped parameter; every one holds the same)."""
+        members = self._params()
+        state = (self.state.get(members[0][2]) or {}) if members else {}
         if not state:
             return ZeroOneSchedule()
         return ZeroOneSchedule(step=int(state["step"]), **{n: int(state[n]) for n in _COUNTERS})

@@ -127,7 +127,7 @@ class StepCore:
         computed = want_norm or self.gradient_clipping > 0 or scaler is not None or self.nonfinite.forces_norm
         # local gradients, and nothing computes the norm: the verdict rides in the step checks ([Note: agreed step])
         local_verdict = not computed and owns_communication(self.optimizer)
-        here = _nonfinite_kind(self.states.local_grad_sq_sum()) if local_verdict else 0.0
+        here = _nonfinite_kind(self.states.local_grad_sq_sum()) if local_verdict else 0.0  # stage 0's states
         anywhere = self._agree_before_step(clearings, here)
         self.states.verify_unit_order()  # ZeRO-3's deferred unit-id checks
         norm = math.sqrt(self.states.grad_sq_sum()) / loss_scale if computed else _KIND_NORM[anywhere]

@@ -301,9 +301,6 @@ class PartitionedStates(FlatLayoutStates):
         self.ctx.collectives.all_reduce(partial, scope.sharded_grads or self.ctx.axis, tag="grad_norm")
         return partial.item()
 
-    def local_grad_sq_sum(self) -> float:
-        return sum_of_squares(self.grad_shards, self.device).item()  # this rank's slices
-
     def nonfinite_grad_names(self) -> list[str]:
         """This rank's slice of every bucket (stage 1's full buffer holds unreduced values elsewhere)."""
         rank, names = self.ctx.axis.rank, []

@@ -133,9 +133,7 @@ class ReplicatedStates(FlatLayoutStates):
     def grad_sq_sum(self) -> float:
         # Reduced gradients are identical on every data-parallel rank, so the norm (and any overflow) is too: no
         # collective unless the model is split over a tensor/pipe axis ([Note: norm counted once]).
-        scope, flat = self.norm_scope, self.grad_buffer.flat
-        spans = [self.layout.span(i) for i, n in enumerate(self.packed.names) if n in scope.excluded]
-        partial = sum_of_squares(counted_views([flat], [(0, flat.numel())], spans), flat.device)
+        scope, partial = self.norm_scope, self._counted_sq_sum()
         if self.optimizer_owns is not None and self.optimizer_owns():
             # local gradients differ between ranks: the norm is the ranks' RMS, agreed ([Note: agreed step])
             self.ctx.collectives.all_reduce(partial, self.ctx.axis, tag="grad_norm")
@@ -145,7 +143,15 @@ class ReplicatedStates(FlatLayoutStates):
         return partial.item()
 
     def local_grad_sq_sum(self) -> float:
-        return sum_of_squares([self.grad_buffer.flat]).item()
+        """This rank's share of ``grad_sq_sum`` before any collective: while an optimizer owns communication
+        (only stage 0 lets one), the step core agrees its finiteness in the step checks ([Note: agreed step] in
+        training/step_core.py)."""
+        return self._counted_sq_sum().item()
+
+    def _counted_sq_sum(self) -> torch.Tensor:
+        flat = self.grad_buffer.flat
+        spans = [self.layout.span(i) for i, n in enumerate(self.packed.names) if n in self.norm_scope.excluded]
+        return sum_of_squares(counted_views([flat], [(0, flat.numel())], spans), flat.device)
 
     def nonfinite_grad_names(self) -> list[str]:
         return [name for name, view in zip(self.packed.names, self.grad_buffer.views) if has_nonfinite(view)]

@@ -59,12 +59,6 @@ class ModelStates(Protocol):
         are sharded or the model is split over a tensor/pipe axis: ``bind_norm``)."""
         ...
 
-    def local_grad_sq_sum(self) -> float:
-        """Σ g² over the gradients this rank holds (stage 0: all of them, local ones while an optimizer owns
-        communication; sharded stages: its shards), no collective: only its finiteness is used, for the step
-        core's agreed verdict when nothing computes the norm ([Note: agreed step] in training/step_core.py)."""
-        ...
-
     def nonfinite_grad_names(self) -> list[str]:
         """Names of the parameters whose reduced gradient, as far as this rank holds it (stage 0: whole; sharded
         stages: its shard), has a NaN/Inf element. Local, no collective: only called on the non-finite path

@@ -42,16 +42,6 @@ def grad_sq_sum(
     return partial.item()
 
 
-def local_grad_sq_sum(
-    units: Sequence[ParamUnit], grads: Sequence[UnitGrads], sink: UnitGradSink | None = None
-) -> float:
-    """Σ g² over this rank's gradient shards, no collective (every element it holds: only finiteness is used)."""
-    if sink is not None:
-        return sink.sq_sum(units[0].device if units else None).item()
-    shards = [g.grad_shard for g in grads if g.trainable]
-    return sum_of_squares(shards, units[0].device if units else None).item()
-
-
 def nonfinite_grad_names(
     units: Sequence[ParamUnit], grads: Sequence[UnitGrads], sink: UnitGradSink | None = None
 ) -> list[str]:

@@ -31,7 +31,7 @@ from shardspeed.zero.hold import Stage3Hold
 from shardspeed.zero.layout import intersect
 from shardspeed.zero.stage3.apply_guard import PlaceholderWriteGuard
 from shardspeed.zero.stage3.early_offload import OpenParamOffload, unit_shapes
-from shardspeed.zero.stage3.grad_norm import grad_sq_sum, local_grad_sq_sum, nonfinite_grad_names
+from shardspeed.zero.stage3.grad_norm import grad_sq_sum, nonfinite_grad_names
 from shardspeed.zero.stage3.grad_offload import UnitGradSink
 from shardspeed.zero.stage3.grads import StagingBudget, UnitGrads
 from shardspeed.zero.stage3.id_check import UnitIdCheck
@@ -302,9 +302,6 @@ class Stage3States(Stage3Hold):
 
     def grad_sq_sum(self) -> float:
         return grad_sq_sum(self.units, self.grads, self.norm_scope, self.ctx, self.grad_sink)
-
-    def local_grad_sq_sum(self) -> float:
-        return local_grad_sq_sum(self.units, self.grads, self.grad_sink)
 
     def nonfinite_grad_names(self) -> list[str]:
         return nonfinite_grad_names(self.units, self.grads, self.grad_sink)
